@@ -1,0 +1,353 @@
+"""The multiplication-free channel-wise Parallel Spiking Neuron (MF-PSN).
+
+Per channel ``c``, order ``k``, dilation ``d`` (paper Eq. 8-10, Appendix C)::
+
+    H[t, c] = sum_{i<k} Wq[c, i] * X[t - (k-1-i)*d, c] + b[c]      (X[t < 0] = 0)
+    S[t, c] = Theta(H[t, c])                                         (surrogate gradient backwards)
+    Wq      = Q(W_f),  Q(w) = sign(w) * 2**round(log2|w|)           (whole straight-through estimator)
+
+With ``threshold='bn'`` (default) the threshold is a batch normalisation fused into the weight:
+``W_f = gamma / sqrt(var + eps) * W`` and ``b = beta - gamma * mean / sqrt(var + eps)``, where mean and
+var are the batch statistics of ``conv(X, W)`` in training and the running statistics in eval.
+With ``threshold='param'``, ``W_f = W`` and ``b = -V_th`` with a learnable per-channel ``V_th``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from . import ops
+from ._compat import MemoryModule, default_surrogate
+from .quantize import STE_MODES, quantize, shift_amounts
+
+THRESHOLDS = ("bn", "param")
+
+
+def exp_init_weight(channels: int, k: int) -> torch.Tensor:
+    """``(C, k)`` weights ``(..., 1/4, 1/2, 1)`` per channel, like SpikingJelly's SlidingPSN exp_init.
+
+    Every value is already a power of two, so quantisation leaves the initial neuron unchanged.
+    """
+    row = torch.pow(2.0, -torch.arange(k - 1, -1, -1, dtype=torch.float32))
+    return row.repeat(channels, 1)
+
+
+def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend: str = "torch") -> str:
+    """The implementation ``method='auto'`` uses before any autoselect pass.
+
+    Heuristic (from the speed suite on CPUs): the shift-add implementation reads X once per tap and
+    needs no reshape, which beats every convolution-based method for the small orders MF-PSN is
+    used with; for large orders relative to T the Toeplitz matrix multiplication wins when its
+    (C, T, T) matrix is small, else the layout's native convolution. Non-torch backends have one
+    implementation each.
+    """
+    if backend != "torch":
+        names = ops.names(layout=layout, backend=backend)
+        if not names:
+            raise ValueError(f"backend {backend!r} has no implementation for layout {layout!r}")
+        return names[0]
+    t = x.shape[ops.time_dim(layout)]
+    if k <= 8:
+        return "shift_add"
+    if ops.get("vmap_mm").supports(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout) \
+            and t <= 64:
+        return "vmap_mm"
+    return "conv2d" if layout == "time_last" else "conv1d"
+
+
+class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
+    """Multiplication-free channel-wise Parallel Spiking Neuron.
+
+    :param channels: number of channels C (dim 1 of a single-step input); ``None`` infers it at the
+        first forward (then build the optimiser after one forward, as with torch's lazy modules)
+    :param k: order, the number of taps (>= 1)
+    :param dilation: spacing between taps in time steps (>= 1)
+    :param quantize: quantise the (fused) weight to signed powers of two
+    :param ste: gradient of the quantiser: ``'whole'`` (dQ/dW = 1) or ``'round'`` (round' = 1)
+    :param threshold: ``'bn'`` (batch-norm-fused threshold, paper Appendix C) or ``'param'``
+        (learnable per-channel V_th, initialised to ``v_threshold``)
+    :param surrogate_function: a SpikingJelly surrogate (``surrogate.ATan()`` by default)
+    :param step_mode: ``'s'`` (input ``(N, C, ...)`` per call) or ``'m'`` (a whole sequence)
+    :param backend: ``'torch'`` or another entry of :attr:`supported_backends`
+    :param method: ``'auto'`` or a charge implementation name (see :attr:`supported_methods`)
+    :param layout: multi-step layout, ``'time_first'`` ``(T, N, C, ...)`` or ``'time_last'``
+        ``(N, C, ..., T)``
+    :param momentum: running-statistics momentum for ``threshold='bn'`` (``None``: cumulative average)
+    :param eps: added to the variance for ``threshold='bn'``
+    :param exp_init: initialise W to ``(..., 1/4, 1/2, 1)``; otherwise Kaiming-uniform
+    :param v_threshold: initial V_th for ``threshold='param'``
+    """
+
+    def __init__(self, channels: Optional[int] = None, k: int = 2, dilation: int = 1,
+                 quantize: bool = True, ste: str = "whole", threshold: str = "bn",
+                 surrogate_function=None, step_mode: str = "s", backend: str = "torch",
+                 method: str = "auto", layout: str = "time_first", momentum: Optional[float] = 0.1,
+                 eps: float = 1e-5, exp_init: bool = True, v_threshold: float = 1.0):
+        super().__init__()
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k (the order) must be an int >= 1, got {k!r}")
+        if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
+            raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
+        if channels is not None and (not isinstance(channels, int) or channels < 1):
+            raise ValueError(f"channels must be a positive int or None, got {channels!r}")
+        if ste not in STE_MODES:
+            raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
+        if threshold not in THRESHOLDS:
+            raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1] or None, got {momentum!r}")
+        self.k = k
+        self.dilation = dilation
+        self.quantize = bool(quantize)
+        self.ste = ste
+        self.threshold = threshold
+        self.momentum = momentum
+        self.eps = eps
+        self.exp_init = exp_init
+        self.v_threshold_init = v_threshold
+        self.surrogate_function = surrogate_function if surrogate_function is not None else default_surrogate()
+        self.step_mode = step_mode
+        self._layout = ops.check_layout(layout)
+        self._backend = ops.check_backend(backend)
+        self._method = "auto"
+        self.method = method
+        # Single-step state: the last (k-1)*d inputs, oldest first (a tuple of tensors).
+        self.register_memory("x_queue", ())
+
+        self.weight = nn.UninitializedParameter()
+        if threshold == "bn":
+            self.gamma = nn.UninitializedParameter()
+            self.beta = nn.UninitializedParameter()
+            self.register_buffer("running_mean", nn.UninitializedBuffer())
+            self.register_buffer("running_var", nn.UninitializedBuffer())
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        else:
+            self.v_threshold = nn.UninitializedParameter()
+        if channels is not None:
+            self._materialize(channels)
+
+    # ------------------------------------------------------------------ parameters
+    def _materialize(self, channels: int) -> None:
+        with torch.no_grad():
+            self.weight.materialize((channels, self.k))
+            if self.exp_init:
+                self.weight.copy_(exp_init_weight(channels, self.k))
+            else:
+                nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            if self.threshold == "bn":
+                for p, v in ((self.gamma, 1.0), (self.beta, -1.0)):
+                    p.materialize((channels,))
+                    p.fill_(v)
+                self.running_mean.materialize((channels,))
+                self.running_mean.zero_()
+                self.running_var.materialize((channels,))
+                self.running_var.fill_(1.0)
+            else:
+                self.v_threshold.materialize((channels,))
+                self.v_threshold.fill_(self.v_threshold_init)
+
+    def initialize_parameters(self, x: torch.Tensor, *args, **kwargs) -> None:
+        """Lazy initialisation hook: infer C from the first input."""
+        if self.has_uninitialized_params():
+            self._check_rank(x)
+            self._materialize(x.shape[self._channel_axis(x)])
+
+    @property
+    def channels(self) -> Optional[int]:
+        if isinstance(self.weight, nn.parameter.UninitializedParameter):
+            return None
+        return self.weight.shape[0]
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def layout(self) -> str:
+        return self._layout
+
+    @layout.setter
+    def layout(self, value: str) -> None:
+        self._layout = ops.check_layout(value)
+
+    @property
+    def supported_backends(self) -> tuple[str, ...]:
+        return ops.available_backends()
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = ops.check_backend(value)
+        if self._method != "auto" and ops.get(self._method).backend != value:
+            self._method = "auto"
+
+    @property
+    def method(self) -> str:
+        return self._method
+
+    @method.setter
+    def method(self, value: str) -> None:
+        if value != "auto":
+            impl = ops.get(value)
+            if impl.backend != self._backend:
+                raise ValueError(f"method {value!r} belongs to backend {impl.backend!r}, but this neuron's "
+                                 f"backend is {self._backend!r}; set backend={impl.backend!r} first or pick one of "
+                                 f"{self.supported_methods}")
+        self._method = value
+
+    @property
+    def supported_methods(self) -> list[str]:
+        """Names of the charge implementations of this neuron's backend and layout."""
+        return ops.names(layout=self._layout, backend=self._backend)
+
+    def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
+        """The implementation that will run ``x_seq`` (``'auto'`` resolved by :func:`default_method`)."""
+        layout = layout or self._layout
+        if self._method != "auto":
+            return self._method
+        return default_method(x_seq, self.k, self.dilation, layout, self._backend)
+
+    # ------------------------------------------------------------------ weight and bias
+    def _check_finite(self, w: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if w.is_cuda:
+            torch._assert_async(torch.isfinite(w).all(), "MulFreeChannelwisePSN.weight has NaN/inf")
+        elif not torch.isfinite(w).all():
+            raise ValueError("MulFreeChannelwisePSN.weight contains NaN or inf (diverged training or a bad "
+                             "checkpoint); spikes from it would be meaningless")
+
+    def _maybe_quantize(self, w: torch.Tensor) -> torch.Tensor:
+        return quantize(w, self.ste) if self.quantize else w
+
+    def _batch_stats(self, y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dims = [i for i in range(y.dim()) if i != channel_axis]
+        var, mean = torch.var_mean(y, dim=dims, unbiased=False)
+        if self.training:
+            n = y.numel() // y.shape[channel_axis]
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
+                unbiased = var.detach() * (n / max(n - 1, 1))
+                self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        return mean, var
+
+    def _fuse(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self.gamma * torch.rsqrt(var + self.eps)
+        return self.weight * scale.unsqueeze(1), self.beta - mean * scale
+
+    def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eval-mode ``(Wq, b)``: the (quantised) weight and the bias the neuron runs with, so that
+        ``S = Theta(conv(X, Wq) + b)``. Uses running statistics for ``threshold='bn'``."""
+        if self.threshold == "bn":
+            w, b = self._fuse(self.running_mean, self.running_var)
+        else:
+            w, b = self.weight, -self.v_threshold
+        return self._maybe_quantize(w), b
+
+    def export_shifts(self) -> dict[str, torch.Tensor]:
+        """Integer form of the eval-mode neuron: ``Wq = sign * 2**shift`` and the fused bias.
+
+        Returns ``{'shift': int8 (C, k), 'sign': int8 (C, k), 'bias': float (C,)}``; the neuron fires
+        where ``sum_i (X[t-(k-1-i)d] << shift[:, i]) * sign[:, i] + bias >= 0`` (a negative shift is
+        a right shift).
+        """
+        if not self.quantize:
+            raise ValueError("export_shifts needs quantize=True: unquantised weights are not powers of two")
+        with torch.no_grad():
+            w, b = self.fused_weight_bias()
+            shift, sign = shift_amounts(w)
+            if shift.abs().max() > 127:
+                raise ValueError("a shift amount does not fit in int8; the weights span too many octaves")
+            return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
+
+    # ------------------------------------------------------------------ forward
+    def _channel_axis(self, x: torch.Tensor) -> int:
+        return 1 if self.step_mode == "s" else ops.channel_dim(self._layout)
+
+    def _check_rank(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if self.step_mode == "s":
+            if not 2 <= x.dim() <= 5:
+                raise ValueError(f"single-step x must be (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); "
+                                 f"got shape {tuple(x.shape)}")
+        elif not 3 <= x.dim() <= 6:
+            want = "(T, N, C, ...)" if self._layout == "time_first" else "(N, C, ..., T)"
+            raise ValueError(f"multi-step x must be {want} with 0-3 feature dims for layout={self._layout!r}; "
+                             f"got shape {tuple(x.shape)}")
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        self._check_rank(x)
+        axis = self._channel_axis(x)
+        if x.shape[axis] != self.channels:
+            where = "dim 1" if self.step_mode == "s" else f"dim {axis} of a {self._layout} sequence"
+            raise ValueError(f"x has {x.shape[axis]} channels on {where} (shape {tuple(x.shape)}), "
+                             f"but this neuron has channels={self.channels}")
+
+    def _weight_bias_for(self, run_charge, channel_axis: int):
+        """(Wq, b) for this forward: batch statistics of ``run_charge(W, None)`` in BN training."""
+        self._check_finite(self.weight)
+        if self.threshold == "bn" and self.training:
+            mean, var = self._batch_stats(run_charge(self.weight, None), channel_axis)
+            w, b = self._fuse(mean, var)
+            return self._maybe_quantize(w), b
+        return self.fused_weight_bias()
+
+    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        self._check_input(x_seq)
+        layout = self._layout
+        method = self.resolve_method(x_seq, layout)
+
+        def run_charge(w, b):
+            return ops.charge(x_seq, w, b, self.dilation, layout, method)
+
+        w, b = self._weight_bias_for(run_charge, ops.channel_dim(layout))
+        return self.surrogate_function(run_charge(w, b))
+
+    def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        queue = self.x_queue
+        if queue and queue[-1].shape != x.shape:
+            raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
+                             f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
+                             f"before feeding sequences of another shape")
+        history = queue + (x,)
+        cshape = [-1] + [1] * (x.dim() - 2)
+
+        def run_charge(w, b):
+            # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
+            h = None
+            for i in range(self.k):
+                lag = (self.k - 1 - i) * self.dilation
+                if lag < len(history):
+                    term = history[-1 - lag] * w[:, i].view(cshape)
+                    h = term if h is None else h + term
+            return h if b is None else h + b.view(cshape)
+
+        w, b = self._weight_bias_for(run_charge, 1)
+        keep = (self.k - 1) * self.dilation
+        self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
+        return self.surrogate_function(run_charge(w, b))
+
+    # ------------------------------------------------------------------ state handling
+    def detach(self):
+        self.x_queue = tuple(t.detach() for t in self.x_queue)
+        super().detach()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.x_queue = tuple(fn(t) for t in self.x_queue)
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        s = (f"channels={self.channels}, k={self.k}, dilation={self.dilation}, quantize={self.quantize}, "
+             f"threshold={self.threshold!r}, layout={self._layout!r}, method={self._method!r}, "
+             f"backend={self._backend!r}, step_mode={self.step_mode!r}")
+        if self.ste != "whole":
+            s += f", ste={self.ste!r}"
+        return s

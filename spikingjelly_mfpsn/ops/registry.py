@@ -1,0 +1,173 @@
+"""One registry of interchangeable implementations of the MF-PSN charge.
+
+The charge is a causal, dilated, channel-wise (depthwise) convolution along time::
+
+    H[t, c] = sum_{i=0..k-1} W[c, i] * X[t - (k-1-i)*d, c]  (+ b[c]),   X[t < 0] = 0
+
+Every implementation obeys one contract, :meth:`Implementation.apply`:
+
+* ``x``: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), any strides;
+* ``weight``: ``(C, k)``, already quantised if quantisation is on; ``bias``: ``(C,)`` or ``None``;
+* returns ``H``, contiguous, of ``x``'s shape, differentiable w.r.t. ``x``, ``weight`` and ``bias``.
+
+An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
+returns human-readable reasons (empty when it supports the call).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+LAYOUTS = ("time_first", "time_last")
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def time_dim(layout: str) -> int:
+    """Index of the time axis of a multi-step tensor in ``layout``."""
+    return 0 if check_layout(layout) == "time_first" else -1
+
+
+def channel_dim(layout: str) -> int:
+    """Index of the channel axis of a multi-step tensor in ``layout``."""
+    return 2 if check_layout(layout) == "time_first" else 1
+
+
+def channel_view_shape(ndim: int, layout: str) -> list[int]:
+    """Shape that broadcasts a ``(C,)`` vector along the channel axis of an ``ndim`` tensor."""
+    shape = [1] * ndim
+    shape[channel_dim(layout)] = -1
+    return shape
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way of computing the charge.
+
+    ``fn(x, weight, bias, dilation, layout) -> h`` does the work; ``layouts`` lists the layouts it
+    accepts; ``requirements`` is an optional function returning extra reasons it cannot run a call
+    (device, dtype, size, missing library).
+    """
+
+    name: str
+    backend: str
+    layouts: tuple[str, ...]
+    fn: Callable[..., torch.Tensor]
+    description: str = ""
+    requirements: Optional[Callable[..., list[str]]] = field(default=None, compare=False)
+
+    def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
+                              layout: str) -> list[str]:
+        reasons = []
+        if layout not in self.layouts:
+            reasons.append(f"{self.name} supports layouts {self.layouts}, not {layout!r}")
+        if self.requirements is not None:
+            reasons.extend(self.requirements(x, weight, dilation, layout))
+        return reasons
+
+    def supports(self, x, weight, dilation, layout) -> bool:
+        return not self.not_supported_reasons(x, weight, dilation, layout)
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              dilation: int, layout: str) -> torch.Tensor:
+        return self.fn(x, weight, bias, dilation, layout)
+
+
+_REGISTRY: dict[str, Implementation] = {}
+
+
+def register(impl: Implementation) -> Implementation:
+    """Add ``impl`` to the registry (re-registering the same name replaces it)."""
+    _REGISTRY[impl.name] = impl
+    return impl
+
+
+def get(name: str) -> Implementation:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"method must be one of {sorted(_REGISTRY)} (or 'auto'), got {name!r}") from None
+
+
+def names(layout: Optional[str] = None, backend: Optional[str] = None) -> list[str]:
+    """Registered implementation names, optionally only those for ``layout`` and ``backend``."""
+    return [n for n, impl in _REGISTRY.items()
+            if (layout is None or layout in impl.layouts) and (backend is None or impl.backend == backend)]
+
+
+def implementations() -> list[Implementation]:
+    return list(_REGISTRY.values())
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str,
+              backend: Optional[str] = None, candidates: Optional[Sequence[str]] = None) -> list[str]:
+    """Names of the implementations that can run this call."""
+    pool = candidates if candidates is not None else names(backend=backend)
+    return [n for n in pool if get(n).supports(x, weight, dilation, layout)]
+
+
+def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      dilation: int, layout: str) -> None:
+    """Validate a charge call; raises ``ValueError`` naming the offending argument."""
+    check_layout(layout)
+    if x.dim() < 3:
+        raise ValueError(f"x must have at least 3 dims ({'(T, N, C, ...)' if layout == 'time_first' else '(N, C, ..., T)'}), "
+                         f"got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape (C, k) with k >= 1, got {tuple(weight.shape)}")
+    c = x.shape[channel_dim(layout)]
+    if weight.shape[0] != c:
+        raise ValueError(f"weight has {weight.shape[0]} channels but x has {c} on its channel dim "
+                         f"({channel_dim(layout)}) for layout {layout!r}")
+    if bias is not None and tuple(bias.shape) != (c,):
+        raise ValueError(f"bias must have shape ({c},), got {tuple(bias.shape)}")
+    if not isinstance(dilation, int) or dilation < 1:
+        raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
+
+
+def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
+           layout: str, method: str) -> torch.Tensor:
+    """Run the named implementation after validating the call."""
+    check_charge_args(x, weight, bias, dilation, layout)
+    impl = get(method)
+    reasons = impl.not_supported_reasons(x, weight, dilation, layout)
+    if reasons:
+        others = supported(x, weight, dilation, layout)
+        raise ValueError(f"method {method!r} cannot run this input: {'; '.join(reasons)}. "
+                         f"Methods that can: {others}")
+    return impl.apply(x, weight, bias, dilation, layout)
+
+
+# Backends and the library each needs; an implementation's ``backend`` is one of these names.
+BACKEND_LIBRARIES = {"torch": None, "triton": "triton", "cupy": "cupy"}
+_INSTALL_HINTS = {"triton": "pip install triton (its kernels need a CUDA device, or TRITON_INTERPRET=1 on the CPU)",
+                  "cupy": "pip install cupy-cuda12x (needs a CUDA device)"}
+
+
+def check_backend(backend: str) -> str:
+    """Raise a clear error unless ``backend`` is known and its library imports."""
+    if backend not in BACKEND_LIBRARIES:
+        raise ValueError(f"backend must be one of {tuple(BACKEND_LIBRARIES)}, got {backend!r}")
+    if not backend_available(backend):
+        raise ImportError(f"backend={backend!r} needs the {BACKEND_LIBRARIES[backend]} package, which "
+                          f"does not import here: {_INSTALL_HINTS.get(backend, '')}")
+    return backend
+
+
+def backend_available(backend: str) -> bool:
+    lib = BACKEND_LIBRARIES.get(backend)
+    if lib is None:
+        return backend in BACKEND_LIBRARIES
+    import importlib.util
+    return importlib.util.find_spec(lib) is not None and any(
+        impl.backend == backend for impl in _REGISTRY.values())
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(b for b in BACKEND_LIBRARIES if backend_available(b))

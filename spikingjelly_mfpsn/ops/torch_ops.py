@@ -1,0 +1,178 @@
+"""Pure-PyTorch implementations of the charge (paper Appendix A, plus shift-add).
+
+Each function has the registry contract ``fn(x, weight, bias, dilation, layout) -> h`` (see
+:mod:`.registry`). Shapes: time-first ``(T, N, C, *)``, time-last ``(N, C, *, T)``; ``weight (C, k)``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .registry import Implementation, channel_dim, channel_view_shape, register, time_dim
+
+# A (C, T, T) Toeplitz weight beyond this many elements is refused by Vmap+MM.
+MAX_MM_ELEMENTS = 1 << 28
+
+
+def _causal_pad(x: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
+    """Left-pad the last axis with (k-1)*d zeros so a valid convolution is causal."""
+    return F.pad(x, ((weight.shape[1] - 1) * dilation, 0))
+
+
+# ---------------------------------------------------------------- reshape + Conv1d ("vanilla")
+def conv1d(x, weight, bias, dilation, layout):
+    """Move time last and channels next to it, fuse the rest into the batch, run a grouped Conv1d.
+
+    The moves are non-adjacent for both layouts, so each costs a copy in and a copy out: this is the
+    paper's "vanilla" baseline.
+    """
+    c, k = weight.shape
+    xt = x.movedim(0, -1) if layout == "time_first" else x  # (N, C, *, T)
+    seq = xt.movedim(1, -2)  # (N, *, C, T)
+    lead = seq.shape[:-2]
+    h = F.conv1d(_causal_pad(seq.reshape(-1, c, seq.shape[-1]), weight, dilation),
+                 weight.unsqueeze(1), bias, dilation=dilation, groups=c)
+    h = h.reshape(*lead, c, h.shape[-1]).movedim(-2, 1)  # (N, C, *, T)
+    if layout == "time_first":
+        h = h.movedim(-1, 0)
+    return h.contiguous()
+
+
+# ---------------------------------------------------------------- time-last Conv2d
+def conv2d(x, weight, bias, dilation, layout):
+    """Time-last ``(N, C, *, T)`` viewed as ``(N, C, M, T)``: a depthwise Conv2d with kernel (1, k)."""
+    n, c, t = x.shape[0], x.shape[1], x.shape[-1]
+    x4 = x.reshape(n, c, -1, t)
+    h = F.conv2d(_causal_pad(x4, weight, dilation), weight.view(c, 1, 1, -1), bias,
+                 dilation=(1, dilation), groups=c)
+    return h.reshape(x.shape).contiguous()
+
+
+# ---------------------------------------------------------------- time-last Vmap + Conv1d
+def vmap_conv1d(x, weight, bias, dilation, layout):
+    """Time-last ``(N, C, M, T)``: ``torch.vmap`` of a depthwise Conv1d over the M axis."""
+    n, c, t = x.shape[0], x.shape[1], x.shape[-1]
+    w = weight.unsqueeze(1)
+
+    def one(xm):  # (N, C, T)
+        return F.conv1d(_causal_pad(xm, weight, dilation), w, bias, dilation=dilation, groups=c)
+
+    h = torch.vmap(one, in_dims=2, out_dims=2)(x.reshape(n, c, -1, t))
+    return h.reshape(x.shape).contiguous()
+
+
+# ---------------------------------------------------------------- Vmap + MM (both layouts)
+@functools.lru_cache(maxsize=64)
+def _toeplitz_index(t: int, k: int, dilation: int, device: torch.device) -> torch.Tensor:
+    """(T, T) index into a zero-padded weight row: A[t, j] = w[idx[t, j]] (idx == k means 0)."""
+    lag = torch.arange(t).view(-1, 1) - torch.arange(t).view(1, -1)  # t - j
+    tap = (k - 1) - torch.div(lag, dilation, rounding_mode="floor")
+    valid = (lag >= 0) & (lag % dilation == 0) & (tap >= 0)
+    return torch.where(valid, tap, torch.full_like(tap, k)).to(device)
+
+
+def toeplitz_weight(weight: torch.Tensor, t: int, dilation: int) -> torch.Tensor:
+    """The paper's (C, T, T) matrix A with ``H[:, c] = A[c] @ X[:, c]`` (time-first)."""
+    idx = _toeplitz_index(t, weight.shape[1], dilation, weight.device)
+    return F.pad(weight, (0, 1))[:, idx]
+
+
+def vmap_mm(x, weight, bias, dilation, layout):
+    """Per channel, multiply the sequence by the (T, T) Toeplitz matrix, vectorised over C."""
+    t = x.shape[time_dim(layout)]
+    a = toeplitz_weight(weight, t, dilation)
+    if layout == "time_first":  # x[:, :, c] is (T, N, *): H_c = A_c @ X_c
+        def one(ac, xc):
+            return (ac @ xc.reshape(t, -1)).reshape(xc.shape)
+        h = torch.vmap(one, in_dims=(0, 2), out_dims=2)(a, x)
+    else:  # x[:, c] is (N, *, T): H_c = X_c @ A_c^T
+        def one(ac, xc):
+            return xc @ ac.transpose(0, 1)
+        h = torch.vmap(one, in_dims=(0, 1), out_dims=1)(a, x)
+    if bias is not None:
+        h = h + bias.view(channel_view_shape(x.dim(), layout))
+    return h.contiguous()
+
+
+def _vmap_mm_requirements(x, weight, dilation, layout):
+    t = x.shape[time_dim(layout)]
+    size = weight.shape[0] * t * t
+    if size > MAX_MM_ELEMENTS:
+        return [f"vmap_mm needs a (C, T, T) = ({weight.shape[0]}, {t}, {t}) weight matrix, "
+                f"more than {MAX_MM_ELEMENTS} elements"]
+    return []
+
+
+# ---------------------------------------------------------------- shift-add (both layouts)
+def _taps(weight: torch.Tensor, x: torch.Tensor, dilation: int, layout: str):
+    """Yield (w_i broadcastable to x, lag_i) for every tap whose lag is shorter than T."""
+    t = x.shape[time_dim(layout)]
+    k = weight.shape[1]
+    shape = channel_view_shape(x.dim(), layout)
+    for i in range(k):
+        lag = (k - 1 - i) * dilation
+        if lag < t:
+            yield i, weight[:, i].view(shape), lag
+
+
+class _ShiftAdd(torch.autograd.Function):
+    """k shifted slices of X, each scaled by its tap and accumulated in place; saves only X and W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dilation, layout):
+        td = time_dim(layout) % x.dim()
+        t = x.shape[td]
+        h = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+        if bias is not None:
+            h.copy_(bias.view(channel_view_shape(x.dim(), layout)).expand(x.shape))
+        else:
+            h.zero_()
+        for _, w_i, lag in _taps(weight, x, dilation, layout):
+            h.narrow(td, lag, t - lag).addcmul_(x.narrow(td, 0, t - lag), w_i)
+        ctx.save_for_backward(x, weight)
+        ctx.dilation, ctx.layout, ctx.has_bias = dilation, layout, bias is not None
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, weight = ctx.saved_tensors
+        layout, dilation = ctx.layout, ctx.dilation
+        td = time_dim(layout) % x.dim()
+        cd = channel_dim(layout)
+        t = x.shape[td]
+        reduce_dims = [i for i in range(x.dim()) if i != cd]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dL/dX = the same correlation run backwards in time (flipped weight).
+            grad_x = torch.zeros(x.shape, dtype=grad_h.dtype, device=grad_h.device)
+            for _, w_i, lag in _taps(weight, x, dilation, layout):
+                grad_x.narrow(td, 0, t - lag).addcmul_(grad_h.narrow(td, lag, t - lag), w_i)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros_like(weight)
+            for i, _, lag in _taps(weight, x, dilation, layout):
+                prod = grad_h.narrow(td, lag, t - lag) * x.narrow(td, 0, t - lag)
+                grad_w[:, i] = prod.sum(reduce_dims)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_h.sum(reduce_dims)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def shift_add(x, weight, bias, dilation, layout):
+    """Accumulate k time-shifted slices of X scaled by their taps; no reshape, no transpose."""
+    return _ShiftAdd.apply(x, weight, bias, dilation, layout)
+
+
+register(Implementation("conv1d", "torch", ("time_first", "time_last"), conv1d,
+                        "reshape to (N*, C, T) + grouped Conv1d (the paper's vanilla)"))
+register(Implementation("vmap_mm", "torch", ("time_first", "time_last"), vmap_mm,
+                        "Vmap over C of a (T, T) Toeplitz matrix multiplication",
+                        _vmap_mm_requirements))
+register(Implementation("vmap_conv1d", "torch", ("time_last",), vmap_conv1d,
+                        "Vmap over the feature dims of a grouped Conv1d"))
+register(Implementation("conv2d", "torch", ("time_last",), conv2d,
+                        "grouped Conv2d with a (1, k) kernel over (N, C, M, T)"))
+register(Implementation("shift_add", "torch", ("time_first", "time_last"), shift_add,
+                        "k shifted slices accumulated in place, custom backward"))

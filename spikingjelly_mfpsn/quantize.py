@@ -1,0 +1,77 @@
+"""Power-of-two weight quantisation (paper Sec. 4.2) and its straight-through estimators.
+
+``Q(w) = sign(w) * 2 ** round(log2 |w|)``: every quantised weight is a signed power of two, so a
+product ``Q(w) * x`` is a bit shift of ``x`` on integer hardware.
+
+Two gradients are offered:
+
+* ``'whole'`` (default, the paper's choice): ``dQ/dw = 1``, the whole quantiser is treated as the
+  identity in the backward pass.
+* ``'round'``: only ``round`` is straight-through (``round'(x) = 1``), which gives
+  ``dQ/dw = 2 ** round(log2 |w|) / |w|``; discontinuous, kept for the paper's ablation. Its value at
+  ``w = 0`` is defined as 0 instead of 0/0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+STE_MODES = ("whole", "round")
+
+
+def _max_exponent(dtype: torch.dtype) -> int:
+    """Largest integer e with 2**e finite in ``dtype`` (127 for float32)."""
+    return math.frexp(torch.finfo(dtype).max)[1] - 1
+
+
+def quantize_pow2_(w: torch.Tensor) -> torch.Tensor:
+    """``Q(w)`` without gradient: ``sign(w) * 2 ** round(log2 |w|)``.
+
+    Zero stays zero (log2 0 = -inf, 2**-inf = 0, sign 0 = 0); exponents too small for the dtype
+    underflow to zero as a long right shift would; exponents too large are clamped so the result
+    stays finite.
+    """
+    e = torch.log2(w.abs()).round_().clamp_(max=_max_exponent(w.dtype))
+    return torch.sign(w) * torch.exp2(e)
+
+
+def shift_amounts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer exponents and signs of ``Q(w)``: ``Q(w) == sign * 2.0 ** shift``.
+
+    Returns ``(shift, sign)``, both ``int32`` of the shape of ``w``. Where ``w == 0`` the sign is 0 and
+    the shift is reported as 0.
+    """
+    w = w.detach()
+    if not torch.isfinite(w).all():
+        raise ValueError("cannot quantise weights that contain NaN or inf")
+    e = torch.log2(w.abs()).round_().clamp_(max=_max_exponent(w.dtype))
+    e = torch.where(w == 0, torch.zeros_like(e), e)
+    return e.to(torch.int32), torch.sign(w).to(torch.int32)
+
+
+class _PowerOfTwoRoundSTE(torch.autograd.Function):
+    """Q with ``round'(x) = 1``: ``dQ/dw = 2 ** round(log2|w|) / |w|`` (0 at w = 0)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        q = quantize_pow2_(w)
+        ctx.save_for_backward(w, q)
+        return q
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, q = ctx.saved_tensors
+        absw = w.abs()
+        safe = torch.where(absw > 0, absw, torch.ones_like(absw))
+        return grad * torch.where(absw > 0, q.abs() / safe, torch.zeros_like(absw))
+
+
+def quantize(w: torch.Tensor, ste: str = "whole") -> torch.Tensor:
+    """Power-of-two quantiser with a straight-through gradient (see module docstring)."""
+    if ste == "whole":
+        # Identity gradient: the forward value is Q(w), the graph is that of w.
+        return w + (quantize_pow2_(w.detach()) - w).detach()
+    if ste == "round":
+        return _PowerOfTwoRoundSTE.apply(w)
+    raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")

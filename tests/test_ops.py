@@ -1,0 +1,96 @@
+"""Every registered charge implementation against the plain loop reference: outputs and gradients."""
+import itertools
+
+import pytest
+import torch
+
+from spikingjelly_mfpsn import ops
+
+import reference
+
+FEATURES = {2: (), 3: (3,), 4: (3, 2), 5: (2, 2, 3)}  # per-step rank -> trailing dims after (N, C)
+
+
+def cases():
+    for name in ops.names():
+        for layout in ops.get(name).layouts:
+            yield name, layout
+
+
+def make_input(t, n, c, feat, layout, dtype, contiguous):
+    shape = (t, n, c, *feat) if layout == "time_first" else (n, c, *feat, t)
+    if contiguous:
+        return torch.randn(shape, dtype=dtype)
+    # Same values, reversed memory order: every stride differs from the contiguous one.
+    dims = list(range(len(shape)))[::-1]
+    return torch.randn(shape[::-1], dtype=dtype).permute(dims)
+
+
+@pytest.mark.parametrize("name,layout", list(cases()))
+@pytest.mark.parametrize("rank", [2, 3, 4, 5])
+@pytest.mark.parametrize("k,dilation", list(itertools.product([1, 2, 3, 5], [1, 2, 3])))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_matches_reference(name, layout, rank, k, dilation, dtype, contiguous):
+    impl = ops.get(name)
+    torch.manual_seed(k * 10 + dilation)
+    c = 3
+    # T = 1, a T shorter than the receptive field (k-1)*d+1, and a longer one.
+    for t in sorted({1, max(1, (k - 1) * dilation), (k - 1) * dilation + 4}):
+        x = make_input(t, 2, c, FEATURES[rank], layout, dtype, contiguous).requires_grad_()
+        w = torch.randn(c, k, dtype=dtype, requires_grad=True)
+        b = torch.randn(c, dtype=dtype, requires_grad=True)
+        assert impl.supports(x, w, dilation, layout), impl.not_supported_reasons(x, w, dilation, layout)
+        h = ops.charge(x, w, b, dilation, layout, name)
+        h_ref = reference.charge(x, w, b, dilation, layout)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+        assert h.shape == x.shape and h.is_contiguous()
+        torch.testing.assert_close(h, h_ref, **tol)
+        g = torch.randn_like(h_ref)
+        grads = torch.autograd.grad(h, (x, w, b), g)
+        grads_ref = torch.autograd.grad(h_ref, (x, w, b), g)
+        for got, want, what in zip(grads, grads_ref, ("x", "weight", "bias")):
+            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"grad {what}: {m}")
+
+
+@pytest.mark.parametrize("name,layout", list(cases()))
+def test_without_bias(name, layout):
+    x = make_input(6, 2, 4, (3,), layout, torch.float64, True).requires_grad_()
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    h = ops.charge(x, w, None, 2, layout, name)
+    h_ref = reference.charge(x, w, None, 2, layout)
+    torch.testing.assert_close(h, h_ref)
+    g = torch.randn_like(h)
+    for got, want in zip(torch.autograd.grad(h, (x, w), g), torch.autograd.grad(h_ref, (x, w), g)):
+        torch.testing.assert_close(got, want)
+
+
+def test_every_implementation_describes_itself():
+    for impl in ops.implementations():
+        assert impl.description and impl.layouts and impl.backend
+
+
+def test_bad_arguments_name_the_argument():
+    x = torch.randn(4, 2, 3)
+    w = torch.randn(3, 2)
+    with pytest.raises(ValueError, match="channels"):
+        ops.charge(x, torch.randn(5, 2), None, 1, "time_first", "conv1d")
+    with pytest.raises(ValueError, match="dilation"):
+        ops.charge(x, w, None, 0, "time_first", "conv1d")
+    with pytest.raises(ValueError, match="layout"):
+        ops.charge(x, w, None, 1, "time_middle", "conv1d")
+    with pytest.raises(ValueError, match="method"):
+        ops.charge(x, w, None, 1, "time_first", "no_such_method")
+    with pytest.raises(ValueError, match="at least 3 dims"):
+        ops.charge(torch.randn(4, 3), w, None, 1, "time_first", "conv1d")
+    with pytest.raises(ValueError, match="bias"):
+        ops.charge(x, w, torch.randn(2), 1, "time_first", "conv1d")
+    # A method that does not support the layout: the error lists the ones that do.
+    with pytest.raises(ValueError, match=r"conv2d.*Methods that can: \[.*shift_add"):
+        ops.charge(x, w, None, 1, "time_first", "conv2d")
+
+
+def test_vmap_mm_refuses_huge_t():
+    x = torch.empty(1, 1, 1, 1 << 15, device="meta")
+    reasons = ops.get("vmap_mm").not_supported_reasons(x, torch.empty(1, 2), 1, "time_last")
+    assert reasons and "T, T" in reasons[0]

@@ -1,0 +1,42 @@
+# Every target builds the virtual environment it needs first, so each works on a fresh machine.
+# CPU PyTorch comes from the pinned release (no CUDA download); SpikingJelly is installed with
+# --no-deps plus the few runtime modules it really imports (see requirements-sj.txt).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+SJ2 ?= spikingjelly==2.0.0
+SJ14 ?= spikingjelly==0.0.0.0.14
+EXTRAS = pytest scikit-learn matplotlib h5py triton
+
+.PHONY: demo train test test-sj2 test-sj14 bench clean
+
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip >/dev/null
+	$(1)/bin/pip install -q $(TORCH)
+	$(1)/bin/pip install -q --no-deps $(2)
+	$(1)/bin/pip install -q -r requirements-sj.txt $(EXTRAS)
+	$(1)/bin/pip install -q --no-deps -e .
+	touch $(1)/.ready
+endef
+
+.venv-sj2/.ready: setup.cfg requirements-sj.txt Makefile
+	$(call make_venv,.venv-sj2,$(SJ2))
+
+.venv-sj14/.ready: setup.cfg requirements-sj.txt Makefile
+	$(call make_venv,.venv-sj14,$(SJ14))
+
+# The main job: train MF-PSN on the bundled handwritten digits.
+demo: .venv-sj2/.ready
+	.venv-sj2/bin/python examples/demo.py
+
+# The whole test suite, against SpikingJelly 2.0.0 and 0.0.0.0.14.
+test: test-sj2 test-sj14
+
+test-sj2: .venv-sj2/.ready
+	TRITON_INTERPRET=1 .venv-sj2/bin/python -m pytest -q tests
+
+test-sj14: .venv-sj14/.ready
+	TRITON_INTERPRET=1 .venv-sj14/bin/python -m pytest -q tests
+
+clean:
+	rm -rf .venv-sj2 .venv-sj14

@@ -39,8 +39,10 @@ METHODS = ("vmap", "highdim")
 def default_method(supported_methods) -> str:
     """What ``method='auto'`` runs before any autoselect pass: ``'highdim'`` where supported.
 
-    Heuristic from ``benchmarks/time_last_layers.py`` on CPUs: one (n+1)-d kernel call beats vmap,
-    whose batching rule moves T next to N and copies the input and output once each.
+    Heuristic from ``benchmarks/time_last_layers.py`` on CPUs: for convolutions and max/average pools,
+    which dominate a network's time, one (n+1)-d kernel call matches or beats vmap, whose batching rule
+    moves T next to N and copies the input and output; global adaptive pools and Linear sometimes
+    favour vmap, so an autoselect pass should time both.
     """
     return "highdim" if "highdim" in supported_methods else supported_methods[0]
 
@@ -140,7 +142,6 @@ class _Tunable:
         return f"{super().extra_repr()}, method={self._method!r}"
 
 
-_CONV_DIMS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 _CONV_FN = {2: F.conv2d, 3: F.conv3d}
 
 
@@ -152,22 +153,34 @@ def _lookup(module: nn.Module, table: dict):
     raise TypeError(f"expected one of {[c.__name__ for c in table]}, got {type(module).__name__}")
 
 
-class TimeLastConv(_Tunable, TimeLastModule):
+class _SpatialLayer(_Tunable, TimeLastModule):
+    """Base of the conv and pool wrappers: an n-d layer (looked up in ``_DIMS``) on
+    ``(N, C, *spatial, T)``; ``'highdim'`` exists for n <= 2 (there is no 4-d conv or pool)."""
+
+    _DIMS: dict = {}
+
+    def __init__(self, module: nn.Module, method: str = "auto"):
+        dims = _lookup(module, self._DIMS)
+        super().__init__(module)
+        self.dims = dims
+        self.supported_methods = METHODS if dims < 3 else ("vmap",)
+        self.method = method
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        _check_rank(x, (self.dims + 3,), f"of {self.dims + 3} dims (N, C, *spatial, T)", self)
+
+
+class TimeLastConv(_SpatialLayer):
     """``Conv1d``/``Conv2d``/``Conv3d`` on ``(N, C, *spatial, T)``.
 
     ``'highdim'`` runs Conv1d as Conv2d and Conv2d as Conv3d (weight viewed with a trailing kernel
     dim of 1); Conv3d has no 4-d counterpart and runs ``'vmap'`` only.
     """
 
-    def __init__(self, conv: nn.Module, method: str = "auto"):
-        dims = _lookup(conv, _CONV_DIMS)
-        super().__init__(conv)
-        self.dims = dims
-        self.supported_methods = METHODS if self.dims < 3 else ("vmap",)
-        self.method = method
+    _DIMS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
     def _check_input(self, x: torch.Tensor) -> None:
-        _check_rank(x, (self.dims + 3,), f"of {self.dims + 3} dims (N, C, *spatial, T)", self)
+        super()._check_input(x)
         if x.shape[1] != self._time_first.in_channels:
             raise ValueError(f"{type(self).__name__} expects {self._time_first.in_channels} channels on dim 1, "
                              f"got shape {tuple(x.shape)}")
@@ -181,11 +194,6 @@ class TimeLastConv(_Tunable, TimeLastModule):
             padding = conv.padding if isinstance(conv.padding, str) else (*conv.padding, 0)
         return _CONV_FN[self.dims + 1](x, self.weight.unsqueeze(-1), self.bias, (*conv.stride, 1), padding,
                                        (*conv.dilation, 1), conv.groups)
-
-
-_POOL_DIMS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1, nn.AvgPool2d: 2,
-              nn.AvgPool3d: 3, nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3,
-              nn.AdaptiveMaxPool1d: 1, nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3}
 
 
 def _pool_highdim(pool: nn.Module, d: int, x: torch.Tensor) -> torch.Tensor:
@@ -207,21 +215,18 @@ def _pool_highdim(pool: nn.Module, d: int, x: torch.Tensor) -> torch.Tensor:
     return fn(x, (*t(pool.output_size), None))
 
 
-class TimeLastPool(_Tunable, TimeLastModule):
+class TimeLastPool(_SpatialLayer):
     """Max/average/adaptive pooling (1d, 2d; 3d with ``'vmap'`` only) on ``(N, C, *spatial, T)``."""
 
+    _DIMS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1, nn.AvgPool2d: 2,
+             nn.AvgPool3d: 3, nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3,
+             nn.AdaptiveMaxPool1d: 1, nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3}
+
     def __init__(self, pool: nn.Module, method: str = "auto"):
-        dims = _lookup(pool, _POOL_DIMS)
         if getattr(pool, "return_indices", False):
             raise ValueError(f"{type(pool).__name__}(return_indices=True) has no time-last wrapper: "
                              f"it returns a tuple, not a sequence")
-        super().__init__(pool)
-        self.dims = dims
-        self.supported_methods = METHODS if self.dims < 3 else ("vmap",)
-        self.method = method
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        _check_rank(x, (self.dims + 3,), f"of {self.dims + 3} dims (N, C, *spatial, T)", self)
+        super().__init__(pool, method)
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
         return _pool_highdim(self._time_first, self.dims, x)
@@ -393,8 +398,8 @@ TLastSeqToANNContainer = _compat.TLastSeqToANNContainer or _TLastSeqToANNContain
 
 # Per-step stateless torch.nn layers (and SpikingJelly's same-named subclasses) -> wrapper.
 _WRAPPERS = {
-    **{cls: TimeLastConv for cls in _CONV_DIMS},
-    **{cls: TimeLastPool for cls in _POOL_DIMS},
+    **{cls: TimeLastConv for cls in TimeLastConv._DIMS},
+    **{cls: TimeLastPool for cls in TimeLastPool._DIMS},
     **{cls: TimeLastBatchNorm for cls in _BN_RANKS},
     nn.Linear: TimeLastLinear,
     nn.Flatten: TimeLastFlatten,

@@ -228,3 +228,22 @@ def test_fallback_runs_modules_time_first():
     back = to_time_first(net_tl)
     assert not back[2]._forward_pre_hooks and type(back[0]) is layer.Conv2d
     assert_same_run(net, back, x)
+
+
+class Square(nn.Module):
+    """A per-step layer this package does not know."""
+
+    def forward(self, x):
+        return x * x
+
+
+def test_fallback_runs_a_container_with_an_unknown_child_time_first():
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.SeqToANNContainer(nn.Linear(3, 4), Square()),
+                        MulFreeChannelwisePSN(4, step_mode="m"), layer.Linear(4, 2)).double()
+    functional.set_step_mode(net, "m")
+    with pytest.raises(UnconvertibleModuleError, match=r"0\.1 \(Square\)"):
+        to_time_last(net)
+    net_tl = to_time_last(copy.deepcopy(net), fallback="time_first")
+    assert type(net_tl[0]) is layer.SeqToANNContainer and net_tl[1].layout == "time_last"
+    assert_same_run(net, net_tl, torch.randn(5, 2, 3, dtype=torch.float64))

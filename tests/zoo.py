@@ -61,7 +61,7 @@ def _multi_step(net: nn.Module) -> nn.Module:
 def spiking_vgg(neuron_cls, num_classes: int = 10, cfg=(8, "M", 16, "M"), batch_norm: bool = True,
                 **neuron_kwargs) -> nn.Module:
     """A small SpikingVGG: the zoo's feature extractor built from ``cfg``, then (replacing the zoo's
-    ImageNet-sized classifier) a 1x1 adaptive average pool and ``Linear(cfg[-2 or -1], num_classes)``."""
+    ImageNet-sized classifier) a 1x1 adaptive average pool and ``Linear(last conv width, num_classes)``."""
     vgg = zoo_module("spiking_vgg")
     channels = [v for v in cfg if v != "M"][-1]
     net = vgg.SpikingVGG(list(cfg), batch_norm=batch_norm, num_classes=num_classes, init_weights=True,

@@ -6,10 +6,11 @@ Importing this package adds ``MulFreeChannelwisePSN`` to ``spikingjelly.activati
 from . import _compat, ops
 from .neuron import MulFreeChannelwisePSN, default_method, exp_init_weight
 from .quantize import quantize, quantize_pow2_, shift_amounts
+from . import deploy, energy  # noqa: E402  (submodules: spikingjelly_mfpsn.deploy, .energy)
 
 __version__ = "0.1.0"
 
 _compat.add_to_namespace(_compat.neuron, "MulFreeChannelwisePSN", MulFreeChannelwisePSN)
 
-__all__ = ["MulFreeChannelwisePSN", "default_method", "exp_init_weight", "ops", "quantize",
+__all__ = ["MulFreeChannelwisePSN", "default_method", "deploy", "energy", "exp_init_weight", "ops", "quantize",
            "quantize_pow2_", "shift_amounts", "__version__"]

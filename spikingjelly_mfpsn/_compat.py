@@ -18,6 +18,11 @@ SJ_VERSION = Version(importlib.metadata.version("spikingjelly"))
 SJ2 = SJ_VERSION >= Version("0.0.0.1")  # 2.x; 0.0.0.0.14 sorts below it
 HAS_SET_BACKEND = hasattr(functional, "set_backend")
 TLastSeqToANNContainer = getattr(layer, "TLastSeqToANNContainer", None)
+PSN = getattr(neuron, "PSN", None)  # the parallel spiking neuron (2.x only)
+try:  # operation counters and energy profilers (2.x only)
+    from spikingjelly.activation_based import op_counter
+except ImportError:
+    op_counter = None
 
 MemoryModule = base.MemoryModule
 MultiStepModule = base.MultiStepModule
@@ -52,6 +57,6 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
     return True
 
 
-__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "MemoryModule",
+__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "PSN", "op_counter", "MemoryModule",
            "MultiStepModule", "StepModule", "default_surrogate", "invalidate_reset_cache",
            "add_to_namespace", "base", "functional", "layer", "neuron", "surrogate"]

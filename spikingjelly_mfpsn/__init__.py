@@ -9,6 +9,7 @@ from .convert import UnconvertibleModuleError, to_time_first, to_time_last
 from .functional import autoselect, replace_neurons, sawtooth, set_backend, set_method
 from .neuron import MulFreeChannelwisePSN, default_method, exp_init_weight
 from .quantize import quantize, quantize_pow2_, shift_amounts
+from . import deploy, energy
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ _compat.add_to_namespace(_compat.layer, "TLastSeqToANNContainer", layer.TLastSeq
 for _name in ("autoselect", "replace_neurons", "set_method") + (() if _compat.HAS_SET_BACKEND else ("set_backend",)):
     _compat.add_to_namespace(_compat.functional, _name, getattr(functional, _name))
 
-__all__ = ["MulFreeChannelwisePSN", "UnconvertibleModuleError", "autoselect", "default_method", "exp_init_weight", "functional",
-           "layer", "ops", "quantize", "quantize_pow2_", "replace_neurons", "sawtooth", "set_backend", "set_method",
-           "shift_amounts", "to_time_first", "to_time_last", "__version__"]
+__all__ = ["MulFreeChannelwisePSN", "UnconvertibleModuleError", "autoselect", "default_method", "deploy", "energy",
+           "exp_init_weight", "functional", "layer", "ops", "quantize", "quantize_pow2_", "replace_neurons",
+           "sawtooth", "set_backend", "set_method", "shift_amounts", "to_time_first", "to_time_last", "tuner",
+           "__version__"]

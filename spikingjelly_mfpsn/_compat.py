@@ -19,6 +19,11 @@ SJ_VERSION = Version(importlib.metadata.version("spikingjelly"))
 SJ2 = SJ_VERSION >= Version("0.0.0.1")  # 2.x; 0.0.0.0.14 sorts below it
 HAS_SET_BACKEND = hasattr(functional, "set_backend")
 TLastSeqToANNContainer = getattr(layer, "TLastSeqToANNContainer", None)
+PSN = getattr(neuron, "PSN", None)  # the parallel spiking neuron (2.x only)
+try:  # operation counters and energy profilers (2.x only)
+    from spikingjelly.activation_based import op_counter
+except ImportError:
+    op_counter = None
 
 MemoryModule = base.MemoryModule
 MultiStepModule = base.MultiStepModule
@@ -67,12 +72,6 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
     return True
 
 
-__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "MemoryModule",
-           "MultiStepModule", "StepModule", "default_surrogate", "sj_layer", "t_last_seq_to_ann_forward",
-           "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base", "functional",
-           "layer", "neuron", "surrogate"]
-
-
 def spiking_neuron_classes() -> tuple:
     """Every spiking neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN
     family, ...), i.e. the default targets of ``replace_neurons``."""
@@ -83,3 +82,9 @@ def spiking_neuron_classes() -> tuple:
                 and obj.__module__.startswith("spikingjelly.activation_based.neuron")):
             found.append(obj)
     return tuple(found)
+
+
+__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "PSN", "op_counter", "MemoryModule",
+           "MultiStepModule", "StepModule", "default_surrogate", "sj_layer", "t_last_seq_to_ann_forward",
+           "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base", "functional",
+           "layer", "neuron", "surrogate"]

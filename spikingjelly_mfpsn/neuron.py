@@ -22,6 +22,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import ops
 from ._compat import MemoryModule, default_surrogate
+from .ops.reduce import channel_dot, channel_sum
 from .quantize import STE_MODES, quantize, shift_amounts
 
 THRESHOLDS = ("bn", "param")
@@ -57,6 +58,42 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
             and t <= 64:
         return "vmap_mm"
     return "conv2d" if layout == "time_last" else "conv1d"
+
+
+class _BatchStats(torch.autograd.Function):
+    """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis``.
+
+    Two-pass (mean, then the squared norm of ``y - mean``) so large means do not cancel; the backward
+    is one fused pass, ``dy = a[c] * y + b[c]``. Much faster on CPUs than ``torch.var_mean`` over
+    strided dims.
+    """
+
+    @staticmethod
+    def forward(ctx, y, channel_axis):
+        shape = [1] * y.dim()
+        shape[channel_axis] = -1
+        n = y.numel() // y.shape[channel_axis]
+        mean = channel_sum(y, channel_axis) / n
+        z = y - mean.view(shape)
+        var = channel_dot(z, z, channel_axis) / n
+        ctx.save_for_backward(y, mean)
+        ctx.shape, ctx.n = shape, n
+        return mean, var
+
+    @staticmethod
+    def backward(ctx, g_mean, g_var):
+        y, mean = ctx.saved_tensors
+        n, shape = ctx.n, ctx.shape
+        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
+        g_var = torch.zeros_like(mean) if g_var is None else g_var
+        scale = 2.0 * g_var / n
+        shift = g_mean / n - scale * mean
+        return torch.addcmul(shift.view(shape), y, scale.view(shape)), None
+
+
+def batch_stats(y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, biased var)`` per channel of ``y``, differentiable (see :class:`_BatchStats`)."""
+    return _BatchStats.apply(y, channel_axis)
 
 
 class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
@@ -225,8 +262,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
         return quantize(w, self.ste) if self.quantize else w
 
     def _batch_stats(self, y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dims = [i for i in range(y.dim()) if i != channel_axis]
-        var, mean = torch.var_mean(y, dim=dims, unbiased=False)
+        mean, var = batch_stats(y, channel_axis)
         if self.training:
             n = y.numel() // y.shape[channel_axis]
             with torch.no_grad():

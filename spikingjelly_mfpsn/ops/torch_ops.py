@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .reduce import channel_dot, channel_sum
 from .registry import Implementation, channel_dim, channel_view_shape, register, time_dim
 
 # A (C, T, T) Toeplitz weight beyond this many elements is refused by Vmap+MM.
@@ -143,7 +144,6 @@ class _ShiftAdd(torch.autograd.Function):
         td = time_dim(layout) % x.dim()
         cd = channel_dim(layout)
         t = x.shape[td]
-        reduce_dims = [i for i in range(x.dim()) if i != cd]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dL/dX = the same correlation run backwards in time (flipped weight).
@@ -153,10 +153,9 @@ class _ShiftAdd(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = torch.zeros_like(weight)
             for i, _, lag in _taps(weight, x, dilation, layout):
-                prod = grad_h.narrow(td, lag, t - lag) * x.narrow(td, 0, t - lag)
-                grad_w[:, i] = prod.sum(reduce_dims)
+                grad_w[:, i] = channel_dot(grad_h.narrow(td, lag, t - lag), x.narrow(td, 0, t - lag), cd)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_h.sum(reduce_dims)
+            grad_b = channel_sum(grad_h, cd)
         return grad_x, grad_w, grad_b, None, None
 
 

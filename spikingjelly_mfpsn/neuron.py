@@ -13,6 +13,7 @@ With ``threshold='param'``, ``W_f = W`` and ``b = -V_th`` with a learnable per-c
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -335,16 +336,34 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
             return self._maybe_quantize(w), b
         return self.fused_weight_bias()
 
+    def _spikes(self, x: torch.Tensor, run_charge, channel_axis: int) -> torch.Tensor:
+        """Spikes of ``run_charge`` (a closure over the input) in the weight's precision.
+
+        Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
+        low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.
+        """
+        device_type = x.device.type
+        guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
+                 else contextlib.nullcontext())
+        with guard:
+            w, b = self._weight_bias_for(run_charge, channel_axis)
+            s = self.surrogate_function(run_charge(w, b))
+        return s if s.dtype == x.dtype else s.to(x.dtype)
+
+    def _promoted(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, self.weight.dtype)
+        return x if x.dtype == dtype else x.to(dtype)
+
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         self._check_input(x_seq)
         layout = self._layout
         method = self.resolve_method(x_seq, layout)
+        xp = self._promoted(x_seq)
 
         def run_charge(w, b):
-            return ops.charge(x_seq, w, b, self.dilation, layout, method)
+            return ops.charge(xp, w, b, self.dilation, layout, method)
 
-        w, b = self._weight_bias_for(run_charge, ops.channel_dim(layout))
-        return self.surrogate_function(run_charge(w, b))
+        return self._spikes(x_seq, run_charge, ops.channel_dim(layout))
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -353,7 +372,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
-        history = queue + (x,)
+        history = queue + (self._promoted(x),)
         cshape = [-1] + [1] * (x.dim() - 2)
 
         def run_charge(w, b):
@@ -366,10 +385,10 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
                     h = term if h is None else h + term
             return h if b is None else h + b.view(cshape)
 
-        w, b = self._weight_bias_for(run_charge, 1)
+        spikes = self._spikes(x, run_charge, 1)
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
-        return self.surrogate_function(run_charge(w, b))
+        return spikes
 
     # ------------------------------------------------------------------ state handling
     def detach(self):

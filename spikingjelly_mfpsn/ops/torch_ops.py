@@ -126,7 +126,7 @@ class _ShiftAdd(torch.autograd.Function):
     def forward(ctx, x, weight, bias, dilation, layout):
         td = time_dim(layout) % x.dim()
         t = x.shape[td]
-        h = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+        h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         if bias is not None:
             h.copy_(bias.view(channel_view_shape(x.dim(), layout)).expand(x.shape))
         else:

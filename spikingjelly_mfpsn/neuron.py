@@ -308,7 +308,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
             return ops.charge(x_seq, w, b, self.dilation, layout, method)
 
         w, b = self._weight_bias_for(run_charge, ops.channel_dim(layout))
-        return self.surrogate_function(run_charge(w, b))
+        return ops.fire(x_seq, w, b, self.dilation, layout, method, self.surrogate_function)
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)

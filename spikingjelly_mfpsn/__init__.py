@@ -3,13 +3,18 @@
 Importing this package adds ``MulFreeChannelwisePSN`` to ``spikingjelly.activation_based.neuron``
 (never replacing a name SpikingJelly defines itself).
 """
-from . import _compat, ops
+from . import _compat, functional, ops
+from .functional import replace_neurons, sawtooth, set_backend, set_method
 from .neuron import MulFreeChannelwisePSN, default_method, exp_init_weight
 from .quantize import quantize, quantize_pow2_, shift_amounts
 
 __version__ = "0.1.0"
 
 _compat.add_to_namespace(_compat.neuron, "MulFreeChannelwisePSN", MulFreeChannelwisePSN)
+# SpikingJelly 0.0.0.0.14 has its own functional.set_backend, which is kept: it works on MF-PSN too.
+for _name in ("replace_neurons", "set_method") + (() if _compat.HAS_SET_BACKEND else ("set_backend",)):
+    _compat.add_to_namespace(_compat.functional, _name, getattr(functional, _name))
 
-__all__ = ["MulFreeChannelwisePSN", "default_method", "exp_init_weight", "ops", "quantize",
-           "quantize_pow2_", "shift_amounts", "__version__"]
+__all__ = ["MulFreeChannelwisePSN", "default_method", "exp_init_weight", "functional", "ops", "quantize",
+           "quantize_pow2_", "replace_neurons", "sawtooth", "set_backend", "set_method", "shift_amounts",
+           "__version__"]

@@ -54,4 +54,16 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
 
 __all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "MemoryModule",
            "MultiStepModule", "StepModule", "default_surrogate", "invalidate_reset_cache",
-           "add_to_namespace", "base", "functional", "layer", "neuron", "surrogate"]
+           "add_to_namespace", "spiking_neuron_classes", "base", "functional", "layer", "neuron", "surrogate"]
+
+
+def spiking_neuron_classes() -> tuple:
+    """Every spiking neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN
+    family, ...), i.e. the default targets of ``replace_neurons``."""
+    import torch.nn as nn
+    found = []
+    for obj in vars(neuron).values():
+        if (isinstance(obj, type) and issubclass(obj, nn.Module)
+                and obj.__module__.startswith("spikingjelly.activation_based.neuron")):
+            found.append(obj)
+    return tuple(found)

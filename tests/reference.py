@@ -42,3 +42,44 @@ def pow2(w):
             flat_out.append(math.copysign(2.0 ** round(math.log2(abs(v))), v))
     out.copy_(torch.tensor(flat_out, dtype=torch.float64).reshape(w.shape))
     return out
+
+
+class Pow2WholeSTE(torch.autograd.Function):
+    """Q(w) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return pow2(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def atan_primitive(h, alpha=2.0):
+    """SpikingJelly's ATan surrogate primitive: arctan(pi/2 * alpha * h) / pi + 1/2."""
+    import math
+    return torch.atan(math.pi / 2 * alpha * h) / math.pi + 0.5
+
+
+def mfpsn_charge(x, weight, dilation, layout, threshold, quantize=True, gamma=None, beta=None,
+                 v_threshold=None, stats=None, eps=1e-5):
+    """The neuron's H (threshold 0) written straight from the paper's equations.
+
+    threshold 'bn': stats=None means batch statistics of conv(X, W) (training); otherwise (mean, var).
+    Returns (H, (mean, var) used).
+    """
+    q = Pow2WholeSTE.apply if quantize else (lambda w: w)
+    if threshold == "param":
+        return charge(x, q(weight), -v_threshold, dilation, layout), None
+    if stats is None:
+        y = charge(x, weight, None, dilation, layout)
+        cdim = 2 if layout == "time_first" else 1
+        yc = y.movedim(cdim, 0).reshape(y.shape[cdim], -1)
+        mean = yc.mean(1)
+        var = ((yc - mean[:, None]) ** 2).mean(1)
+    else:
+        mean, var = stats
+    wf = gamma[:, None] / torch.sqrt(var[:, None] + eps) * weight
+    bf = beta - gamma * mean / torch.sqrt(var + eps)
+    return charge(x, q(wf), bf, dilation, layout), (mean, var)

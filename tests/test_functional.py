@@ -1,0 +1,137 @@
+"""replace_neurons, set_backend and set_method on SpikingJelly networks."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer, neuron, surrogate
+
+import spikingjelly_mfpsn
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, replace_neurons, set_backend, set_method
+
+
+def mlp(step_mode="m"):
+    net = nn.Sequential(
+        layer.Linear(4, 6), neuron.LIFNode(surrogate_function=surrogate.Sigmoid(alpha=3.0)),
+        layer.Linear(6, 5), neuron.IFNode(),
+        layer.Linear(5, 3), neuron.ParametricLIFNode(),
+        layer.Linear(3, 2), neuron.LIFNode(),
+    )
+    functional.set_step_mode(net, step_mode)
+    return net
+
+
+class OutOfOrder(nn.Module):
+    """Registers its neurons in the opposite order to the one they run in."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = neuron.LIFNode(step_mode="m")
+        self.fc2 = layer.Linear(5, 3, step_mode="m")
+        self.early = neuron.IFNode(step_mode="m")
+        self.fc1 = layer.Linear(4, 5, step_mode="m")
+
+    def forward(self, x):
+        return self.late(self.fc2(self.early(self.fc1(x))))
+
+
+def test_replaces_every_spiking_neuron_with_sawtooth_dilations():
+    net = mlp()
+    net, summary = replace_neurons(net, k=3)
+    new = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    assert len(new) == 4 and len(summary) == 4
+    assert not any(isinstance(m, (neuron.LIFNode, neuron.IFNode)) for m in net.modules())
+    assert [m.dilation for m in new] == [1, 2, 3, 1]
+    assert all(m.k == 3 and m.step_mode == "m" and m.channels is None for m in new)
+    # keeps the surrogate function of the neuron it replaces
+    assert isinstance(new[0].surrogate_function, surrogate.Sigmoid) and new[0].surrogate_function.alpha == 3.0
+    out = net(torch.rand(5, 2, 4))
+    assert out.shape == (5, 2, 2) and [m.channels for m in new] == [6, 5, 3, 2]
+    assert "LIFNode" in str(summary) and "IFNode" in str(summary)
+
+
+def test_sawtooth_follows_forward_order_with_example_input():
+    net = OutOfOrder()
+    net, summary = replace_neurons(net, k=2, example_input=torch.rand(3, 2, 4))
+    assert summary.order == "forward"
+    assert (net.early.dilation, net.late.dilation) == (1, 2)
+    assert (net.early.channels, net.late.channels) == (5, 3)  # from the example input, not lazy
+    assert [r.name for r in summary] == ["early", "late"]
+    # registration order without an example input
+    net2, s2 = replace_neurons(OutOfOrder(), k=2)
+    assert (net2.late.dilation, net2.early.dilation) == (1, 2) and s2.order == "registration"
+
+
+def test_int_dilation_targets_and_kwargs():
+    net, summary = replace_neurons(mlp(), k=2, dilation=2, targets=neuron.IFNode, threshold="param",
+                                   quantize=False)
+    new = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    assert len(new) == 1 and new[0].dilation == 2 and new[0].threshold == "param" and not new[0].quantize
+    assert sum(isinstance(m, neuron.LIFNode) for m in net.modules()) == 2
+    net, _ = replace_neurons(mlp(), targets=lambda name, m: name == "3")
+    assert isinstance(net[3], MulFreeChannelwisePSN) and isinstance(net[1], neuron.LIFNode)
+    with pytest.raises(ValueError, match="dilation"):
+        replace_neurons(mlp(), dilation=0)
+
+
+def test_keeps_step_mode_dtype_and_single_step_state_resets():
+    net = mlp(step_mode="s").double()
+    net, _ = replace_neurons(net, k=2, example_input=torch.rand(2, 4, dtype=torch.float64))
+    new = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    assert all(m.step_mode == "s" and m.weight.dtype == torch.float64 for m in new)
+    for _ in range(3):
+        net(torch.rand(2, 4, dtype=torch.float64))
+    assert [len(m.x_queue) for m in new] == [min(3, m.dilation) for m in new] == [1, 2, 3, 1]
+    functional.reset_net(net)  # SpikingJelly 2's cached reset list must see the new neurons
+    assert all(m.x_queue == () for m in new)
+
+
+def test_replacing_the_net_itself_and_shared_instances():
+    new, summary = replace_neurons(neuron.LIFNode(step_mode="m"), k=2)
+    assert isinstance(new, MulFreeChannelwisePSN) and new.step_mode == "m"
+    shared = neuron.IFNode(step_mode="m")
+    net = nn.Sequential(layer.Linear(3, 3, step_mode="m"), shared, layer.Linear(3, 3, step_mode="m"), shared)
+    net, summary = replace_neurons(net)
+    assert len(summary) == 1 and net[1] is net[3] and isinstance(net[1], MulFreeChannelwisePSN)
+
+
+def test_trains_after_replacement():
+    torch.manual_seed(0)
+    net, _ = replace_neurons(mlp(), k=2, example_input=torch.rand(4, 8, 4))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    x = torch.rand(4, 8, 4)
+    before = [p.detach().clone() for p in net.parameters()]
+    loss = net(x).mean(0).sum()
+    loss.backward()
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_set_backend_and_set_method(caplog):
+    net, _ = replace_neurons(mlp(), k=2, example_input=torch.rand(3, 2, 4))
+    new = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    set_method(net, "conv1d")
+    assert all(m.method == "conv1d" for m in new)
+    with caplog.at_level(logging.WARNING, logger="spikingjelly_mfpsn"):
+        set_method(net, "conv2d")  # time-last only: every time-first neuron skips it
+    assert all(m.method == "conv1d" for m in new) and "does not support method" in caplog.text
+    set_backend(net, "torch")
+    assert all(m.backend == "torch" for m in new)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spikingjelly_mfpsn"):
+        set_backend(net, "no_such_backend")
+    assert all(m.backend == "torch" for m in new) and "does not support backend" in caplog.text
+    set_method(net, "auto")
+    assert all(m.method == "auto" for m in new)
+
+
+def test_added_to_spikingjelly_functional_without_overriding():
+    assert functional.replace_neurons is spikingjelly_mfpsn.replace_neurons
+    assert functional.set_method is spikingjelly_mfpsn.set_method
+    if _compat.HAS_SET_BACKEND:  # 0.0.0.0.14 keeps its own, which works on MF-PSN
+        assert functional.set_backend is not spikingjelly_mfpsn.set_backend
+        sn = MulFreeChannelwisePSN(channels=2)
+        functional.set_backend(nn.Sequential(sn), "torch")
+        assert sn.backend == "torch"
+    else:
+        assert functional.set_backend is spikingjelly_mfpsn.set_backend

@@ -1,0 +1,338 @@
+"""MulFreeChannelwisePSN against the paper's equations, step modes, state, errors and export."""
+import itertools
+
+import pytest
+import torch
+from spikingjelly.activation_based import functional, neuron, surrogate
+
+import spikingjelly_mfpsn
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
+from spikingjelly_mfpsn import _compat
+
+import reference
+
+FEATURES = {2: (), 3: (3,), 4: (2, 3), 5: (2, 2, 2)}
+
+
+def seq(t, n, c, feat, layout="time_first", dtype=torch.float64):
+    shape = (t, n, c, *feat) if layout == "time_first" else (n, c, *feat, t)
+    return torch.randn(shape, dtype=dtype)
+
+
+def smooth(**kw):
+    """A neuron whose output is the ATan primitive of H (spiking=False), so H can be checked."""
+    return MulFreeChannelwisePSN(surrogate_function=surrogate.ATan(spiking=False), **kw).double()
+
+
+# ---------------------------------------------------------------- registration
+def test_registered_in_spikingjelly_namespace():
+    assert neuron.MulFreeChannelwisePSN is MulFreeChannelwisePSN
+    # idempotent, and never replaces a name SpikingJelly defines
+    assert _compat.add_to_namespace(neuron, "MulFreeChannelwisePSN", MulFreeChannelwisePSN)
+    lif = neuron.LIFNode
+    assert not _compat.add_to_namespace(neuron, "LIFNode", MulFreeChannelwisePSN)
+    assert neuron.LIFNode is lif
+    assert "MulFreeChannelwisePSN" in repr(neuron.MulFreeChannelwisePSN(channels=4, k=2))
+
+
+# ---------------------------------------------------------------- the equations
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("quant", [True, False])
+@pytest.mark.parametrize("k,d", [(1, 1), (2, 1), (3, 2), (5, 3)])
+def test_training_forward_and_gradients_match_paper(layout, threshold, quant, k, d):
+    torch.manual_seed(k + 7 * d)
+    sn = smooth(channels=3, k=k, dilation=d, threshold=threshold, quantize=quant, step_mode="m",
+                layout=layout, exp_init=False)
+    with torch.no_grad():
+        sn.weight.mul_(3)  # spread the weights over several octaves
+        if threshold == "bn":
+            sn.gamma.uniform_(0.5, 2)
+            sn.beta.uniform_(-1.5, 0.5)
+        else:
+            sn.v_threshold.uniform_(-0.5, 1)
+    x = seq(7, 4, 3, (2,), layout).requires_grad_()
+    out = sn(x)
+    params = [sn.weight] + ([sn.gamma, sn.beta] if threshold == "bn" else [sn.v_threshold])
+    h_ref, _ = reference.mfpsn_charge(
+        x, sn.weight, d, layout, threshold, quant,
+        gamma=getattr(sn, "gamma", None), beta=getattr(sn, "beta", None),
+        v_threshold=getattr(sn, "v_threshold", None))
+    out_ref = reference.atan_primitive(h_ref)
+    torch.testing.assert_close(out, out_ref)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x] + params, g)
+    want = torch.autograd.grad(out_ref, [x] + params, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_spikes_are_heaviside_of_charge():
+    torch.manual_seed(0)
+    sn = MulFreeChannelwisePSN(channels=3, k=3, dilation=2, threshold="param", step_mode="m").double()
+    x = seq(9, 5, 3, (4,))
+    h_ref, _ = reference.mfpsn_charge(x, sn.weight, 2, "time_first", "param", v_threshold=sn.v_threshold)
+    s = sn(x)
+    assert set(s.unique().tolist()) <= {0.0, 1.0}
+    torch.testing.assert_close(s, (h_ref >= 0).double())
+
+
+def test_bn_running_statistics_and_eval():
+    torch.manual_seed(1)
+    sn = smooth(channels=4, k=3, dilation=2, step_mode="m", momentum=0.25)
+    xs = [seq(6, 8, 4, (3,)) for _ in range(3)]
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    for x in xs:
+        sn(x)
+        y = reference.charge(x, sn.weight.detach(), None, 2, "time_first").transpose(0, 2).reshape(4, -1)
+        rm = 0.75 * rm + 0.25 * y.mean(1)
+        rv = 0.75 * rv + 0.25 * y.var(1, unbiased=True)
+    torch.testing.assert_close(sn.running_mean, rm)
+    torch.testing.assert_close(sn.running_var, rv)
+    assert int(sn.num_batches_tracked) == 3
+    sn.eval()
+    x = seq(6, 8, 4, (3,))
+    h_ref, _ = reference.mfpsn_charge(x, sn.weight, 2, "time_first", "bn", gamma=sn.gamma, beta=sn.beta,
+                                      stats=(rm, rv))
+    torch.testing.assert_close(sn(x), reference.atan_primitive(h_ref))
+    torch.testing.assert_close(sn.running_mean, rm)  # eval does not update
+
+
+def test_bn_cumulative_average_with_momentum_none():
+    sn = smooth(channels=2, k=2, step_mode="m", momentum=None)
+    xs = [seq(5, 3, 2, ()) for _ in range(4)]
+    means = []
+    for x in xs:
+        sn(x)
+        means.append(reference.charge(x, sn.weight.detach(), None, 1, "time_first").transpose(0, 2)
+                     .reshape(2, -1).mean(1))
+    torch.testing.assert_close(sn.running_mean, torch.stack(means).mean(0))
+
+
+def test_train_runs_two_charges_eval_one(monkeypatch):
+    calls = []
+    real = ops.charge
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ops, "charge", counting)
+    sn = MulFreeChannelwisePSN(channels=2, k=2, step_mode="m")
+    sn(torch.randn(4, 2, 2))
+    assert len(calls) == 2
+    calls.clear()
+    sn.eval()
+    sn(torch.randn(4, 2, 2))
+    assert len(calls) == 1
+
+
+def test_exp_init_is_already_power_of_two():
+    sn = MulFreeChannelwisePSN(channels=3, k=4)
+    torch.testing.assert_close(sn.weight[0], torch.tensor([0.125, 0.25, 0.5, 1.0]))
+    assert torch.equal(sn.weight, reference.pow2(sn.weight.detach().double()).float())
+    assert torch.equal(sn.gamma, torch.ones(3)) and torch.equal(sn.beta, -torch.ones(3))
+
+
+# ---------------------------------------------------------------- step modes and state
+def _pair(k, d, threshold, channels=3, **kw):
+    torch.manual_seed(3)
+    m = MulFreeChannelwisePSN(channels=channels, k=k, dilation=d, threshold=threshold, step_mode="m",
+                              exp_init=False, **kw).double()
+    s = MulFreeChannelwisePSN(channels=channels, k=k, dilation=d, threshold=threshold, step_mode="s",
+                              exp_init=False, **kw).double()
+    s.load_state_dict(m.state_dict())
+    return m, s
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4, 5])
+@pytest.mark.parametrize("k,d", [(1, 1), (2, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("threshold", ["param", "bn"])
+def test_single_step_equals_multi_step(rank, k, d, threshold):
+    m, s = _pair(k, d, threshold)
+    if threshold == "bn":  # identical only with running statistics: train a little, then eval
+        m(seq(6, 4, 3, FEATURES[rank]))
+        s.load_state_dict(m.state_dict())
+        m.eval()
+        s.eval()
+    for t in (1, (k - 1) * d, (k - 1) * d + 5):
+        if t == 0:
+            continue
+        x = seq(t, 4, 3, FEATURES[rank])
+        functional.reset_net(s)
+        out_s = torch.stack([s(x[i]) for i in range(t)])
+        assert len(s.x_queue) == min(t, (k - 1) * d)
+        torch.testing.assert_close(out_s, m(x), rtol=0, atol=0)
+
+
+def test_single_step_training_gradients_match_multi_step():
+    m, s = _pair(3, 2, "param")
+    x = seq(8, 2, 3, (2,)).requires_grad_()
+    m.surrogate_function = surrogate.ATan(spiking=False)
+    s.surrogate_function = surrogate.ATan(spiking=False)
+    out_m = m(x)
+    out_s = torch.stack([s(x[i]) for i in range(8)])
+    torch.testing.assert_close(out_s, out_m)
+    g = torch.randn_like(out_m)
+    for a, b in zip(torch.autograd.grad(out_s, [x, s.weight, s.v_threshold], g),
+                    torch.autograd.grad(out_m, [x, m.weight, m.v_threshold], g)):
+        torch.testing.assert_close(a, b)
+
+
+def test_reset_and_detach():
+    sn = MulFreeChannelwisePSN(channels=2, k=3, dilation=2, threshold="param", step_mode="s")
+    x = torch.randn(4, 2, requires_grad=True)
+    for _ in range(6):
+        sn(x * 2)
+    assert len(sn.x_queue) == 4 and all(t.requires_grad for t in sn.x_queue)
+    sn.detach()
+    assert len(sn.x_queue) == 4 and not any(t.requires_grad for t in sn.x_queue)
+    functional.reset_net(sn)
+    assert sn.x_queue == ()
+
+
+def test_single_step_shape_change_is_a_clear_error():
+    sn = MulFreeChannelwisePSN(channels=2, k=2, step_mode="s")
+    sn(torch.randn(4, 2, 3))
+    with pytest.raises(ValueError, match="stored state"):
+        sn(torch.randn(5, 2, 3))
+    functional.reset_net(sn)
+    sn(torch.randn(5, 2, 3))  # fine after a reset
+
+
+def test_state_follows_dtype_and_device_moves():
+    sn = MulFreeChannelwisePSN(channels=2, k=2, threshold="param", step_mode="s")
+    sn(torch.randn(3, 2))
+    sn.double()
+    assert sn.x_queue[0].dtype == torch.float64
+    assert sn(torch.randn(3, 2, dtype=torch.float64)).dtype == torch.float64
+
+
+# ---------------------------------------------------------------- layouts and methods
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_every_method_and_layout_gives_the_same_neuron(threshold):
+    torch.manual_seed(5)
+    base = MulFreeChannelwisePSN(channels=3, k=3, dilation=2, threshold=threshold, step_mode="m",
+                                 surrogate_function=surrogate.ATan(spiking=False)).double()
+    x = seq(7, 4, 3, (2, 2))
+    want = base(x)
+    state = base.state_dict()
+    for layout in ops.LAYOUTS:
+        for method in ["auto"] + ops.names(layout=layout, backend="torch"):
+            sn = MulFreeChannelwisePSN(channels=3, k=3, dilation=2, threshold=threshold, step_mode="m",
+                                       layout=layout, method=method,
+                                       surrogate_function=surrogate.ATan(spiking=False)).double()
+            sn.load_state_dict(state)  # a checkpoint from any method/layout loads in any other
+            xi = x if layout == "time_first" else x.movedim(0, -1)
+            out = sn(xi)
+            out = out if layout == "time_first" else out.movedim(-1, 0)
+            torch.testing.assert_close(out, want, msg=f"{layout}/{method}")
+            assert sn.state_dict().keys() == state.keys()
+
+
+def test_auto_method_uses_documented_default():
+    sn = MulFreeChannelwisePSN(channels=3, k=2, step_mode="m")
+    x = torch.randn(8, 2, 3)
+    assert sn.resolve_method(x) == spikingjelly_mfpsn.default_method(x, 2, 1, "time_first")
+    big = MulFreeChannelwisePSN(channels=3, k=16, step_mode="m", layout="time_last")
+    xl = torch.randn(2, 3, 100)
+    chosen = big.resolve_method(xl)
+    assert ops.get(chosen).supports(xl, torch.empty(3, 16), 1, "time_last")
+    sn.method = "conv1d"
+    assert sn.resolve_method(x) == "conv1d"
+    assert set(sn.supported_methods) == set(ops.names(layout="time_first", backend="torch"))
+
+
+# ---------------------------------------------------------------- lazy channels
+def test_channels_inferred_at_first_forward():
+    sn = MulFreeChannelwisePSN(k=2, step_mode="m", layout="time_last")
+    assert sn.channels is None
+    sn(torch.randn(2, 5, 3, 4))  # (N, C, L, T)
+    assert sn.channels == 5 and sn.weight.shape == (5, 2)
+    with pytest.raises(ValueError, match="channels"):
+        sn(torch.randn(2, 4, 3, 4))
+    s1 = MulFreeChannelwisePSN(k=3, step_mode="s")
+    s1(torch.randn(2, 6))
+    assert s1.channels == 6
+
+
+def test_lazy_neuron_loads_a_checkpoint():
+    src = MulFreeChannelwisePSN(channels=4, k=3)
+    with torch.no_grad():
+        src.weight.normal_()
+    dst = MulFreeChannelwisePSN(k=3)
+    dst.load_state_dict(src.state_dict())
+    assert dst.channels == 4 and torch.equal(dst.weight, src.weight)
+
+
+# ---------------------------------------------------------------- repr and export
+def test_extra_repr_shows_configuration():
+    r = repr(MulFreeChannelwisePSN(channels=4, k=3, dilation=2, threshold="param", layout="time_last",
+                                   method="conv2d", step_mode="m"))
+    for part in ("channels=4", "k=3", "dilation=2", "quantize=True", "threshold='param'",
+                 "layout='time_last'", "method='conv2d'", "backend='torch'", "step_mode='m'"):
+        assert part in r
+
+
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_export_shifts_reproduce_eval_neuron(threshold):
+    torch.manual_seed(2)
+    sn = MulFreeChannelwisePSN(channels=3, k=3, dilation=2, threshold=threshold, step_mode="m",
+                               exp_init=False).double()
+    sn(seq(5, 4, 3, ()))  # some running statistics
+    sn.eval()
+    ex = sn.export_shifts()
+    assert ex["shift"].dtype == torch.int8 and ex["sign"].dtype == torch.int8
+    w = ex["sign"].double() * torch.pow(2.0, ex["shift"].double())
+    w_ref, b_ref = sn.fused_weight_bias()
+    torch.testing.assert_close(w, reference.pow2(w_ref.detach()))
+    x = seq(9, 4, 3, ())
+    h = reference.charge(x, w, ex["bias"], 2, "time_first")
+    torch.testing.assert_close(sn(x), (h >= 0).double())
+
+
+def test_export_refuses_unquantised():
+    with pytest.raises(ValueError, match="quantize"):
+        MulFreeChannelwisePSN(channels=2, quantize=False).export_shifts()
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=0), "k"), (dict(k=2.5), "k"), (dict(dilation=0), "dilation"), (dict(dilation=1.5), "dilation"),
+    (dict(method="nope"), "method"), (dict(layout="time_middle"), "layout"), (dict(backend="jax"), "backend"),
+    (dict(threshold="fixed"), "threshold"), (dict(ste="soft"), "ste"), (dict(channels=0), "channels"),
+])
+def test_bad_configuration(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MulFreeChannelwisePSN(**kwargs)
+
+
+def test_backend_without_its_library():
+    if ops.backend_available("cupy"):
+        pytest.skip("cupy is installed here, so its absence cannot be tested")
+    with pytest.raises(ImportError, match="pip install"):
+        MulFreeChannelwisePSN(backend="cupy")
+
+
+def test_bad_input():
+    sn = MulFreeChannelwisePSN(channels=3, k=2, step_mode="m")
+    with pytest.raises(ValueError, match="channels"):
+        sn(torch.randn(4, 2, 5))
+    with pytest.raises(ValueError, match=r"\(T, N, C, ...\)"):
+        sn(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="got shape"):
+        sn(torch.randn(2, 2, 3, 2, 2, 2, 2))
+    sn.step_mode = "s"
+    with pytest.raises(ValueError, match="single-step"):
+        sn(torch.randn(3))
+    sl = MulFreeChannelwisePSN(channels=3, k=2, step_mode="m", layout="time_first", method="conv2d")
+    with pytest.raises(ValueError, match="Methods that can"):
+        sl(torch.randn(4, 2, 3))
+
+
+def test_nan_weights_are_refused():
+    sn = MulFreeChannelwisePSN(channels=2, k=2, step_mode="m")
+    with torch.no_grad():
+        sn.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        sn(torch.randn(3, 2, 2))

@@ -76,8 +76,10 @@ def test_ranks_and_strides(layout, features, contiguous):
     torch.manual_seed(len(features))
     # Non-contiguous = reversed memory order, so the feature dims cannot merge: one explicit copy.
     x = make_input(6, 2, 3, features, layout, torch.float32, contiguous).to(DEVICE)
-    check_charge(x, rand(3, 3, dtype=torch.float32), rand(3, dtype=torch.float32), 2, layout,
-                 TOL[torch.float32])
+    w = rand(3, 3, dtype=torch.float32)
+    if not contiguous:
+        w = rand(3, 3, dtype=torch.float32).t()  # a (C, k) weight with strides (1, C)
+    check_charge(x, w, rand(3, dtype=torch.float32), 2, layout, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -85,6 +87,16 @@ def test_ranks_and_strides(layout, features, contiguous):
 def test_single_step_sequence(layout, k):
     x = make_input(1, 3, 4, (2,), layout, torch.float64, True).to(DEVICE)
     check_charge(x, rand(4, k), rand(4), 2, layout, TOL[torch.float64])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_empty_batch(layout):
+    x = make_input(5, 0, 3, (2,), layout, torch.float32, True).to(DEVICE).requires_grad_()
+    w, b = rand(3, 2, dtype=torch.float32).requires_grad_(), rand(3, dtype=torch.float32).requires_grad_()
+    h = ops.charge(x, w, b, 1, layout, "triton")
+    assert h.shape == x.shape
+    gx, gw, gb = torch.autograd.grad(h.sum(), (x, w, b))
+    assert gx.shape == x.shape and not gw.any() and not gb.any()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -241,6 +253,27 @@ def test_neuron_backend_triton(layout, threshold):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
     if threshold == "bn":
         torch.testing.assert_close(tri.running_var, ref.running_var)
+
+
+# ---------------------------------------------------------------- GPU autotuning choices (plain Python)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_autotune_prunes_wasteful_tiles(layout):
+    configs = triton_ops._configs(layout, triton_ops.GPU_TILES)
+    # T = 4 (common in SNNs): tiles long in T are not worth benchmarking.
+    kept = triton_ops._prune(configs, dict(R=4096, C=64, T=4))
+    assert kept and all(cf.kwargs["BT"] <= 8 for cf in kept)
+    # Every shape keeps at least one config, the least wasteful one among them.
+    for r, c, t in ((1, 1, 1), (3, 1000, 2), (100000, 3, 1000)):
+        kept = triton_ops._prune(configs, dict(R=r, C=c, T=t))
+        least = min(triton_ops._padded_work(cf, r, c, t) for cf in configs)
+        assert kept and min(triton_ops._padded_work(cf, r, c, t) for cf in kept) == least
+
+
+def test_backward_grid_fills_the_target():
+    tile = dict(BR=16, BC=1, BT=64)
+    assert triton_ops._backward_grid(tile, r=4096, c=8, t=256, target=432) == (8, 54)
+    assert triton_ops._backward_grid(tile, r=16, c=8, t=64, target=432) == (8, 1)  # one tile each
+    assert triton_ops._backward_grid(tile, r=4096, c=1000, t=256, target=432) == (1000, 1)
 
 
 # ---------------------------------------------------------------- what the implementation refuses

@@ -158,28 +158,35 @@ def _charge_bwd_kernel(G, H, X, W, GX, PW, PB, R, C, T, M, K, dilation, alpha,
 # ---------------------------------------------------------------- autotune configs per layout
 INTERPRETED = type(_charge_fwd_kernel).__name__ == "InterpretedFunction"
 
-if INTERPRETED:
-    # One small config per layout: nothing to benchmark on the CPU, and small test shapes still span
-    # several tiles along every axis.
-    _TILES = {"time_first": [(32, 4, 16)], "time_last": [(32, 4, 16)]}
-else:
-    # Time-first (T, N, C, M): C (M = 1) or M is the contiguous axis, T the outermost; time-last
-    # (N, C, M, T): T is contiguous, so tiles are long in T.
-    _TILES = {"time_first": [(1, 256, 2), (4, 64, 4), (16, 16, 4), (64, 4, 4), (256, 1, 2), (128, 1, 8)],
-              "time_last": [(4, 1, 256), (8, 1, 128), (16, 1, 64), (32, 1, 32), (64, 1, 16), (4, 4, 64)]}
+# (BR, BC, BT) tiles. Time-first (T, N, C, M): C (when M = 1) or M is the contiguous axis and T the
+# outermost, so tiles are wide in rows/channels and short in T. Time-last (N, C, M, T): T is
+# contiguous, so tiles are long in T, with row-heavy ones for the short T common in SNNs (T = 4..8).
+GPU_TILES = {"time_first": [(1, 256, 2), (4, 64, 4), (16, 16, 4), (64, 4, 4), (256, 1, 2), (128, 1, 8)],
+             "time_last": [(4, 1, 256), (8, 1, 128), (16, 1, 64), (32, 1, 32), (64, 1, 16), (128, 1, 8),
+                           (256, 1, 4)]}
+# The interpreter: one config per layout (nothing to benchmark on the CPU); few, large programs, as
+# each program costs interpreter overhead; test shapes past 32 rows / 4 channels / 16 steps still
+# span several tiles.
+INTERPRETER_TILES = {"time_first": [(32, 4, 16)], "time_last": [(32, 4, 16)]}
+_TILES = INTERPRETER_TILES if INTERPRETED else GPU_TILES
 
 
-def _configs(layout: str) -> list:
+def _configs(layout: str, tiles=None) -> list:
     return [triton.Config({"BR": br, "BC": bc, "BT": bt}, num_warps=4 if br * bc * bt <= 1024 else 8)
-            for br, bc, bt in _TILES[layout]]
+            for br, bc, bt in (tiles or _TILES)[layout]]
+
+
+def _padded_work(config, r: int, c: int, t: int) -> int:
+    """Elements a config's tiles cover for an (R, C, T) problem, masked-off padding included."""
+    kw = config.kwargs
+    return math.prod(triton.cdiv(n, kw[b]) * kw[b] for b, n in (("BR", r), ("BC", c), ("BT", t)))
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles much larger than the problem along an axis; keep at least the smallest tile."""
-    limit = {name: triton.next_power_of_2(max(int(named_args[dim]), 1)) for name, dim in
-             (("BR", "R"), ("BC", "C"), ("BT", "T"))}
-    kept = [cf for cf in configs if all(cf.kwargs[b] <= max(limit[b], 8) for b in limit)]
-    return kept or [min(configs, key=lambda cf: cf.kwargs["BR"] * cf.kwargs["BC"] * cf.kwargs["BT"])]
+    """Benchmark only tiles that waste little on this shape: padded work within 2x of the least."""
+    r, c, t = (int(named_args[n]) for n in ("R", "C", "T"))
+    least = min(_padded_work(cf, r, c, t) for cf in configs)
+    return [cf for cf in configs if _padded_work(cf, r, c, t) <= 2 * least]
 
 
 _KEY = ["R", "C", "T", "M", "K"]
@@ -241,6 +248,14 @@ def _split_target(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _backward_grid(tile: dict, r: int, c: int, t: int, target: int) -> tuple[int, int]:
+    """(channel blocks, splits): each channel block's tiles are shared by enough programs to reach
+    about ``target`` programs in all."""
+    n_cb = triton.cdiv(c, tile["BC"])
+    n_tiles = triton.cdiv(r, tile["BR"]) * triton.cdiv(t, tile["BT"])
+    return n_cb, max(1, min(n_tiles, target // n_cb))
+
+
 def charge_backward(grad, h, x, weight, dilation, layout, spike_kind=0, alpha=0.0,
                     need=(True, True, True)):
     """Run the backward kernel: (dL/dX, dL/dW, dL/db), each None unless asked for in ``need``.
@@ -253,20 +268,16 @@ def charge_backward(grad, h, x, weight, dilation, layout, spike_kind=0, alpha=0.
     acc = _acc_dtype(x, weight)
     part_dtype = torch.float64 if acc == tl.float64 else torch.float32
     target = _split_target(x.device)
+    grid = functools.partial(_backward_grid, r=r, c=c, t=t, target=target)
+    most = max(grid(cf.kwargs)[1] for cf in _BWD[layout].configs)  # a partial-sum slot per split
     bk = triton.next_power_of_2(k)
-    pw = torch.zeros((target, c, bk), dtype=part_dtype, device=x.device)
-    pb = torch.zeros((target, c), dtype=part_dtype, device=x.device)
+    pw = torch.zeros((most, c, bk), dtype=part_dtype, device=x.device)
+    pb = torch.zeros((most, c), dtype=part_dtype, device=x.device)
     gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
     if x.numel() > 0:
         grad = grad.contiguous()  # dense like H; a copy only for strided or broadcast gradients
         x4, xs, m = _view4(x, layout)
         _, os_, _ = _view4(grad, layout)
-
-        def grid(meta):
-            n_cb = triton.cdiv(c, meta["BC"])
-            n_tiles = triton.cdiv(r, meta["BR"]) * triton.cdiv(t, meta["BT"])
-            return n_cb, max(1, min(n_tiles, target // n_cb))
-
         _BWD[layout][grid](grad, h if h is not None else grad, x4, weight, gx if gx is not None else grad,
                            pw, pb, r, c, t, m, k, dilation, float(alpha), *xs, *os_, *weight.stride(),
                            SG=spike_kind, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb, ACC=acc, BK=bk)

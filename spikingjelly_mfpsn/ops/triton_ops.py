@@ -221,6 +221,11 @@ def _acc_dtype(*tensors):
     return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
+def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
+    """One program per (BR, BC, BT) tile."""
+    return (triton.cdiv(r, tile["BR"]) * triton.cdiv(c, tile["BC"]) * triton.cdiv(t, tile["BT"]),)
+
+
 def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, alpha=0.0, store_h=True):
     """Run the forward kernel: returns (H or None, S or None), dense in ``x``'s shape."""
     out_dtype = torch.result_type(x, weight)
@@ -232,7 +237,7 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, alpha=0.0, s
     out = h if h is not None else s
     _, os_, _ = _view4(out, layout)
     r, c, t = _sizes(x, layout)
-    grid = lambda meta: (triton.cdiv(r, meta["BR"]) * triton.cdiv(c, meta["BC"]) * triton.cdiv(t, meta["BT"]),)
+    grid = functools.partial(_forward_grid, r=r, c=c, t=t)
     _FWD[layout][grid](x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
                        r, c, t, m, weight.shape[1], dilation, *xs, *os_, *weight.stride(),
                        HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind),
@@ -242,7 +247,7 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, alpha=0.0, s
 
 @functools.lru_cache(maxsize=None)
 def _split_target(device: torch.device) -> int:
-    """Programs the backward kernel aims for: enough to fill the GPU (a few on the interpreter)."""
+    """Programs the backward kernel aims for: enough to fill the GPU (8 on the interpreter)."""
     if INTERPRETED or device.type != "cuda":
         return 8
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -33,10 +33,10 @@ demo: .venv-sj2/.ready
 test: test-sj2 test-sj14
 
 test-sj2: .venv-sj2/.ready
-	TRITON_INTERPRET=1 .venv-sj2/bin/python -m pytest -q tests
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 .venv-sj2/bin/python -m pytest -q tests
 
 test-sj14: .venv-sj14/.ready
-	TRITON_INTERPRET=1 .venv-sj14/bin/python -m pytest -q tests
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 .venv-sj14/bin/python -m pytest -q tests
 
 clean:
 	rm -rf .venv-sj2 .venv-sj14

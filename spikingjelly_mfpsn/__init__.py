@@ -1,20 +1,25 @@
 """spikingjelly_mfpsn: the multiplication-free channel-wise Parallel Spiking Neuron for SpikingJelly.
 
 Importing this package adds ``MulFreeChannelwisePSN`` to ``spikingjelly.activation_based.neuron``
+and, where SpikingJelly lacks it, ``TLastSeqToANNContainer`` to ``spikingjelly.activation_based.layer``
 (never replacing a name SpikingJelly defines itself).
 """
-from . import _compat, functional, ops
-from .functional import replace_neurons, sawtooth, set_backend, set_method
+from . import _compat, functional, layer, ops, tuner
+from .convert import UnconvertibleModuleError, to_time_first, to_time_last
+from .functional import autoselect, replace_neurons, sawtooth, set_backend, set_method
 from .neuron import MulFreeChannelwisePSN, default_method, exp_init_weight
 from .quantize import quantize, quantize_pow2_, shift_amounts
+from . import deploy, energy
 
 __version__ = "0.1.0"
 
 _compat.add_to_namespace(_compat.neuron, "MulFreeChannelwisePSN", MulFreeChannelwisePSN)
+_compat.add_to_namespace(_compat.layer, "TLastSeqToANNContainer", layer.TLastSeqToANNContainer)
 # SpikingJelly 0.0.0.0.14 has its own functional.set_backend, which is kept: it works on MF-PSN too.
-for _name in ("replace_neurons", "set_method") + (() if _compat.HAS_SET_BACKEND else ("set_backend",)):
+for _name in ("autoselect", "replace_neurons", "set_method") + (() if _compat.HAS_SET_BACKEND else ("set_backend",)):
     _compat.add_to_namespace(_compat.functional, _name, getattr(functional, _name))
 
-__all__ = ["MulFreeChannelwisePSN", "default_method", "exp_init_weight", "functional", "ops", "quantize",
-           "quantize_pow2_", "replace_neurons", "sawtooth", "set_backend", "set_method", "shift_amounts",
+__all__ = ["MulFreeChannelwisePSN", "UnconvertibleModuleError", "autoselect", "default_method", "deploy", "energy",
+           "exp_init_weight", "functional", "layer", "ops", "quantize", "quantize_pow2_", "replace_neurons",
+           "sawtooth", "set_backend", "set_method", "shift_amounts", "to_time_first", "to_time_last", "tuner",
            "__version__"]

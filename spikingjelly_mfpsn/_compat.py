@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 
+import torch
 from packaging.version import Version
 from spikingjelly.activation_based import base, functional, layer, neuron, surrogate
 
@@ -18,10 +19,29 @@ SJ_VERSION = Version(importlib.metadata.version("spikingjelly"))
 SJ2 = SJ_VERSION >= Version("0.0.0.1")  # 2.x; 0.0.0.0.14 sorts below it
 HAS_SET_BACKEND = hasattr(functional, "set_backend")
 TLastSeqToANNContainer = getattr(layer, "TLastSeqToANNContainer", None)
+PSN = getattr(neuron, "PSN", None)  # the parallel spiking neuron (2.x only)
+try:  # operation counters and energy profilers (2.x only)
+    from spikingjelly.activation_based import op_counter
+except ImportError:
+    op_counter = None
 
 MemoryModule = base.MemoryModule
 MultiStepModule = base.MultiStepModule
 StepModule = base.StepModule
+
+
+def sj_layer(name: str):
+    """``spikingjelly.activation_based.layer.<name>``, or None where this version lacks it."""
+    return getattr(layer, name, None)
+
+
+def t_last_seq_to_ann_forward(x_seq: torch.Tensor, fn) -> torch.Tensor:
+    """Apply the single-step ``fn`` to every step of a time-last ``(N, ..., T)`` sequence at once
+    (``torch.vmap`` over the last dim): SpikingJelly's own function where installed."""
+    sj_fn = getattr(functional, "t_last_seq_to_ann_forward", None)
+    if sj_fn is not None:
+        return sj_fn(x_seq, fn)
+    return torch.vmap(fn, in_dims=-1, out_dims=-1)(x_seq)
 
 
 def default_surrogate():
@@ -52,11 +72,6 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
     return True
 
 
-__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "MemoryModule",
-           "MultiStepModule", "StepModule", "default_surrogate", "invalidate_reset_cache",
-           "add_to_namespace", "spiking_neuron_classes", "base", "functional", "layer", "neuron", "surrogate"]
-
-
 def spiking_neuron_classes() -> tuple:
     """Every spiking neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN
     family, ...), i.e. the default targets of ``replace_neurons``."""
@@ -67,3 +82,9 @@ def spiking_neuron_classes() -> tuple:
                 and obj.__module__.startswith("spikingjelly.activation_based.neuron")):
             found.append(obj)
     return tuple(found)
+
+
+__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "PSN", "op_counter", "MemoryModule",
+           "MultiStepModule", "StepModule", "default_surrogate", "sj_layer", "t_last_seq_to_ann_forward",
+           "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base", "functional",
+           "layer", "neuron", "surrogate"]

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from . import _compat
+from . import _compat, ops
 from .neuron import MulFreeChannelwisePSN
 
 logger = _compat.logger
@@ -181,11 +181,19 @@ def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Modul
     return net
 
 
-def set_method(net: nn.Module, method: str, instance=(nn.Module,)) -> nn.Module:
+def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instance=(nn.Module,)) -> nn.Module:
     """Set ``method`` on every module of type ``instance`` with a ``supported_methods`` list that has it.
 
-    ``'auto'`` is accepted by every such module. Others are logged and skipped.
+    ``'auto'`` is accepted by every such module; others are logged and skipped. With ``layout``, the
+    network is first converted to that layout (:func:`~spikingjelly_mfpsn.to_time_last` /
+    :func:`~spikingjelly_mfpsn.to_time_first`, sharing parameters). Returns the network (use the
+    return value: a network that is a single layer may come back wrapped).
     """
+    if layout is not None:
+        from .convert import current_layout, to_time_first, to_time_last
+        ops.check_layout(layout)
+        if current_layout(net) != layout:
+            net = to_time_last(net) if layout == "time_last" else to_time_first(net)
     for m in _tunable(net, instance):
         supported = getattr(m, "supported_methods", None)
         if supported is None:
@@ -196,3 +204,10 @@ def set_method(net: nn.Module, method: str, instance=(nn.Module,)) -> nn.Module:
             logger.warning("%s does not support method=%r (it supports %s); it keeps method=%r",
                            type(m).__name__, method, list(supported), m.method)
     return net
+
+
+def autoselect(net: nn.Module, x_example, m: int = 3, layouts=("time_first", "time_last"), cache=True, **kwargs):
+    """Paper Algorithm 1: time every layer's implementations in each layout and apply the fastest.
+    See :func:`spikingjelly_mfpsn.tuner.autoselect`."""
+    from .tuner import autoselect as _autoselect
+    return _autoselect(net, x_example, m=m, layouts=layouts, cache=cache, **kwargs)

@@ -171,13 +171,27 @@ _INSTALL_HINTS = {"triton": "pip install triton (its kernels need a CUDA device,
                   "cupy": "pip install cupy-cuda12x (needs a CUDA device)"}
 
 
+# Why a backend registered no implementation although its library imports (e.g. no CUDA device).
+_UNAVAILABLE_REASONS: dict[str, str] = {}
+
+
+def note_unavailable(backend: str, reason: str) -> None:
+    """Record why ``backend`` registered nothing; :func:`check_backend` puts it in its error."""
+    _UNAVAILABLE_REASONS[backend] = reason
+
+
 def check_backend(backend: str) -> str:
     """Raise a clear error unless ``backend`` is known and its library imports."""
     if backend not in BACKEND_LIBRARIES:
         raise ValueError(f"backend must be one of {tuple(BACKEND_LIBRARIES)}, got {backend!r}")
     if not backend_available(backend):
-        raise ImportError(f"backend={backend!r} needs the {BACKEND_LIBRARIES[backend]} package, which "
-                          f"does not import here: {_INSTALL_HINTS.get(backend, '')}")
+        import importlib.util
+        lib = BACKEND_LIBRARIES[backend]
+        if importlib.util.find_spec(lib) is None:
+            raise ImportError(f"backend={backend!r} needs the {lib} package, which "
+                              f"does not import here: {_INSTALL_HINTS.get(backend, '')}")
+        raise ImportError(f"backend={backend!r} cannot run here: "
+                          f"{_UNAVAILABLE_REASONS.get(backend, 'it registered no implementation')}")
     return backend
 
 

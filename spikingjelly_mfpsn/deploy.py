@@ -1,0 +1,469 @@
+"""Mul-free inference: folded MF-PSN neurons and their integer bit-shift charge (paper Sec. 4.2, App. C).
+
+After training, a ``threshold='bn'`` neuron's batch normalisation is constant, so its fused, quantised
+weight and its bias are constants too (paper Eq. weight/bias fuse)::
+
+    H[t, c] = sum_i sign[c, i] * 2**shift[c, i] * X[t - (k-1-i)*d, c] + bias[c],     S = Theta(H)
+
+:func:`fold` replaces every :class:`~spikingjelly_mfpsn.MulFreeChannelwisePSN` of a network by a
+:class:`FoldedMulFreePSN` that stores only ``shift`` and ``sign`` (int8, ``(C, k)``) and ``bias``
+(float, ``(C,)``). It runs in one of two arithmetics:
+
+* float (default): one charge call of the registry (:func:`spikingjelly_mfpsn.ops.charge`) with the
+  weight ``sign * 2**shift``; bit for bit the unfolded neuron's eval output.
+* integer (:func:`set_integer`): the neuron's input is a fixed-point integer ``q = round(X * 2**F)``
+  (``F = frac_bits`` fractional bits; float inputs are converted on entry, integer inputs are taken as
+  already in that format) and ``H`` is computed by :func:`int_charge` with ``torch.bitwise_left_shift``
+  / ``bitwise_right_shift``, negation and additions only (no multiplication).
+
+Exactness. The accumulator carries ``P = acc_frac_bits`` fractional bits; by default
+``P = F + max(0, -min(shift))``, so every tap is a *left* shift by ``shift + P - F >= 0``: nothing is
+rounded and the accumulator is exactly ``sum_i Wq X * 2**P``. The bias enters as
+``floor(bias * 2**P)``, which makes ``acc + floor(bias * 2**P) >= 0`` equivalent to the exact
+``sum_i Wq X + bias >= 0``. So for inputs that are multiples of ``2**-F`` the integer spikes are those of
+exact arithmetic, and they equal the float path whenever the float path is itself exact (float64
+with every partial sum inside 53 significant bits, which holds for ordinary activations and
+parameters). float32 rounds partial sums to 24 bits, and inputs off the ``2**-F`` grid are rounded on
+entry: there the agreement is measured by :func:`agreement` instead of promised. A smaller
+``acc_frac_bits`` makes negative shift amounts real arithmetic right shifts (floor), trading
+accumulator width for exactness.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import _compat, ops
+from .neuron import MulFreeChannelwisePSN
+from .ops.registry import channel_view_shape
+
+#: Default number of fractional bits of a neuron's fixed-point input.
+FRAC_BITS = 8
+
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_MAX_BITS = 62  # magnitude bits an int64 accumulator may use (one spare bit below the sign)
+
+
+# ---------------------------------------------------------------------------------- fixed point
+def _check_bits(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_BITS:
+        raise ValueError(f"{name} must be an int in [0, {_MAX_BITS}], got {value!r}")
+    return value
+
+
+def to_fixed(x: torch.Tensor, frac_bits: int = FRAC_BITS) -> torch.Tensor:
+    """``round(x * 2**frac_bits)`` as int64: the fixed-point form of a float tensor.
+
+    Exact (no rounding) for values that are multiples of ``2**-frac_bits``.
+    """
+    _check_bits(frac_bits, "frac_bits")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    scaled = torch.round(x.double() * 2.0 ** frac_bits)
+    if not torch.isfinite(scaled).all() or (scaled.abs() >= 2.0 ** _MAX_BITS).any():
+        raise OverflowError(f"x * 2**{frac_bits} does not fit the int64 fixed-point format (NaN, inf or "
+                            f"|x| >= 2**{_MAX_BITS - frac_bits}); lower frac_bits")
+    return scaled.to(torch.int64)
+
+
+def from_fixed(q: torch.Tensor, frac_bits: int = FRAC_BITS, dtype: torch.dtype = torch.float32):
+    """The float value ``q * 2**-frac_bits`` of a fixed-point tensor."""
+    check_fixed(q)
+    return torch.ldexp(q.to(dtype), torch.tensor(-_check_bits(frac_bits, "frac_bits"), dtype=dtype))
+
+
+def check_fixed(q, name: str = "q") -> None:
+    """Raise ``TypeError`` unless ``q`` is an integer (fixed-point) tensor."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in _INT_DTYPES:
+        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        raise TypeError(f"{name} must be an integer (fixed-point) tensor, got {got}; convert a float tensor "
+                        f"with spikingjelly_mfpsn.deploy.to_fixed(x, frac_bits)")
+
+
+def exact_acc_frac_bits(shift: torch.Tensor, frac_bits: int) -> int:
+    """Accumulator fractional bits for which every tap is a left shift: ``F + max(0, -min(shift))``."""
+    return frac_bits + max(0, -int(shift.min())) if shift.numel() else frac_bits
+
+
+def int_bias(bias: torch.Tensor, acc_frac_bits: int) -> torch.Tensor:
+    """``floor(bias * 2**acc_frac_bits)`` as int64 (a constant, computed once per format).
+
+    Rounding down keeps the firing decision exact: for an integer accumulator ``a``,
+    ``a + floor(b * 2**P) >= 0`` exactly when ``a * 2**-P + b >= 0``.
+    """
+    scaled = torch.floor(bias.detach().double() * 2.0 ** _check_bits(acc_frac_bits, "acc_frac_bits"))
+    if not torch.isfinite(scaled).all() or (scaled.abs() >= 2.0 ** _MAX_BITS).any():
+        raise OverflowError(f"bias * 2**{acc_frac_bits} does not fit int64; lower acc_frac_bits")
+    return scaled.to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------- integer charge
+def _check_taps(shift: torch.Tensor, sign: torch.Tensor, channels: int) -> None:
+    for t, name in ((shift, "shift"), (sign, "sign")):
+        check_fixed(t, name)
+        if t.dim() != 2 or t.shape[0] != channels:
+            raise ValueError(f"{name} must have shape (C, k) = ({channels}, k), got {tuple(t.shape)}")
+    if shift.shape != sign.shape:
+        raise ValueError(f"shift {tuple(shift.shape)} and sign {tuple(sign.shape)} must have the same shape")
+
+
+def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
+    """Refuse formats whose accumulator could overflow int64 (instead of wrapping silently)."""
+    top = int(q.abs().max()) if q.numel() else 0
+    bits = top.bit_length() + max(0, int(amount.max())) + amount.shape[1].bit_length()
+    if bits > _MAX_BITS:
+        raise OverflowError(f"the accumulator needs {bits} bits (inputs up to {top}, left shifts up to "
+                            f"{int(amount.max())}, {amount.shape[1]} taps) but int64 holds {_MAX_BITS}; "
+                            f"lower frac_bits or acc_frac_bits")
+
+
+def tap_schedule(t_len: int, k: int, dilation: int, start: int = 0):
+    """The taps the integer charge runs for output steps ``[start, t_len)``.
+
+    Yields ``(i, lag, first)`` for every tap ``i`` (lag ``(k-1-i)*d``) that falls inside the sequence
+    for at least one of those steps; it runs on output steps ``[first, t_len)``, ``first = max(start, lag)``.
+    """
+    for i in range(k):
+        lag = (k - 1 - i) * dilation
+        first = max(start, lag)
+        if first < t_len:
+            yield i, lag, first
+
+
+def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilation: int,
+               layout: str = "time_first", extra_bits: int = 0, last: Optional[int] = None,
+               tally: Optional[dict] = None) -> torch.Tensor:
+    """The MF-PSN charge without bias, in integer arithmetic (shifts, negation, additions)::
+
+        acc[t, c] = sum_i sign[c, i] * sh(q[t - (k-1-i)*d, c], shift[c, i] + extra_bits)
+
+    where ``sh(v, a)`` is ``v << a`` for ``a >= 0`` and the arithmetic (flooring) ``v >> -a`` otherwise.
+    If ``q`` has ``F`` fractional bits, ``acc`` has ``F + extra_bits``; with ``extra_bits >= -min(shift)``
+    it equals ``sum_i Wq X * 2**(F + extra_bits)`` exactly.
+
+    :param q: integer tensor, time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)``
+    :param shift: integer exponents ``(C, k)``; ``sign``: -1/0/+1 ``(C, k)`` (see ``export_shifts``)
+    :param last: compute only the last ``last`` time steps (single-step inference passes 1)
+    :param tally: if given, ``tally['shift']`` and ``tally['add']`` grow by the element operations run
+        (one shift and one add-or-subtract per tap that falls inside the sequence)
+    :return: int64 tensor of ``q``'s shape (``last`` steps along time if given)
+    """
+    check_fixed(q)
+    ops.check_layout(layout)
+    if q.dim() < 3:
+        raise ValueError(f"q must have at least 3 dims (a sequence), got shape {tuple(q.shape)}")
+    qt = (q.movedim(-1, 0) if layout == "time_last" else q).to(torch.int64)
+    _check_taps(shift, sign, qt.shape[2])
+    t_len, k = qt.shape[0], shift.shape[1]
+    steps = t_len if last is None else min(last, t_len)
+    start = t_len - steps
+    amount = shift.to(torch.int64) + extra_bits
+    _check_range(qt, amount)
+    view = channel_view_shape(qt.dim(), "time_first")
+    acc = torch.zeros((steps,) + qt.shape[1:], dtype=torch.int64, device=qt.device)
+    for i, lag, first in tap_schedule(t_len, k, dilation, start):
+        a = amount[:, i].view(view)
+        term = torch.bitwise_left_shift(qt[first - lag:t_len - lag], a.clamp(min=0))
+        if (a < 0).any():  # per element one of the two shifts is by 0: one shift per tap and element
+            term = torch.bitwise_right_shift(term, (-a).clamp(min=0))
+        s = sign[:, i].view(view)
+        term = torch.where(s < 0, -term, term).masked_fill(s == 0, 0)  # add or subtract, or skip
+        acc[first - start:] += term
+        if tally is not None:
+            tally["shift"] = tally.get("shift", 0) + term.numel()
+            tally["add"] = tally.get("add", 0) + term.numel()
+    return acc.movedim(0, -1) if layout == "time_last" else acc
+
+
+def int_fire(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, bias_int: torch.Tensor,
+             dilation: int, layout: str = "time_first", extra_bits: int = 0,
+             last: Optional[int] = None, tally: Optional[dict] = None) -> torch.Tensor:
+    """Spikes (bool) of the integer neuron: ``int_charge(...) + bias_int >= 0``.
+
+    ``bias_int`` is :func:`int_bias` at the accumulator's fractional bits (``F + extra_bits``); adding it
+    is one addition per element (the paper's per-step threshold ADD).
+    """
+    check_fixed(bias_int, "bias_int")
+    acc = int_charge(q, shift, sign, dilation, layout, extra_bits, last, tally)
+    acc += bias_int.to(torch.int64).view(channel_view_shape(acc.dim(), layout))
+    if tally is not None:
+        tally["add"] = tally.get("add", 0) + acc.numel()
+    return acc >= 0
+
+
+# ---------------------------------------------------------------------------------- folded neuron
+class FoldedMulFreePSN(_compat.MemoryModule):
+    """Inference-only MF-PSN: ``shift``/``sign`` (int8, ``(C, k)``) and ``bias`` (``(C,)``), no float weight.
+
+    Built by :func:`fold`. Eval only: a forward in training mode raises (use :func:`unfold` to train
+    again). ``step_mode``, ``layout`` and ``method`` mean what they mean for the neuron. ``frac_bits``
+    is ``None`` for the float path, else the fixed-point format of the integer path (see
+    :func:`set_integer`).
+    """
+
+    # The float path is the neuron's own forward code; only where (Wq, b) come from differs.
+    _channel_axis = MulFreeChannelwisePSN._channel_axis
+    _check_rank = MulFreeChannelwisePSN._check_rank
+    _check_input = MulFreeChannelwisePSN._check_input
+    resolve_method = MulFreeChannelwisePSN.resolve_method
+    _float_multi_step = MulFreeChannelwisePSN.multi_step_forward
+    _float_single_step = MulFreeChannelwisePSN.single_step_forward
+
+    def __init__(self, channels: int, k: int, dilation: int = 1, step_mode: str = "s",
+                 layout: str = "time_first", method: str = "auto", backend: str = "torch",
+                 surrogate_function=None, bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        for value, name in ((channels, "channels"), (k, "k"), (dilation, "dilation")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.k, self.dilation, self.step_mode = k, dilation, step_mode
+        self._layout = ops.check_layout(layout)
+        self._backend = ops.check_backend(backend)
+        self._method = method if method == "auto" else ops.get(method).name
+        # Kept for unfold(); in eval its forward is the Heaviside step.
+        self.surrogate_function = surrogate_function if surrogate_function is not None \
+            else _compat.default_surrogate()
+        self.register_buffer("shift", torch.zeros(channels, k, dtype=torch.int8))
+        self.register_buffer("sign", torch.ones(channels, k, dtype=torch.int8))
+        self.register_buffer("bias", torch.zeros(channels, dtype=bias_dtype))
+        self.frac_bits: Optional[int] = None
+        self.acc_frac_bits: Optional[int] = None
+        self.register_memory("x_queue", ())
+        self.eval()
+
+    @classmethod
+    def from_neuron(cls, neuron: MulFreeChannelwisePSN) -> "FoldedMulFreePSN":
+        """Fold one neuron (its eval-mode fused weight and bias: running statistics for 'bn')."""
+        if neuron.channels is None:
+            raise ValueError("cannot fold a MulFreeChannelwisePSN whose channels are not known yet; run one "
+                             "forward (or pass channels=) first")
+        exported = neuron.export_shifts()  # refuses quantize=False and exponents beyond int8
+        folded = cls(neuron.channels, neuron.k, neuron.dilation, neuron.step_mode, neuron.layout,
+                     neuron.method, neuron.backend, neuron.surrogate_function, exported["bias"].dtype)
+        with torch.no_grad():
+            for name in ("shift", "sign", "bias"):
+                getattr(folded, name).copy_(exported[name])
+        return folded.to(exported["bias"].device)
+
+    def to_neuron(self) -> MulFreeChannelwisePSN:
+        """A trainable neuron with the same eval output: ``threshold='param'``, ``W = Wq``, ``V_th = -bias``.
+
+        The batch-norm parameters folded away cannot be recovered; training resumes from this point.
+        """
+        w, b = self.fused_weight_bias()
+        neuron = MulFreeChannelwisePSN(self.channels, self.k, self.dilation, quantize=True, threshold="param",
+                                       surrogate_function=self.surrogate_function, step_mode=self.step_mode,
+                                       backend=self._backend, method=self._method, layout=self._layout)
+        with torch.no_grad():
+            neuron.weight.copy_(w)
+            neuron.v_threshold.copy_(-b)
+        return neuron.to(b.device).train(self.training)
+
+    @property
+    def channels(self) -> int:
+        return self.shift.shape[0]
+
+    @property
+    def layout(self) -> str:
+        return self._layout
+
+    @property
+    def method(self) -> str:
+        return self._method
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sign * 2**shift, bias)`` in the bias dtype: the neuron's ``S = Theta(conv(X, Wq) + b)``."""
+        dtype = self.bias.dtype
+        return torch.ldexp(self.sign.to(dtype), self.shift.to(dtype)), self.bias
+
+    def export_shifts(self) -> dict[str, torch.Tensor]:
+        """Same contract as :meth:`MulFreeChannelwisePSN.export_shifts`."""
+        return {"shift": self.shift.clone(), "sign": self.sign.clone(), "bias": self.bias.clone()}
+
+    # ------------------------------------------------------------------ forward
+    def _refuse_training(self) -> None:
+        if self.training:
+            raise RuntimeError("FoldedMulFreePSN is inference-only (it keeps no float weight and no batch "
+                               "statistics): call net.eval(), or spikingjelly_mfpsn.deploy.unfold(net) to get "
+                               "trainable MulFreeChannelwisePSN neurons back")
+
+    def _weight_bias_for(self, run_charge, channel_axis: int):
+        self._refuse_training()
+        return self.fused_weight_bias()
+
+    def _int_format(self) -> tuple[int, torch.Tensor]:
+        """(extra_bits, bias_int) of the current integer format."""
+        acc = self.acc_frac_bits if self.acc_frac_bits is not None \
+            else exact_acc_frac_bits(self.shift, self.frac_bits)
+        return acc - self.frac_bits, int_bias(self.bias, acc)
+
+    def _fixed(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.int64) if x.dtype in _INT_DTYPES else to_fixed(x, self.frac_bits)
+
+    @staticmethod
+    def _spike_dtype(x: torch.Tensor) -> torch.dtype:
+        return x.dtype if x.is_floating_point() else torch.get_default_dtype()
+
+    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        if self.frac_bits is None:
+            return self._float_multi_step(x_seq)
+        self._check_input(x_seq)
+        self._refuse_training()
+        extra, bias_int = self._int_format()
+        s = int_fire(self._fixed(x_seq), self.shift, self.sign, bias_int, self.dilation, self._layout, extra)
+        return s.to(self._spike_dtype(x_seq))
+
+    def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frac_bits is None:
+            return self._float_single_step(x)
+        self._check_input(x)
+        self._refuse_training()
+        q = self._fixed(x)
+        queue = self.x_queue
+        if queue and (queue[-1].shape != q.shape or queue[-1].dtype != q.dtype):
+            raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state holds "
+                             f"{tuple(queue[-1].shape)} {queue[-1].dtype} inputs; call functional.reset_net(net) "
+                             f"before feeding another shape or switching arithmetic")
+        history = queue + (q,)
+        extra, bias_int = self._int_format()
+        s = int_fire(torch.stack(history), self.shift, self.sign, bias_int, self.dilation, "time_first",
+                     extra, last=1)[0]
+        keep = (self.k - 1) * self.dilation
+        self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
+        return s.to(self._spike_dtype(x))
+
+    def detach(self):
+        self.x_queue = tuple(t.detach() for t in self.x_queue)
+        super().detach()
+
+    def _apply(self, fn, *args, **kwargs):
+        # Integer state must not be cast by net.double() / net.half(): only move it.
+        self.x_queue = tuple(t if not t.is_floating_point() else fn(t) for t in self.x_queue)
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        arith = "float" if self.frac_bits is None else \
+            f"integer(frac_bits={self.frac_bits}, acc_frac_bits={self.acc_frac_bits})"
+        return (f"channels={self.channels}, k={self.k}, dilation={self.dilation}, layout={self._layout!r}, "
+                f"method={self._method!r}, step_mode={self.step_mode!r}, arithmetic={arith}")
+
+
+# ---------------------------------------------------------------------------------- network level
+def _swap(net: nn.Module, kind: type, convert) -> nn.Module:
+    if isinstance(net, kind):
+        return convert(net)
+    for parent in list(net.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, kind):
+                setattr(parent, name, convert(child))
+    _compat.invalidate_reset_cache(net)
+    return net
+
+
+def fold(net: nn.Module) -> nn.Module:
+    """Replace every MulFreeChannelwisePSN of ``net`` by a :class:`FoldedMulFreePSN` (in place).
+
+    Puts ``net`` in eval mode (folding uses the running statistics; a folded net is for inference)
+    and returns it; a bare neuron returns its folded module. Folded and unfolded eval give the same
+    spikes. Checkpoints: the folded net's ``state_dict`` holds int8 ``shift``/``sign`` and ``bias`` per
+    neuron; load it into ``fold(build_net())``.
+    """
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    return _swap(net, MulFreeChannelwisePSN, FoldedMulFreePSN.from_neuron).eval()
+
+
+def unfold(net: nn.Module) -> nn.Module:
+    """Replace every FoldedMulFreePSN by a trainable neuron (see :meth:`FoldedMulFreePSN.to_neuron`)."""
+    return _swap(net, FoldedMulFreePSN, FoldedMulFreePSN.to_neuron)
+
+
+def folded_neurons(net: nn.Module) -> list[tuple[str, FoldedMulFreePSN]]:
+    """``(name, module)`` of every folded neuron; raises if ``net`` has unfolded MF-PSNs or none at all."""
+    unfolded = [n or type(net).__name__ for n, m in net.named_modules() if isinstance(m, MulFreeChannelwisePSN)]
+    if unfolded:
+        raise ValueError(f"net has MulFreeChannelwisePSN neurons that are not folded ({', '.join(unfolded)}); "
+                         f"call spikingjelly_mfpsn.deploy.fold(net) first")
+    found = [(n, m) for n, m in net.named_modules() if isinstance(m, FoldedMulFreePSN)]
+    if not found:
+        raise ValueError("net has no FoldedMulFreePSN: build it with MulFreeChannelwisePSN neurons and call "
+                         "spikingjelly_mfpsn.deploy.fold(net)")
+    return found
+
+
+def set_integer(net: nn.Module, frac_bits: int = FRAC_BITS, acc_frac_bits: Optional[int] = None) -> nn.Module:
+    """Run every folded neuron of ``net`` in integer bit-shift arithmetic (see the module docstring).
+
+    :param frac_bits: fractional bits F of the neurons' fixed-point input; float inputs (the synaptic
+        layers' outputs) are rounded to this grid on entry, integer inputs are taken as already in it
+    :param acc_frac_bits: accumulator fractional bits; ``None`` picks the exact width per neuron
+    Clears the neurons' single-step state. Returns ``net``.
+    """
+    _check_bits(frac_bits, "frac_bits")
+    if acc_frac_bits is not None:
+        _check_bits(acc_frac_bits, "acc_frac_bits")
+    for _, m in folded_neurons(net):
+        m.frac_bits, m.acc_frac_bits, m.x_queue = frac_bits, acc_frac_bits, ()
+    return net
+
+
+def set_float(net: nn.Module) -> nn.Module:
+    """Run every folded neuron of ``net`` on the float path again (clears single-step state)."""
+    for _, m in folded_neurons(net):
+        m.frac_bits, m.acc_frac_bits, m.x_queue = None, None, ()
+    return net
+
+
+@torch.no_grad()
+def agreement(net: nn.Module, x: torch.Tensor, frac_bits: int = FRAC_BITS,
+              acc_frac_bits: Optional[int] = None) -> dict[str, dict[str, float]]:
+    """Fraction of spikes on which the integer path equals the float path, per folded neuron.
+
+    ``'local'``: both arithmetics on the same input (the float net's input to that neuron), so it
+    isolates the neuron's own rounding; ``'network'``: the whole net run in integer mode against the
+    whole net in float mode (differences propagate). Needs multi-step neurons; leaves ``net`` on the
+    float path.
+    """
+    neurons = folded_neurons(net)
+    if any(m.step_mode != "m" for _, m in neurons):
+        raise ValueError("agreement needs the folded neurons in step_mode='m' (whole sequences)")
+    seen: dict[str, list] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, []).append((inp[0], out)))
+             for n, m in neurons]
+    try:
+        set_float(net)
+        _compat.functional.reset_net(net)
+        net(x)
+        float_seen, seen = seen, {}
+        set_integer(net, frac_bits, acc_frac_bits)
+        _compat.functional.reset_net(net)
+        net(x)
+    finally:
+        for h in hooks:
+            h.remove()
+        set_float(net)
+        _compat.functional.reset_net(net)
+    result = {}
+    for name, module in neurons:
+        local = network = total = 0
+        for (inp, out_f), (_, out_i) in zip(float_seen.get(name, []), seen.get(name, [])):
+            set_integer(module, frac_bits, acc_frac_bits)
+            local += int((module(inp) == out_f).sum())
+            set_float(module)
+            network += int((out_i == out_f).sum())
+            total += out_f.numel()
+        result[name] = {"local": local / total if total else float("nan"),
+                        "network": network / total if total else float("nan")}
+    return result
+
+
+__all__ = ["FRAC_BITS", "FoldedMulFreePSN", "agreement", "check_fixed", "exact_acc_frac_bits", "fold",
+           "folded_neurons", "from_fixed", "int_bias", "int_charge", "int_fire", "set_float", "set_integer",
+           "tap_schedule", "to_fixed", "unfold"]

@@ -1,0 +1,511 @@
+"""Operation counts and inference energy of spiking networks (paper Sec. 5.4, Appendix F, Tables 1, 5, 11).
+
+Neuron layers (per neuron, i.e. per channel and feature position, over ``T`` steps; the paper's
+convention counts one ADD per multiply/shift, accumulating, plus one ADD per step for the threshold):
+
+* MF-PSN: ``S`` SHIFT and ``S + T`` ADD, ``S`` = taps that fall inside the sequence. The paper's
+  ``S = (T + (1-k)/2) k`` assumes ``d = 1`` and ``T >= k``; in general
+  ``S = sum_j max(0, T - j d) = m T - d m (m-1) / 2`` with ``m = min(k, ceil(T / d))`` (tap ``j`` steps
+  back reaches ``T - j d`` outputs), see :func:`taps_in_sequence`.
+* PSN: ``T^2`` MUL and ``T^2 + T`` ADD (a dense ``(T, T)`` matrix product plus the threshold).
+
+Synaptic layers (paper Eq. syn energy, after Spikformer): an *encoding* layer (a Conv/Linear that runs
+before any spiking neuron on non-spike input) costs its dense MACs (FLOPs); every other Conv/Linear
+costs ``SOPs = fr x T x FLOPs(l)`` accumulates (AC), ``fr`` = the mean of its input (the firing rate
+for spikes, the mean spike count per element for average-pooled spikes). Energy at 45 nm:
+:data:`COSTS_45NM`, all overridable.
+
+Two counts are kept per layer and compared by the tests: ``counts`` (the closed forms / paper
+formulas above, what the energy uses) and ``counted`` (what runs: the integer neuron's tap schedule,
+the PSN's matrix shapes, and for synapses the exact spike events ``sum(input x fan-out)``). With
+SpikingJelly 2.x the synaptic side also comes from SpikingJelly's own ``op_counter`` (MACCounter for
+encoding layers, SynOpCounter for spike inputs), and :class:`NeuronOpCounter` registers MF-PSN / PSN
+rules there (ADD and SHIFT, no MUL, for MF-PSN) so SpikingJelly's profilers count them correctly
+(:class:`MulFreeEnergyProfiler`). All counts are per sample.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from math import prod
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _compat, ops
+from .deploy import FoldedMulFreePSN, tap_schedule
+from .neuron import MulFreeChannelwisePSN
+
+#: Energy per operation in pJ at 45 nm (paper Sec. 5.4: FP32 MUL/ADD, FIX32 SHIFT, MAC/AC of Eq. syn).
+COSTS_45NM = {"mul": 3.7, "add": 0.9, "shift": 0.13, "mac": 4.6, "ac": 0.9}
+
+NEURON_OPS = ("shift", "add", "mul")
+SYNAPTIC_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+MFPSN_TYPES = (MulFreeChannelwisePSN, FoldedMulFreePSN)
+NEURON_TYPES = MFPSN_TYPES + ((_compat.PSN,) if _compat.PSN is not None else ())
+
+
+def check_costs(costs: Optional[dict] = None) -> dict:
+    """:data:`COSTS_45NM` with ``costs`` (pJ per op) overriding it; unknown or negative values raise."""
+    merged = dict(COSTS_45NM)
+    for name, value in (costs or {}).items():
+        if name not in COSTS_45NM:
+            raise ValueError(f"costs: unknown operation {name!r}; expected some of {tuple(COSTS_45NM)}")
+        if not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"costs[{name!r}] must be a number >= 0 (pJ), got {value!r}")
+        merged[name] = float(value)
+    return merged
+
+
+# ---------------------------------------------------------------------------------- closed forms
+def taps_in_sequence(t: int, k: int, dilation: int = 1) -> int:
+    """Number of (step, tap) pairs with the tap inside the sequence: ``sum_j max(0, T - j d)``, j < k.
+
+    Closed form ``m T - d m (m-1) / 2``, ``m = min(k, ceil(T / d))``; equals the paper's
+    ``(T + (1-k)/2) k`` when ``d = 1`` and ``T >= k``.
+    """
+    m = min(k, -(-t // dilation)) if t > 0 else 0
+    return m * t - dilation * m * (m - 1) // 2
+
+
+def neuron_ops(kind: str, t: int, k: Optional[int] = None, dilation: int = 1) -> dict[str, int]:
+    """SHIFT/ADD/MUL of one neuron over ``t`` steps (Table 1, generalised to any ``d`` and ``T``).
+
+    ``kind``: ``'mfpsn'`` (SHIFT), ``'channelwise_psn'`` (the unquantised MF-PSN: MUL) or ``'psn'``.
+    """
+    if kind == "psn":
+        return {"shift": 0, "add": t * t + t, "mul": t * t}
+    if kind not in ("mfpsn", "channelwise_psn"):
+        raise ValueError(f"kind must be 'mfpsn', 'channelwise_psn' or 'psn', got {kind!r}")
+    s = taps_in_sequence(t, k, dilation)
+    op = "shift" if kind == "mfpsn" else "mul"
+    return {"shift": 0, "mul": 0, op: s, "add": s + t}
+
+
+def table1(t: int, k: int) -> dict[str, dict[str, float]]:
+    """The paper's Table 1 formulas as printed (``d = 1``, ``T >= k``), per neuron."""
+    s = (t + (1 - k) / 2) * k
+    return {"psn": {"add": t * t + t, "mul": t * t},
+            "sliding_psn": {"add": s + t, "mul": s},
+            "mfpsn": {"add": s + t, "shift": s}}
+
+
+def table11(costs: Optional[dict] = None) -> dict[str, str]:
+    """The paper's Table 11: each neuron's operations and its energy in pJ as a formula in T and k.
+
+    With the default costs: PSN ``4.6 T^2 + 0.9 T``, MF-PSN ``1.03 (T+(1-k)/2) k + 0.9 T``, whose
+    maximum at ``k = T`` is ``0.515 T^2 + 1.415 T``.
+    """
+    c = check_costs(costs)
+    ours = c["shift"] + c["add"]
+    return {"psn": f"(T^2+T) ADD, T^2 MUL: {c['mul'] + c['add']:g} T^2 + {c['add']:g} T pJ",
+            "mfpsn": f"((T+(1-k)/2) k + T) ADD, ((T+(1-k)/2) k) SHIFT: "
+                     f"{ours:g} (T+(1-k)/2) k + {c['add']:g} T pJ",
+            "mfpsn_max": f"k = T: {ours / 2:g} T^2 + {ours / 2 + c['add']:g} T pJ"}
+
+
+def neuron_energy_pj(kind: str, t: int, k: Optional[int] = None, dilation: int = 1,
+                     costs: Optional[dict] = None) -> float:
+    """Energy of one neuron over ``t`` steps (Table 11's numbers)."""
+    c = check_costs(costs)
+    return sum(n * c[op] for op, n in neuron_ops(kind, t, k, dilation).items())
+
+
+# ---------------------------------------------------------------------------------- per-module counts
+def neuron_kind(module: nn.Module) -> Optional[str]:
+    if isinstance(module, FoldedMulFreePSN):
+        return "mfpsn"
+    if isinstance(module, MulFreeChannelwisePSN):
+        return "mfpsn" if module.quantize else "channelwise_psn"
+    if _compat.PSN is not None and isinstance(module, _compat.PSN):
+        return "psn"
+    return None
+
+
+def _sequence_geometry(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(T, neurons) of a multi-step neuron call."""
+    if getattr(module, "step_mode", "m") != "m":
+        raise ValueError(f"operation counts need whole sequences: {type(module).__name__} is in step_mode "
+                         f"{module.step_mode!r}; count with functional.set_step_mode(net, 'm')")
+    t = x.shape[ops.time_dim(module.layout)] if isinstance(module, MFPSN_TYPES) else x.shape[0]
+    return t, x.numel() // t
+
+
+def closed_form_neuron_ops(module: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """:func:`neuron_ops` times the number of neurons of this call."""
+    t, n = _sequence_geometry(module, x)
+    k, d = getattr(module, "k", None), getattr(module, "dilation", 1)
+    return {op: v * n for op, v in neuron_ops(neuron_kind(module), t, k, d).items()}
+
+
+def counted_neuron_ops(module: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Operations the neuron runs on ``x``: for MF-PSN the integer path's tap schedule
+    (:func:`deploy.tap_schedule`, one shift and one add per tap element, one threshold add per step);
+    for PSN the shapes of its ``addmm(bias, W, X)``."""
+    t, n = _sequence_geometry(module, x)
+    kind = neuron_kind(module)
+    if kind == "psn":
+        rows, cols = module.weight.shape
+        return {"shift": 0, "mul": rows * cols * n, "add": rows * cols * n + rows * n}
+    taps = sum((t - first) * n for _, _, first in tap_schedule(t, module.k, module.dilation))
+    op = "shift" if kind == "mfpsn" else "mul"
+    return {"shift": 0, "mul": 0, op: taps, "add": taps + t * n}
+
+
+def dense_macs(module: nn.Module, out: torch.Tensor) -> int:
+    """MACs of a dense (non-event) Conv/Linear call with output ``out``: its FLOPs in the paper."""
+    if isinstance(module, nn.Linear):
+        return out.numel() * module.in_features
+    return out.numel() * (module.in_channels // module.groups) * prod(module.kernel_size)
+
+
+def spike_events(module: nn.Module, x: torch.Tensor) -> int:
+    """Accumulates an event-driven Conv/Linear runs: ``sum over inputs of value x fan-out`` (for spikes,
+    each spike adds one weight to every output it reaches; zero padding reaches nothing)."""
+    with torch.no_grad():
+        if isinstance(module, nn.Linear):
+            return round(float(x.double().sum()) * module.out_features)
+        dims = len(module.kernel_size)
+        x = x.reshape(-1, *x.shape[-dims - 1:]).double()  # (T*N or N, C, *spatial)
+        padding = module.padding
+        if module.padding_mode != "zeros":
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+            padding = 0
+        ones = x.new_ones(module.groups, module.in_channels // module.groups, *module.kernel_size)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+        reach = conv(x, ones, None, module.stride, padding, module.dilation, module.groups)
+        return round(float(reach.sum()) * (module.out_channels // module.groups))
+
+
+def _is_binary(x: torch.Tensor) -> bool:
+    return bool(((x == 0) | (x == 1)).all())
+
+
+# ---------------------------------------------------------------------------------- report
+@dataclass
+class LayerCount:
+    """One neuron or synaptic layer of an :class:`EnergyReport` (all counts per sample).
+
+    ``role``: ``'neuron'``, ``'encoding'`` (dense MACs) or ``'synaptic'`` (SOPs). ``counts``: what the
+    energy uses (closed forms; SOPs by the paper's formula or the events, see ``sops``);
+    ``counted``: what ran; ``spikingjelly``: SpikingJelly's counters (2.x), else ``None``.
+    """
+
+    name: str
+    role: str
+    kind: str
+    counts: dict
+    counted: dict
+    spikingjelly: Optional[dict] = None
+    firing_rate: Optional[float] = None
+    time_steps: Optional[int] = None
+
+
+@dataclass
+class EnergyReport:
+    layers: list
+    costs: dict
+    batch_size: int
+    sops: str
+    notes: list = field(default_factory=list)
+
+    def ops(self, roles=("neuron",)) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for layer in self.layers:
+            if layer.role in roles:
+                for op, n in layer.counts.items():
+                    total[op] = total.get(op, 0) + n
+        return total
+
+    @property
+    def neuron_ops(self) -> dict[str, float]:
+        return self.ops(("neuron",))
+
+    @property
+    def synaptic_ops(self) -> dict[str, float]:
+        """``{'mac': encoding MACs (FLOPs), 'sop': SOPs}`` per sample."""
+        ops_ = self.ops(("encoding", "synaptic"))
+        return {"mac": ops_.get("mac", 0), "sop": ops_.get("sop", 0)}
+
+    def _energy_uj(self, counts: dict, ops_to_cost: dict) -> float:
+        return sum(counts.get(op, 0) * self.costs[c] for op, c in ops_to_cost.items()) * 1e-6
+
+    @property
+    def neuron_energy_uj(self) -> float:
+        return self._energy_uj(self.neuron_ops, {op: op for op in NEURON_OPS})
+
+    @property
+    def synaptic_energy_uj(self) -> float:
+        return self._energy_uj(self.synaptic_ops, {"mac": "mac", "sop": "ac"})
+
+    @property
+    def total_energy_uj(self) -> float:
+        return self.neuron_energy_uj + self.synaptic_energy_uj
+
+    def row(self, label: str) -> list[str]:
+        n, s = self.neuron_ops, self.synaptic_ops
+        neuron = ", ".join(f"{n[op]:.3g} {op.upper()}" for op in NEURON_OPS if n.get(op))
+        return [label, neuron or "-", f"{self.neuron_energy_uj:.2f}",
+                f"{s['mac']:.4g} FLOPs, {s['sop']:.4g} SOPs", f"{self.synaptic_energy_uj:.2f}",
+                f"{self.total_energy_uj:.2f}"]
+
+    def layer_table(self) -> str:
+        """Per-layer counts (per sample) and firing rates."""
+        rows = [["layer", "role", "kind", "T", "input fr", "counts"]]
+        for layer in self.layers:
+            rows.append([layer.name, layer.role, layer.kind, str(layer.time_steps or "-"),
+                         "-" if layer.firing_rate is None else f"{layer.firing_rate:.4f}",
+                         ", ".join(f"{v:.4g} {op.upper()}" for op, v in layer.counts.items() if v)])
+        return _format(rows)
+
+    def __str__(self) -> str:
+        return table5({"net": self})
+
+
+def _format(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def table5(reports: dict[str, EnergyReport]) -> str:
+    """A table like the paper's Table 5: one row per report (neuron ops, synaptic ops, energies in uJ)."""
+    header = ["Neuron", "Neuron layer ops", "Energy (uJ)", "Synaptic layer ops", "Energy (uJ)", "Total (uJ)"]
+    costs = next(iter(reports.values())).costs if reports else COSTS_45NM
+    title = ("Energy per sample at " + ", ".join(f"{op.upper()} {v:g}" for op, v in costs.items()) + " pJ")
+    return title + "\n" + _format([header] + [r.row(label) for label, r in reports.items()])
+
+
+# ---------------------------------------------------------------------------------- estimate
+def _per_sample(counts: dict, batch: int) -> dict:
+    return {op: v / batch for op, v in counts.items()}
+
+
+def _own_pass(net: nn.Module, x: torch.Tensor) -> list[dict]:
+    """Run ``net`` once with forward hooks; one record per neuron / synaptic call, in call order."""
+    records: list[dict] = []
+    state = {"neuron_seen": False}
+
+    def on_neuron(name):
+        def hook(module, inputs, out):
+            x_in = inputs[0]
+            t, _ = _sequence_geometry(module, x_in)
+            records.append(dict(name=name, role="neuron", kind=neuron_kind(module), time_steps=t,
+                                counts=closed_form_neuron_ops(module, x_in),
+                                counted=counted_neuron_ops(module, x_in)))
+            state["neuron_seen"] = True
+        return hook
+
+    def on_synapse(name):
+        def hook(module, inputs, out):
+            x_in = inputs[0]
+            binary = _is_binary(x_in)
+            macs = dense_macs(module, out)
+            if not state["neuron_seen"] and not binary:
+                records.append(dict(name=name, role="encoding", kind=type(module).__name__,
+                                    counts={"mac": macs}, counted={"mac": macs}, binary=binary))
+            else:
+                fr = float(x_in.double().mean())
+                records.append(dict(name=name, role="synaptic", kind=type(module).__name__, firing_rate=fr,
+                                    dense=macs, counted={"sop": spike_events(module, x_in)}, binary=binary))
+        return hook
+
+    hooks = []
+    for name, module in net.named_modules():
+        label = name or type(net).__name__
+        if neuron_kind(module) is not None:
+            hooks.append(module.register_forward_hook(on_neuron(label)))
+        elif isinstance(module, SYNAPTIC_TYPES):
+            hooks.append(module.register_forward_hook(on_synapse(label)))
+    try:
+        net(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return records
+
+
+def _spikingjelly_pass(net: nn.Module, x: torch.Tensor) -> dict[str, dict]:
+    """SpikingJelly's counters on one run: ``{scope: {'mac', 'sop'} or neuron ops}``."""
+    oc = _compat.op_counter
+    mac = oc.MACCounter(extra_ignore_modules=list(NEURON_TYPES))
+    synop = oc.SynOpCounter(extra_ignore_modules=list(NEURON_TYPES))
+    neuron = NeuronOpCounter()
+    with oc.ModuleCounterMode([neuron], model=net), oc.DispatchCounterMode([mac, synop]):
+        net(x)
+    scopes: dict[str, dict] = {}
+    for counter, op in ((mac, "mac"), (synop, "sop")):
+        for scope, per_func in counter.get_counts().items():
+            scopes.setdefault(scope, {})[op] = sum(per_func.values())
+    for scope, per_op in neuron.get_counts().items():
+        scopes.setdefault(scope, {}).update(per_op)
+    return scopes
+
+
+def _infer_batch(x: torch.Tensor, layout: str) -> int:
+    if x.dim() < 2:
+        raise ValueError(f"cannot infer the batch size from x of shape {tuple(x.shape)}; pass batch_size=")
+    return x.shape[1] if ops.check_layout(layout) == "time_first" else x.shape[0]
+
+
+@torch.no_grad()
+def estimate(net: nn.Module, x: torch.Tensor, *, costs: Optional[dict] = None, sops: str = "formula",
+             firing_rate: Union[None, float, dict] = None, batch_size: Optional[int] = None,
+             layout: str = "time_first", use_spikingjelly: bool = True) -> EnergyReport:
+    """Operation counts and energy of one inference of ``net`` on ``x``, per sample.
+
+    :param net: a multi-step network with MulFreeChannelwisePSN (folded or not) and/or PSN neurons
+    :param x: its input sequence; ``net`` runs once in eval mode (its train/eval flags are restored)
+    :param costs: pJ per operation overriding :data:`COSTS_45NM` (keys mul, add, shift, mac, ac)
+    :param sops: ``'formula'`` (paper: ``fr x T x FLOPs``) or ``'events'`` (exact spike x fan-out
+        count) for the energy of non-encoding synaptic layers
+    :param firing_rate: override the measured input firing rate of the SOP formula: one value for
+        every synaptic layer, or ``{layer name: rate}``
+    :param batch_size: samples in ``x`` (default: dim 1 for ``layout='time_first'``, dim 0 otherwise)
+    :param use_spikingjelly: with SpikingJelly 2.x, take encoding MACs and spike events from its
+        ``op_counter`` (a second run) and record its counts in ``LayerCount.spikingjelly``
+    """
+    if sops not in ("formula", "events"):
+        raise ValueError(f"sops must be 'formula' or 'events', got {sops!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    batch = batch_size if batch_size is not None else _infer_batch(x, layout)
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch!r}")
+    cost_table = check_costs(costs)
+    modes = {m: m.training for m in net.modules()}
+    net.eval()
+    try:
+        _compat.functional.reset_net(net)
+        records = _own_pass(net, x)
+        sj = None
+        if use_spikingjelly and _compat.op_counter is not None:
+            _compat.functional.reset_net(net)
+            sj = _spikingjelly_pass(net, x)
+        _compat.functional.reset_net(net)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    if not records:
+        raise ValueError("net ran no Conv/Linear layer and no MF-PSN/PSN neuron: nothing to count")
+
+    root = type(net).__name__
+    layers = []
+    for r in records:
+        scope = r["name"] if r["name"] == root else f"{root}.{r['name']}"
+        theirs = None if sj is None else sj.get(scope, {})
+        if r["role"] == "synaptic":
+            fr = r["firing_rate"]
+            if firing_rate is not None:
+                fr = firing_rate.get(r["name"], fr) if isinstance(firing_rate, dict) else float(firing_rate)
+            # SpikingJelly counts events only for binary inputs (it treats pooled spikes as dense MACs).
+            events = theirs["sop"] if theirs is not None and r["binary"] else r["counted"]["sop"]
+            r["counts"] = {"sop": fr * r["dense"] if sops == "formula" else events}
+        elif r["role"] == "encoding" and theirs is not None:
+            r["counts"] = {"mac": theirs.get("mac", 0)}
+        layers.append(LayerCount(r["name"], r["role"], r["kind"], _per_sample(r["counts"], batch),
+                                 _per_sample(r["counted"], batch),
+                                 None if theirs is None else _per_sample(theirs, batch),
+                                 r.get("firing_rate"), r.get("time_steps")))
+    notes = []
+    if sj is None:
+        notes.append("synaptic counts derived by this plugin (SpikingJelly's op_counter not used)")
+    return EnergyReport(layers, cost_table, batch, sops, notes)
+
+
+# ---------------------------------------------------------------------------------- SpikingJelly 2.x
+if _compat.op_counter is not None:
+    class NeuronOpCounter(_compat.op_counter.ModuleCounter):
+        """SpikingJelly ``ModuleCounter`` rules for MF-PSN (SHIFT and ADD, no MUL) and PSN (MUL and ADD).
+
+        Use it in ``op_counter.ModuleCounterMode([NeuronOpCounter()], model=net)``; ``get_counts()``
+        gives ``{scope: {'shift': n, 'add': n, 'mul': n}}``.
+        """
+
+        def __init__(self):
+            super().__init__()
+            self.rules = {("forward", t): self._count for t in NEURON_TYPES}
+            self._pending: dict[str, int] = {}
+
+        def _count(self, module, args, kwargs, out) -> int:
+            x = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
+            self._pending = counted_neuron_ops(module, x)
+            return sum(self._pending.values())
+
+        def record(self, scope, func, value) -> None:
+            for op, n in self._pending.items():
+                self.records[scope][op] += n
+
+        def finalize_record(self) -> None:
+            self._pending = {}
+
+        def get_total(self) -> int:
+            return sum(self.records.get("Global", {}).values())
+
+    class MulFreeEnergyProfiler(_compat.op_counter.SimpleEnergyProfiler):
+        """SpikingJelly's ``SimpleEnergyProfiler`` that knows MF-PSN and PSN neurons.
+
+        Their internal tensor ops (which depend on the charge implementation and are not what a
+        mul-free neuron runs) are ignored by the MAC/AC/SynOp counters; :class:`NeuronOpCounter`
+        counts their SHIFT/ADD/MUL instead, charged at ``costs`` (default :data:`COSTS_45NM`). The
+        report gains ``counts['neuron_shift'|'neuron_add'|'neuron_mul']`` and
+        ``breakdown_pj['neuron_pj']``, included in the compute and total energy.
+        """
+
+        def __init__(self, *, config=None, costs: Optional[dict] = None):
+            config = copy.deepcopy(config or _compat.op_counter.SimpleEnergyConfig())
+            config.extra_ignore_modules = list(config.extra_ignore_modules or []) + list(NEURON_TYPES)
+            super().__init__(config=config)
+            self.costs = check_costs(costs)
+            self.neuron_counter = NeuronOpCounter()
+            self._neuron_mode = None
+
+        def bind_model(self, model: nn.Module) -> None:
+            super().bind_model(model)
+            self._neuron_mode = _compat.op_counter.ModuleCounterMode([self.neuron_counter], model=model)
+
+        def __enter__(self):
+            if self._neuron_mode is None:
+                raise RuntimeError("MulFreeEnergyProfiler.bind_model() must be called before entering.")
+            self.neuron_counter.reset()
+            self._neuron_mode.__enter__()
+            try:
+                return super().__enter__()
+            except BaseException:
+                self._neuron_mode.__exit__(None, None, None)
+                raise
+
+        def __exit__(self, exc_type, exc, tb):
+            try:
+                return super().__exit__(exc_type, exc, tb)
+            finally:
+                self._neuron_mode.__exit__(exc_type, exc, tb)
+
+        def get_report(self):
+            report = super().get_report()
+            ops_ = self.neuron_counter.get_counts().get("Global", {})
+            neuron_pj = sum(ops_.get(op, 0) * self.costs[op] for op in NEURON_OPS)
+            report.counts.update({f"neuron_{op}": ops_.get(op, 0) for op in NEURON_OPS})
+            report.breakdown_pj["neuron_pj"] = neuron_pj
+            report.energy_compute_pj += neuron_pj
+            report.energy_total_pj += neuron_pj
+            return report
+else:
+    def _needs_spikingjelly2(name: str):
+        def missing(*args, **kwargs):
+            raise ImportError(f"{name} plugs into spikingjelly.activation_based.op_counter, which SpikingJelly "
+                              f"{_compat.SJ_VERSION} does not have (it ships with 2.x); energy.estimate() "
+                              f"works without it")
+        return missing
+
+    NeuronOpCounter = _needs_spikingjelly2("NeuronOpCounter")
+    MulFreeEnergyProfiler = _needs_spikingjelly2("MulFreeEnergyProfiler")
+
+
+__all__ = ["COSTS_45NM", "EnergyReport", "LayerCount", "MulFreeEnergyProfiler", "NeuronOpCounter",
+           "check_costs", "closed_form_neuron_ops", "counted_neuron_ops", "dense_macs", "estimate",
+           "neuron_energy_pj", "neuron_kind", "neuron_ops", "spike_events", "table1", "table11", "table5",
+           "taps_in_sequence"]

@@ -1,0 +1,444 @@
+"""Time-last versions of SpikingJelly's stateless layers (paper Appendix B).
+
+SpikingJelly runs a stateless layer on a time-first sequence ``(T, N, ...)`` by fusing T and N into one
+batch dimension, which is a free view. In the time-last layout ``(N, C, ..., T)`` that fusion would
+copy, so each kind of layer gets its own way of running every time step at once:
+
+* ``'vmap'``: the layer's single-step function vectorised over the last dim (``torch.vmap``, through
+  SpikingJelly's ``t_last_seq_to_ann_forward`` where installed);
+* ``'highdim'``: an n-d convolution / pooling as an (n+1)-d one whose kernel along T is 1 (stride 1,
+  padding 0, dilation 1); adaptive pools keep T; ``Linear`` as a 1x1 ``Conv1d`` over ``(N*, F, T)``;
+* batch normalisation needs neither: ``F.batch_norm`` on ``(N, C, ..., T)`` normalises over every dim
+  but C, the same elements (so the same statistics) as SpikingJelly's ``(T*N, C, ...)``;
+* ``Flatten`` flattens dims 1..-2; ``Dropout`` draws one ``(N, ...)`` mask for all steps.
+
+Each wrapper is a time-last *view* of one time-first module: it shares that module's parameter, buffer
+and submodule dictionaries, so its parameters are the module's own tensors and its state_dict has the
+same keys and values (a checkpoint loads in either layout). ``wrapper.time_first_module`` gives the
+module back. :func:`time_last` picks the wrapper for a module.
+
+Wrappers with two ways (:class:`TimeLastConv`, :class:`TimeLastPool`, :class:`TimeLastLinear`) follow
+the neuron's tuning protocol: ``supported_methods`` (a tuple), a settable ``method`` (``'auto'`` or
+one of them) and ``resolve_method(x_seq)`` (what ``'auto'`` runs: :func:`default_method`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules.utils import _ntuple
+
+from . import _compat
+from ._compat import MemoryModule, MultiStepModule
+
+METHODS = ("vmap", "highdim")
+
+
+def default_method(supported_methods) -> str:
+    """What ``method='auto'`` runs before any autoselect pass: ``'highdim'`` where supported.
+
+    Heuristic from ``benchmarks/time_last_layers.py`` on CPUs: for convolutions and max/average pools,
+    which dominate a network's time, one (n+1)-d kernel call matches or beats vmap, whose batching rule
+    moves T next to N and copies the input and output; global adaptive pools and Linear sometimes
+    favour vmap, so an autoselect pass should time both.
+    """
+    return "highdim" if "highdim" in supported_methods else supported_methods[0]
+
+
+def _torch_forward(module: nn.Module) -> Callable:
+    """The single-step forward of ``module``: the forward of the torch.nn class it derives from.
+
+    SpikingJelly's stateless layers subclass a torch.nn layer and only add the step-mode handling, so
+    the torch.nn forward is exactly one time step of them.
+    """
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("torch.nn.modules"):
+            return cls.forward
+    return type(module).forward
+
+
+def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{type(owner).__name__} expects a tensor, got {type(x).__name__}")
+    if x.dim() not in ranks:
+        raise ValueError(f"{type(owner).__name__} expects a time-last sequence {what}, "
+                         f"got shape {tuple(x.shape)}")
+
+
+class TimeLastModule(nn.Module, MultiStepModule):
+    """Base of the wrappers: a time-last view of the time-first module ``module``.
+
+    Shares ``module``'s parameters, buffers and submodules (the very dictionaries), saves and loads
+    state exactly as ``module`` does, and only runs multi-step (``step_mode='m'``) on ``(N, ..., T)``.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        if not isinstance(module, nn.Module) or isinstance(module, TimeLastModule):
+            raise TypeError(f"module must be a time-first torch.nn.Module, got {type(module).__name__}")
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, name, getattr(module, name))
+        object.__setattr__(self, "_time_first", module)
+        self._version = getattr(module, "_version", 1)
+        self.training = module.training
+        self.step_mode = "m"
+
+    @property
+    def time_first_module(self) -> nn.Module:
+        """The wrapped time-first module (same parameters and buffers, current train/eval mode)."""
+        self._time_first.training = self.training
+        return self._time_first
+
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        """One time step ``(N, ...)`` through the wrapped module."""
+        return _torch_forward(self._time_first)(self._time_first, x)
+
+    def _vmap(self, x_seq: torch.Tensor) -> torch.Tensor:
+        return _compat.t_last_seq_to_ann_forward(x_seq, self._step)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._time_first._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._time_first._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{type(self._time_first).__name__}({self._time_first.extra_repr()})"
+
+
+class _Tunable:
+    """The tuning protocol the autoselect pass relies on (the same one the neuron has).
+
+    ``supported_methods``: tuple of method names this instance can run; ``method``: ``'auto'`` or one
+    of them (settable; a bad name raises ``ValueError``); ``resolve_method(x_seq)``: the method a
+    forward on ``x_seq`` runs. Switching methods never changes parameters or outputs.
+    """
+
+    supported_methods: tuple = METHODS
+
+    @property
+    def method(self) -> str:
+        return self._method
+
+    @method.setter
+    def method(self, value: str) -> None:
+        if value != "auto" and value not in self.supported_methods:
+            raise ValueError(f"method of {type(self).__name__} must be 'auto' or one of "
+                             f"{self.supported_methods}, got {value!r}")
+        self._method = value
+
+    def resolve_method(self, x_seq: Optional[torch.Tensor] = None) -> str:
+        return default_method(self.supported_methods) if self._method == "auto" else self._method
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        self._check_input(x_seq)
+        if self.resolve_method(x_seq) == "vmap":
+            return self._vmap(x_seq)
+        return self._highdim(x_seq)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, method={self._method!r}"
+
+
+_CONV_FN = {2: F.conv2d, 3: F.conv3d}
+
+
+def _lookup(module: nn.Module, table: dict):
+    """``table[cls]`` for the first ``cls`` in ``table`` that ``module`` is an instance of."""
+    for cls, value in table.items():
+        if isinstance(module, cls):
+            return value
+    raise TypeError(f"expected one of {[c.__name__ for c in table]}, got {type(module).__name__}")
+
+
+class _SpatialLayer(_Tunable, TimeLastModule):
+    """Base of the conv and pool wrappers: an n-d layer (looked up in ``_DIMS``) on
+    ``(N, C, *spatial, T)``; ``'highdim'`` exists for n <= 2 (there is no 4-d conv or pool)."""
+
+    _DIMS: dict = {}
+
+    def __init__(self, module: nn.Module, method: str = "auto"):
+        dims = _lookup(module, self._DIMS)
+        super().__init__(module)
+        self.dims = dims
+        self.supported_methods = METHODS if dims < 3 else ("vmap",)
+        self.method = method
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        _check_rank(x, (self.dims + 3,), f"of {self.dims + 3} dims (N, C, *spatial, T)", self)
+
+
+class TimeLastConv(_SpatialLayer):
+    """``Conv1d``/``Conv2d``/``Conv3d`` on ``(N, C, *spatial, T)``.
+
+    ``'highdim'`` runs Conv1d as Conv2d and Conv2d as Conv3d (weight viewed with a trailing kernel
+    dim of 1); Conv3d has no 4-d counterpart and runs ``'vmap'`` only.
+    """
+
+    _DIMS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        super()._check_input(x)
+        if x.shape[1] != self._time_first.in_channels:
+            raise ValueError(f"{type(self).__name__} expects {self._time_first.in_channels} channels on dim 1, "
+                             f"got shape {tuple(x.shape)}")
+
+    def _highdim(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self._time_first
+        if conv.padding_mode != "zeros":
+            x = F.pad(x, [0, 0, *conv._reversed_padding_repeated_twice], mode=conv.padding_mode)
+            padding = (0,) * (self.dims + 1)
+        else:
+            padding = conv.padding if isinstance(conv.padding, str) else (*conv.padding, 0)
+        return _CONV_FN[self.dims + 1](x, self.weight.unsqueeze(-1), self.bias, (*conv.stride, 1), padding,
+                                       (*conv.dilation, 1), conv.groups)
+
+
+def _pool_highdim(pool: nn.Module, d: int, x: torch.Tensor) -> torch.Tensor:
+    """``pool`` (d-dimensional) as a (d+1)-dimensional pool whose window along T is one step."""
+    t = _ntuple(d)
+    if isinstance(pool, nn.modules.pooling._MaxPoolNd):
+        fn = F.max_pool2d if d == 1 else F.max_pool3d
+        return fn(x, (*t(pool.kernel_size), 1), (*t(pool.stride), 1), (*t(pool.padding), 0),
+                  (*t(pool.dilation), 1), pool.ceil_mode)
+    if isinstance(pool, nn.modules.pooling._AvgPoolNd):
+        fn = F.avg_pool2d if d == 1 else F.avg_pool3d
+        return fn(x, (*t(pool.kernel_size), 1), (*t(pool.stride), 1), (*t(pool.padding), 0),
+                  pool.ceil_mode, pool.count_include_pad, getattr(pool, "divisor_override", None))
+    # Adaptive pools: output size None along T keeps every step.
+    if isinstance(pool, nn.modules.pooling._AdaptiveAvgPoolNd):
+        fn = F.adaptive_avg_pool2d if d == 1 else F.adaptive_avg_pool3d
+    else:
+        fn = F.adaptive_max_pool2d if d == 1 else F.adaptive_max_pool3d
+    return fn(x, (*t(pool.output_size), None))
+
+
+class TimeLastPool(_SpatialLayer):
+    """Max/average/adaptive pooling (1d, 2d; 3d with ``'vmap'`` only) on ``(N, C, *spatial, T)``."""
+
+    _DIMS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1, nn.AvgPool2d: 2,
+             nn.AvgPool3d: 3, nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3,
+             nn.AdaptiveMaxPool1d: 1, nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3}
+
+    def __init__(self, pool: nn.Module, method: str = "auto"):
+        if getattr(pool, "return_indices", False):
+            raise ValueError(f"{type(pool).__name__}(return_indices=True) has no time-last wrapper: "
+                             f"it returns a tuple, not a sequence")
+        super().__init__(pool, method)
+
+    def _highdim(self, x: torch.Tensor) -> torch.Tensor:
+        return _pool_highdim(self._time_first, self.dims, x)
+
+
+class TimeLastLinear(_Tunable, TimeLastModule):
+    """``Linear`` on ``(N, *, F, T)``: features on dim -2. ``'highdim'`` is a 1x1 ``Conv1d`` over
+    ``(N*, F, T)``; ``'vmap'`` runs ``Linear`` on each step."""
+
+    def __init__(self, linear: nn.Linear, method: str = "auto"):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected a Linear, got {type(linear).__name__}")
+        super().__init__(linear)
+        self.method = method
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        _check_rank(x, range(3, 64), "(N, *, F, T) with the features on dim -2", self)
+        if x.shape[-2] != self._time_first.in_features:
+            raise ValueError(f"{type(self).__name__} expects in_features={self._time_first.in_features} on dim -2 "
+                             f"of (N, *, F, T), got shape {tuple(x.shape)}")
+
+    def _highdim(self, x: torch.Tensor) -> torch.Tensor:
+        f, t = x.shape[-2:]
+        y = F.conv1d(x.reshape(-1, f, t), self.weight.unsqueeze(-1), self.bias)
+        return y.reshape(*x.shape[:-2], y.shape[1], t)
+
+
+_BN_RANKS = {nn.BatchNorm1d: (3, 4), nn.BatchNorm2d: (5,), nn.BatchNorm3d: (6,)}
+
+
+class TimeLastBatchNorm(TimeLastModule):
+    """``BatchNorm1d/2d/3d`` on ``(N, C, ..., T)`` through ``F.batch_norm`` on the module's own
+    parameters and buffers: the same statistics (and running-statistics updates) as time-first."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        ranks = _lookup(bn, _BN_RANKS)
+        super().__init__(bn)
+        self.ranks = ranks
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        _check_rank(x_seq, self.ranks, f"of {' or '.join(map(str, self.ranks))} dims (N, C, ..., T)", self)
+        bn = self._time_first
+        # The same bookkeeping as torch.nn.modules.batchnorm._BatchNorm.forward.
+        factor = 0.0 if bn.momentum is None else bn.momentum
+        if self.training and bn.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if bn.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or bn.track_running_stats
+        return F.batch_norm(x_seq, self.running_mean if track else None, self.running_var if track else None,
+                            self.weight, self.bias, use_batch_stats, factor, bn.eps)
+
+
+class TimeLastFlatten(TimeLastModule):
+    """``Flatten`` on ``(N, ..., T)``: the per-step dims ``start_dim..end_dim`` (T stays last).
+
+    :param whole_sequence: the module was applied to the whole ``(T, N, ...)`` sequence (a plain
+        ``nn.Flatten`` outside SpikingJelly's containers) rather than to each step, so its dims count
+        T and N; ``start_dim`` must then be >= 2 or negative (it may not merge T or N away).
+    """
+
+    def __init__(self, flatten: nn.Flatten, whole_sequence: bool = False):
+        if not isinstance(flatten, nn.Flatten):
+            raise TypeError(f"expected a Flatten, got {type(flatten).__name__}")
+        start, end = flatten.start_dim, flatten.end_dim
+        if whole_sequence:
+            if 0 <= start < 2:
+                raise ValueError(f"Flatten(start_dim={start}) on a whole (T, N, ...) sequence merges time or "
+                                 f"batch into features; it has no time-last equivalent")
+            start, end = (start - 1 if start >= 0 else start), (end - 1 if end >= 0 else end)
+        if start == 0:
+            raise ValueError("Flatten(start_dim=0) per step merges the batch into features; it has no "
+                             "time-last equivalent")
+        super().__init__(flatten)
+        # Per-step dim i is time-last dim i (i >= 0) or i - 1 (i < 0, since T is appended).
+        self.start_dim, self.end_dim = (start if start >= 0 else start - 1), (end if end >= 0 else end - 1)
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        n = x_seq.dim()
+        start, end = self.start_dim % n, self.end_dim % n
+        if not 1 <= start <= end <= n - 2:
+            raise ValueError(f"{type(self).__name__} cannot flatten dims {self.start_dim}..{self.end_dim} of a "
+                             f"time-last sequence of shape {tuple(x_seq.shape)}: only dims 1..-2 may merge")
+        return x_seq.flatten(start, end)
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim} (time-last)"
+
+
+class TimeLastVmap(TimeLastModule):
+    """Any stateless per-step module on ``(N, ..., T)``, vectorised over the last dim."""
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        return self._vmap(x_seq)
+
+
+_DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}
+
+
+class TimeLastDropout(MemoryModule):
+    """SpikingJelly's multi-step ``Dropout``/``Dropout2d`` on ``(N, ..., T)``: one mask, drawn at the
+    first step of a simulation and kept until ``reset_net``, multiplies every step. (In
+    ``step_mode='s'`` it takes one step ``(N, ...)``, like SpikingJelly's.)"""
+
+    def __init__(self, dropout: nn.Module):
+        name = type(dropout).__name__
+        if type(dropout) is not _compat.sj_layer(name) or name not in _DROPOUT_MASKS:
+            raise TypeError(f"expected SpikingJelly's layer.Dropout or layer.Dropout2d, got {name}")
+        super().__init__()
+        object.__setattr__(self, "_time_first", dropout)
+        self.p = dropout.p
+        self._mask_fn = _DROPOUT_MASKS[name]
+        self.training = dropout.training
+        self.register_memory("mask", None)
+        self.step_mode = "m"
+
+    @property
+    def time_first_module(self) -> nn.Module:
+        self._time_first.training = self.training
+        return self._time_first
+
+    def _mask_like(self, x: torch.Tensor, step_shape) -> torch.Tensor:
+        if self.mask is None:
+            # Same draw as SpikingJelly's create_mask(x_seq[0]): a contiguous (N, ...) tensor of ones.
+            self.mask = self._mask_fn(x.new_ones(step_shape), self.p, training=True)
+        return self.mask
+
+    def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self._mask_like(x, x.shape) if self.training else x
+
+    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x_seq
+        return x_seq * self._mask_like(x_seq, x_seq.shape[:-1]).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class TimeLastSequential(nn.Sequential, MultiStepModule):
+    """SpikingJelly's ``SeqToANNContainer`` (per-step stateless modules) in the time-last layout:
+    its children, each replaced by its time-last wrapper, applied in order."""
+
+    def __init__(self, container: nn.Sequential, children: dict):
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+        object.__setattr__(self, "_time_first", container)
+        self.training = container.training
+        self.step_mode = "m"
+
+
+class _TLastSeqToANNContainer(nn.Sequential, MultiStepModule):
+    """Stand-in for SpikingJelly 2.x's ``layer.TLastSeqToANNContainer`` where it is missing: single-step
+    stateless modules applied to a time-last ``(N, ..., T)`` sequence with ``torch.vmap``."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        for m in self:
+            if getattr(m, "step_mode", "s") != "s":
+                raise ValueError(f"{type(m).__name__}.step_mode must be 's' inside TLastSeqToANNContainer")
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        return _compat.t_last_seq_to_ann_forward(x_seq, super().forward)
+
+
+TLastSeqToANNContainer = _compat.TLastSeqToANNContainer or _TLastSeqToANNContainer
+
+# Per-step stateless torch.nn layers (and SpikingJelly's same-named subclasses) -> wrapper.
+_WRAPPERS = {
+    **{cls: TimeLastConv for cls in TimeLastConv._DIMS},
+    **{cls: TimeLastPool for cls in TimeLastPool._DIMS},
+    **{cls: TimeLastBatchNorm for cls in _BN_RANKS},
+    nn.Linear: TimeLastLinear,
+    nn.Flatten: TimeLastFlatten,
+    **{cls: TimeLastVmap for cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                                     nn.GroupNorm, nn.LayerNorm, nn.Upsample)},
+}
+
+
+def wrapper_class(module: nn.Module):
+    """The time-last wrapper class for ``module``, or None.
+
+    Matches exact types only (the torch.nn layer or SpikingJelly's subclass of the same name), so a
+    subclass with its own forward (e.g. a weight-standardised conv) is never silently mis-run.
+    """
+    name = type(module).__name__
+    if name in _DROPOUT_MASKS and type(module) is _compat.sj_layer(name):
+        return TimeLastDropout
+    for cls, wrapper in _WRAPPERS.items():
+        if type(module) is cls or (name == cls.__name__ and type(module) is _compat.sj_layer(name)):
+            return wrapper
+    return None
+
+
+def time_last(module: nn.Module, method: str = "auto", whole_sequence: bool = False) -> nn.Module:
+    """The time-last wrapper of one per-step stateless layer (raises ``TypeError`` if there is none).
+
+    :param method: for two-way wrappers, ``'auto'``, ``'vmap'`` or ``'highdim'``
+    :param whole_sequence: see :class:`TimeLastFlatten` (only used for ``nn.Flatten``)
+    """
+    cls = wrapper_class(module)
+    if cls is None:
+        raise TypeError(f"{type(module).__module__}.{type(module).__name__} has no time-last wrapper")
+    if issubclass(cls, _Tunable):
+        return cls(module, method=method)
+    if cls is TimeLastFlatten:
+        return cls(module, whole_sequence=whole_sequence)
+    return cls(module)
+
+
+__all__ = ["METHODS", "TLastSeqToANNContainer", "TimeLastBatchNorm", "TimeLastConv", "TimeLastDropout",
+           "TimeLastFlatten", "TimeLastLinear", "TimeLastModule", "TimeLastPool", "TimeLastSequential",
+           "TimeLastVmap", "default_method", "time_last", "wrapper_class"]

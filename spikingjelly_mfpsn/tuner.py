@@ -1,0 +1,473 @@
+"""Autoselect (paper Algorithm 1): time every implementation of every layer on the user's real shapes,
+in each layout, and apply the fastest configuration.
+
+For each layout: convert the net, capture every layer's input with forward hooks, and time each of the
+layer's candidate methods (forward, then backward with a random gradient of the output's shape;
+``2m+1`` runs, the mean of the last ``m``, device synchronised). The fastest candidate per layer is
+kept and summed per layout; the layout with the smaller sum wins. Before it is applied, the chosen
+configuration is checked against the network's outputs on the example input.
+
+Timings are cached per layer (keyed by the layer's signature, its input shape, dtype, device name and
+the torch/triton/plugin versions), so a second call on the same model and shapes times nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import _compat, ops
+
+CACHE_SCHEMA = 1
+CACHE_ENV = "SPIKINGJELLY_MFPSN_CACHE"
+
+
+# ------------------------------------------------------------------------------------------ layers
+def is_tunable(m: nn.Module) -> bool:
+    """A layer with a choice of implementations: a settable ``method`` and ``supported_methods``."""
+    return hasattr(m, "supported_methods") and hasattr(m, "method")
+
+
+def layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers autoselect times: tunable modules and stateful modules (neurons), not descended
+    into, and every other leaf module."""
+    out, skip = [], []
+    for name, m in net.named_modules():
+        if m is net or any(name.startswith(p + ".") for p in skip):
+            continue
+        if is_tunable(m) or isinstance(m, _compat.MemoryModule):
+            out.append((name, m))
+            skip.append(name)
+        elif not m._modules:
+            out.append((name, m))
+    return out
+
+
+def candidates(m: nn.Module) -> list[str]:
+    if not is_tunable(m):
+        return ["-"]
+    return list(m.supported_methods)
+
+
+@contextlib.contextmanager
+def _method(m: nn.Module, method: str):
+    if method == "-":
+        yield
+        return
+    old = m.method
+    m.method = method
+    try:
+        yield
+    finally:
+        m.method = old
+
+
+def _clone_args(args):
+    return tuple(a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
+def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple]:
+    seen: dict[str, tuple] = {}
+    hooks = []
+    for name, m in mods:
+        def hook(mod, args, name=name):
+            if name not in seen:
+                seen[name] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+        hooks.append(m.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            net(x)
+    finally:
+        for h in hooks:
+            h.remove()
+        _compat.functional.reset_net(net)
+    return seen
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter) -> float:
+    """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    times = []
+    for _ in range(2 * m + 1):
+        inputs = _clone_args(args)
+        _compat.functional.reset_net(module)
+        t0 = timer()
+        out = module(*inputs)
+        _sync(device)
+        t1 = timer()
+        elapsed = t1 - t0
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            z = torch.randn_like(out)
+            t2 = timer()
+            out.backward(z)
+            _sync(device)
+            elapsed += timer() - t2
+        times.append(elapsed)
+    _compat.functional.reset_net(module)
+    return sum(times[-m:]) / m
+
+
+# ------------------------------------------------------------------------------------------ cache
+def _versions() -> dict[str, str]:
+    from . import __version__
+    v = {"torch": torch.__version__, "spikingjelly_mfpsn": __version__, "spikingjelly": str(_compat.SJ_VERSION)}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001  (triton absent or broken: not part of the key)
+        v["triton"] = "none"
+    return v
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+
+
+def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
+    """Cache key of one layer's timings."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    sig = {
+        "type": f"{type(module).__module__}.{type(module).__qualname__}",
+        "repr": module.extra_repr() if not is_tunable(module) else _repr_without_method(module),
+        "params": [list(p.shape) for p in module.parameters()],
+        "training": module.training,
+        "layout": layout,
+        "inputs": [[list(t.shape), str(t.dtype)] for t in tensors],
+        "device": _device_name(tensors[0].device) if tensors else "none",
+        "candidates": candidates(module),
+        "versions": _versions(),
+    }
+    return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
+
+
+def _repr_without_method(module: nn.Module) -> str:
+    old = module.method
+    try:
+        module.method = "auto"
+        return module.extra_repr()
+    finally:
+        module.method = old
+
+
+def default_cache_path() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "spikingjelly_mfpsn", "autoselect.json")
+
+
+class TimingCache:
+    """A JSON file of per-layer timings. A corrupted or foreign file is rebuilt, never trusted; writes
+    go to a temporary file renamed over the old one (never torn) under an advisory lock (no lost
+    updates between concurrent writers)."""
+
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        self.entries: dict[str, dict[str, float]] = self._read() if path else {}
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            warnings.warn(f"autoselect cache {self.path} is unreadable ({e}); it will be rebuilt")
+            return {}
+        if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("layers"), dict):
+            warnings.warn(f"autoselect cache {self.path} has an unknown format; it will be rebuilt")
+            return {}
+        return {k: v for k, v in data["layers"].items()
+                if isinstance(v, dict) and all(isinstance(t, (int, float)) for t in v.values())}
+
+    def get(self, key: str) -> Optional[dict[str, float]]:
+        return self.entries.get(key)
+
+    def put(self, key: str, times: dict[str, float]) -> None:
+        self.entries[key] = dict(times)
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with _locked(self.path + ".lock"):
+            merged = self._read_quietly()
+            merged.update(self.entries)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"schema": CACHE_SCHEMA, "layers": merged}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+
+    def _read_quietly(self) -> dict:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._read()
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename still prevents torn files
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------------------ report
+@dataclass
+class LayerResult:
+    name: str
+    kind: str
+    times: dict[str, float]
+    choice: str
+    cached: bool = False
+
+
+@dataclass
+class AutoselectReport:
+    """What autoselect measured and chose. ``print(report)`` shows a table."""
+
+    layouts: dict[str, list[LayerResult]] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+    layout: Optional[str] = None
+    methods: dict[str, str] = field(default_factory=dict)
+    timed: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"autoselect: layout {self.layout!r} "
+                 f"({', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in self.totals.items())}); "
+                 f"{self.timed} timed, {self.cache_hits} cached, {self.seconds:.2f} s"]
+        for layout, rows in self.layouts.items():
+            lines.append(f"[{layout}]{' (chosen)' if layout == self.layout else ''}")
+            lines.append(f"  {'layer':<28} {'type':<26} {'choice':<12} candidates (ms)")
+            for r in rows:
+                cands = ", ".join(f"{k}={v * 1e3:.3f}" for k, v in sorted(r.times.items(), key=lambda kv: kv[1]))
+                lines.append(f"  {r.name:<28} {r.kind:<26} {r.choice:<12} {cands}{' [cache]' if r.cached else ''}")
+        for s in self.skipped:
+            lines.append(f"skipped: {s}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ main
+def _convert(net: nn.Module, layout: str) -> nn.Module:
+    from .convert import current_layout, to_time_first, to_time_last
+    if current_layout(net) == layout:
+        return net
+    out = to_time_last(net) if layout == "time_last" else to_time_first(net)
+    if out is not net:
+        raise RuntimeError("layout conversion must work in place")
+    return net
+
+
+def _state_snapshot(net: nn.Module):
+    buffers = {k: v.detach().clone() for k, v in net.state_dict(keep_vars=True).items()
+               if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+    grads = {id(p): (p.grad.clone() if p.grad is not None else None) for p in net.parameters()}
+    return buffers, grads
+
+
+def _restore(net: nn.Module, snap) -> None:
+    buffers, grads = snap
+    with torch.no_grad():
+        state = net.state_dict(keep_vars=True)
+        for k, v in buffers.items():
+            state[k].copy_(v)
+    for p in net.parameters():
+        p.grad = grads.get(id(p))
+    _compat.functional.reset_net(net)
+
+
+def _outputs(net: nn.Module, x) -> torch.Tensor:
+    """Eval-mode outputs (deterministic: running statistics, no dropout)."""
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            return net(x)
+    finally:
+        net.train(was_training)
+        _compat.functional.reset_net(net)
+
+
+def _agree(a, b, mismatch: float = 1e-3) -> bool:
+    """Outputs agree up to float reordering: near-threshold spikes may flip in a tiny fraction."""
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+        return False
+    close = torch.isclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+    return bool((~close).float().mean() <= mismatch)
+
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast(obj):
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress) -> AutoselectReport:
+    report = AutoselectReport()
+    start_layout = _layout_of(net)
+    reference = _outputs(net, x_example)  # eval mode: changes no state, materialises lazy parameters
+    snap = _state_snapshot(net)
+    try:
+        plans = {}
+        for layout in layouts:
+            try:
+                _convert(net, layout)
+            except (TypeError, ValueError, NotImplementedError) as e:
+                warnings.warn(f"autoselect: the network cannot run in layout {layout!r} ({e}); skipped")
+                report.skipped.append(f"layout {layout}: {e}")
+                continue
+            mods = layers(net)
+            inputs = _capture_inputs(net, x_example, mods)
+            _restore(net, snap)
+            rows, total, plan = [], 0.0, {}
+            bar = _progress(mods, layout, progress)
+            for name, mod in bar:
+                if name not in inputs:  # never ran on this input
+                    continue
+                key = layer_key(mod, layout, inputs[name])
+                times = cache.get(key)
+                hit = times is not None and set(times) == set(candidates(mod))
+                if not hit:
+                    times = {}
+                    for c in candidates(mod):
+                        with _method(mod, c):
+                            try:
+                                times[c] = float(measure_fn(mod, inputs[name], m))
+                            except Exception as e:  # noqa: BLE001  (a candidate that cannot run is skipped)
+                                times[c] = math.inf
+                                report.skipped.append(f"{layout}/{name}/{c}: {type(e).__name__}: {e}")
+                    cache.put(key, times)
+                    report.timed += 1
+                else:
+                    report.cache_hits += 1
+                choice = min(times, key=times.get)
+                if math.isinf(times[choice]):
+                    raise RuntimeError(f"no candidate of layer {name!r} could run in layout {layout!r}: "
+                                       f"{report.skipped[-len(times):]}")
+                total += times[choice]
+                plan[name] = choice
+                rows.append(LayerResult(name, type(mod).__name__, times, choice, hit))
+                _restore(net, snap)
+            report.layouts[layout] = rows
+            report.totals[layout] = total
+            plans[layout] = plan
+        cache.save()
+        # Fastest layout first; a configuration that does not reproduce the outputs is skipped.
+        for layout in sorted(plans, key=report.totals.get):
+            _apply(net, layout, plans[layout])
+            out = _outputs(net, x_example)
+            _restore(net, snap)
+            if _agree(out, reference):
+                report.layout, report.methods = layout, plans[layout]
+                return report
+            msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
+            warnings.warn(f"autoselect: {msg}; skipped")
+            report.skipped.append(msg)
+        _convert(net, start_layout)
+        return report
+    except BaseException:
+        _convert(net, start_layout)
+        _restore(net, snap)
+        raise
+
+
+def _progress(mods, layout, progress):
+    if not progress:
+        return mods
+    from tqdm import tqdm
+    return tqdm(mods, desc=f"autoselect {layout}", leave=False)
+
+
+def _layout_of(net: nn.Module) -> str:
+    from .convert import current_layout
+    return current_layout(net)
+
+
+def _apply(net: nn.Module, layout: str, plan: dict[str, str]) -> None:
+    _convert(net, layout)
+    named = dict(net.named_modules())
+    for name, method in plan.items():
+        if method != "-":
+            named[name].method = method
+
+
+def autoselect(net: nn.Module, x_example, m: int = 3, layouts: Sequence[str] = ("time_first", "time_last"),
+               cache=True, measure_fn: Optional[Callable] = None, progress: bool = True,
+               verbose: bool = False) -> AutoselectReport:
+    """Benchmark every layer's implementations in each layout and apply the fastest, in place.
+
+    :param net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
+    :param x_example: an input of the real shape (and dtype/device) the network will train on
+    :param m: each candidate runs ``2m+1`` times; the mean of the last ``m`` counts
+    :param layouts: layouts to consider
+    :param cache: ``True`` (the default file, ``$SPIKINGJELLY_MFPSN_CACHE`` or
+        ``~/.cache/spikingjelly_mfpsn/autoselect.json``), a path, or ``False``
+    :param measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
+    :param progress: show a progress bar
+    :return: an :class:`AutoselectReport`; ``print`` it for a table
+
+    Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
+    """
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    for layout in layouts:
+        ops.check_layout(layout)
+    if not layouts:
+        raise ValueError("layouts must name at least one layout")
+    t0 = time.perf_counter()
+    path = default_cache_path() if cache is True else (cache or None)
+    report = None
+    if _dist_rank() == 0:
+        report = _select(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
+                         progress)
+    report = _broadcast(report)
+    if report.layout is not None:
+        _apply(net, report.layout, report.methods)
+    _compat.invalidate_reset_cache(net)
+    report.seconds = time.perf_counter() - t0
+    if verbose:
+        print(report)
+    return report

@@ -1,0 +1,255 @@
+"""autoselect (paper Algorithm 1): choice, cache, self-check, state, zoo networks, distributed."""
+import json
+import multiprocessing as mp
+import os
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer, neuron
+
+import spikingjelly_mfpsn as mf
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops, tuner
+from spikingjelly_mfpsn.convert import current_layout
+
+import zoo
+
+
+def seq_net(c=4):
+    """A small version of the paper's sequential network: conv-BN-SN blocks, pooling, FC."""
+    net = nn.Sequential(
+        layer.Conv1d(2, c, 3, padding=1), layer.BatchNorm1d(c), MulFreeChannelwisePSN(k=2, dilation=1),
+        layer.Conv1d(c, c, 3, padding=1), layer.BatchNorm1d(c), MulFreeChannelwisePSN(k=2, dilation=2),
+        layer.AvgPool1d(2, 2), layer.Flatten(), layer.Linear(c * 4, 8), MulFreeChannelwisePSN(k=3, dilation=3),
+        layer.Linear(8, 3),
+    )
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def example(t=6, n=5):
+    return torch.rand(t, n, 2, 8)
+
+
+class FakeTimes:
+    """measure_fn that invents a time for every (layout, module kind, method) and records the calls."""
+
+    def __init__(self, seed=0, bias=None):
+        self.rng = random.Random(seed)
+        self.table = {}
+        self.calls = 0
+        self.bias = bias or {}
+
+    def __call__(self, module, args, m):
+        self.calls += 1
+        layout = getattr(module, "layout", None) or ("time_last" if "TimeLast" in type(module).__name__
+                                                     else "time_first")
+        key = (layout, type(module).__name__, getattr(module, "method", "-"), tuple(args[0].shape))
+        if key not in self.table:
+            self.table[key] = self.rng.uniform(1, 10) * self.bias.get(layout, 1.0)
+        return self.table[key]
+
+
+def state_of(net):
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def eval_out(net, x):
+    net.eval()
+    with torch.no_grad():
+        y = net(x)
+    functional.reset_net(net)
+    net.train()
+    return y
+
+
+@pytest.mark.parametrize("seed,bias", [(0, None), (1, {"time_last": 0.1}), (2, {"time_first": 0.1})])
+def test_choice_is_the_minimum_of_the_recorded_times(seed, bias, tmp_path):
+    net = seq_net()
+    fake = FakeTimes(seed, bias)
+    report = mf.autoselect(net, example(), cache=str(tmp_path / "c.json"), measure_fn=fake, progress=False)
+    assert fake.calls > 0
+    for layout, rows in report.layouts.items():
+        assert rows, layout
+        for r in rows:
+            assert r.choice == min(r.times, key=r.times.get)
+        assert report.totals[layout] == pytest.approx(sum(r.times[r.choice] for r in rows))
+    assert report.layout == min(report.totals, key=report.totals.get)
+    if bias:
+        assert report.layout == next(iter(bias))
+    # what was chosen is what the net now runs
+    assert current_layout(net) == report.layout
+    named = dict(net.named_modules())
+    for name, method in report.methods.items():
+        if method != "-":
+            assert named[name].method == method
+    neuron_rows = [r for r in report.layouts[report.layout] if r.kind == "MulFreeChannelwisePSN"]
+    assert len(neuron_rows) == 3 and all(len(r.times) >= 3 for r in neuron_rows)
+    text = str(report)
+    assert "time_first" in text and "time_last" in text and "(chosen)" in text
+
+
+def test_outputs_and_state_unchanged(tmp_path):
+    torch.manual_seed(0)
+    net = seq_net()
+    x = example()
+    net(x)  # some running statistics
+    functional.reset_net(net)
+    before_out, before_state = eval_out(net, x), state_of(net)
+    report = mf.autoselect(net, x, m=1, cache=str(tmp_path / "c.json"), progress=False)
+    assert report.timed > 0
+    after_state = state_of(net)
+    assert before_state.keys() == after_state.keys()
+    for k in before_state:
+        assert torch.equal(before_state[k], after_state[k]), k
+    assert all(p.grad is None for p in net.parameters())
+    torch.testing.assert_close(eval_out(net, x), before_out)
+    # and the net still trains in the chosen configuration
+    net(x).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_cache_hit_times_nothing(tmp_path):
+    path = str(tmp_path / "c.json")
+    net = seq_net()
+    first = FakeTimes(3)
+    r1 = mf.autoselect(net, example(), cache=path, measure_fn=first, progress=False)
+    assert r1.timed > 0  # (identical layers on identical inputs share one timing even in one call)
+    second = FakeTimes(4)  # would give other times: it must not be asked
+    net2 = seq_net()
+    r2 = mf.autoselect(net2, example(), cache=path, measure_fn=second, progress=False)
+    assert second.calls == 0 and r2.timed == 0 and r2.cache_hits == r1.timed + r1.cache_hits
+    assert (r2.layout, r2.methods) == (r1.layout, r1.methods)
+    # another input shape is timed again
+    r3 = mf.autoselect(seq_net(), example(t=9), cache=path, measure_fn=second, progress=False)
+    assert second.calls > 0 and r3.timed > 0
+
+
+@pytest.mark.parametrize("content", [b"\x00\xffgarbage{", b'{"schema": 999, "layers": {}}', b"[1, 2, 3]",
+                                     b'{"schema": 1, "layers": {"k": {"a": "fast"}}}'])
+def test_corrupted_or_foreign_cache_is_rebuilt(tmp_path, content):
+    path = tmp_path / "c.json"
+    path.write_bytes(content)
+    with pytest.warns(UserWarning, match="rebuilt") if b"fast" not in content else _nothing():
+        report = mf.autoselect(seq_net(), example(), cache=str(path), measure_fn=FakeTimes(), progress=False)
+    assert report.timed > 0
+    data = json.loads(path.read_text())
+    assert data["schema"] == tuner.CACHE_SCHEMA and len(data["layers"]) >= report.timed
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _writer(path, i, barrier):
+    cache = tuner.TimingCache(path)
+    for j in range(20):
+        cache.put(f"writer{i}-{j}", {"m": float(j)})
+    barrier.wait()
+    for _ in range(5):
+        cache.save()
+
+
+def test_concurrent_writers_leave_a_whole_file(tmp_path):
+    path = str(tmp_path / "c.json")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_writer, args=(path, i, barrier)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    data = json.loads(open(path).read())
+    assert len(data["layers"]) == 80  # nothing torn, nothing lost
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".autoselect-")]
+
+
+def test_a_configuration_that_fails_the_self_check_is_skipped(tmp_path, monkeypatch):
+    def broken(x, weight, bias, dilation, layout):
+        return torch.zeros(x.shape, dtype=x.dtype) + 0 * weight.sum()  # wrong, but runs
+
+    ops.register(ops.Implementation("broken", "torch", ("time_first",), broken, "a wrong implementation"))
+    try:
+        def fake(module, args, m):
+            if getattr(module, "method", None) == "broken":
+                return 1e-9  # the fastest by far: autoselect must still refuse it
+            return 1.0 if getattr(module, "layout", "time_first") == "time_first" else 2.0
+        net = seq_net()
+        x = example()
+        ref = eval_out(net, x)
+        with pytest.warns(UserWarning, match="does not reproduce"):
+            report = mf.autoselect(net, x, cache=False, measure_fn=fake, progress=False)
+        assert report.layout == "time_last"  # the time-first plan used 'broken'
+        assert not any(m.method == "broken" for m in net.modules() if isinstance(m, MulFreeChannelwisePSN))
+        torch.testing.assert_close(eval_out(net, x), ref)
+    finally:
+        ops.registry._REGISTRY.pop("broken")
+
+
+def test_unconvertible_layout_is_skipped(tmp_path):
+    net = nn.Sequential(layer.Linear(2, 4), neuron.LIFNode(), layer.Linear(4, 2), MulFreeChannelwisePSN(k=2))
+    functional.set_step_mode(net, "m")
+    with pytest.warns(UserWarning, match="time_last"):
+        report = mf.autoselect(net, torch.rand(4, 3, 2), cache=False, measure_fn=FakeTimes(), progress=False)
+    assert report.layout == "time_first" and "time_last" not in report.totals
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="m must be"):
+        mf.autoselect(seq_net(), example(), m=0, cache=False)
+    with pytest.raises(ValueError, match="layout"):
+        mf.autoselect(seq_net(), example(), layouts=("sideways",), cache=False)
+
+
+@pytest.mark.parametrize("arch", ["spiking_vgg", "spiking_resnet"])
+def test_model_zoo_after_replace_neurons(arch, tmp_path):
+    torch.manual_seed(0)
+    net = zoo.BUILDERS[arch](neuron.LIFNode, num_classes=4)
+    x = torch.rand(2, 2, 3, 16, 16)
+    net, summary = mf.replace_neurons(net, k=2, example_input=x)
+    assert len(summary) >= 2 and [r.dilation for r in summary][:2] == [1, 2]
+    before = eval_out(net, x)
+    report = mf.autoselect(net, x, m=1, cache=str(tmp_path / "c.json"), progress=False)
+    assert report.layout in ("time_first", "time_last")
+    torch.testing.assert_close(eval_out(net, x), before)
+    assert net(x).shape == before.shape
+
+
+def _dist_worker(rank, path, init_file, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        net = seq_net()
+        if rank == 0:
+            fake = FakeTimes(7, {"time_last": 0.1})
+        else:
+            def fake(*a):
+                raise AssertionError("only rank 0 measures")
+        report = mf.autoselect(net, example(), cache=path, measure_fn=fake, progress=False)
+        methods = {n: m.method for n, m in net.named_modules() if isinstance(m, MulFreeChannelwisePSN)}
+        results.put((rank, report.layout, current_layout(net), methods))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_rank0_decides_every_rank_applies(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_dist_worker, args=(r, str(tmp_path / f"c{r}.json"), str(tmp_path / "init"),
+                                                    results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    (_, layout0, applied0, methods0), (_, layout1, applied1, methods1) = got
+    assert layout0 == layout1 == applied0 == applied1 == "time_last"
+    assert methods0 == methods1

@@ -1,0 +1,249 @@
+"""Whole networks in both layouts: to_time_last gives the time-first network's outputs, gradients and
+running statistics; to_time_first undoes it exactly; checkpoints load across layouts; modules without
+a time-last version raise a clear error (or run time-first with fallback='time_first')."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer, neuron
+
+import spikingjelly_mfpsn as mf
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_first, to_time_last
+from spikingjelly_mfpsn.convert import UnconvertibleModuleError, has_time_last_boundary
+
+import zoo
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+def seq_cifar_net(c=8, fc=16, classes=10, height=8, k=2):
+    """The paper's sequential-CIFAR network (Appendix E) with small widths:
+    {{c<c>k3s1-BN-SN}*3-APk2s2}*2-FC<fc>-SN-FC<classes}; one time step is one image column (3, H).
+    SN is MF-PSN with the sawtooth dilations 1, 2, 3, 1, 2, 3, ..."""
+    layers, in_c, n_sn = [], 3, 0
+
+    def sn(channels):
+        nonlocal n_sn
+        n_sn += 1
+        return MulFreeChannelwisePSN(channels, k=k, dilation=1 + (n_sn - 1) % 3, step_mode="m")
+
+    for _ in range(2):
+        for _ in range(3):
+            layers += [layer.Conv1d(in_c, c, 3, 1, padding=1), layer.BatchNorm1d(c), sn(c)]
+            in_c = c
+        layers.append(layer.AvgPool1d(2, 2))
+    layers += [layer.Flatten(), layer.Linear(c * (height // 4), fc), sn(fc), layer.Linear(fc, classes)]
+    net = nn.Sequential(*layers)
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def structure(net):
+    return [(name, type(m), id(m)) for name, m in net.named_modules()]
+
+
+def run(net, x):
+    """Output, and gradients of <output, g> (g random, seeded) w.r.t. the input and every named parameter."""
+    x = x.clone().requires_grad_()
+    y = net(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    names, params = zip(*net.named_parameters())
+    grads = torch.autograd.grad(y, (x,) + params, g)
+    return y.detach(), dict(zip(("input",) + names, grads))
+
+
+def assert_same_run(net_a, net_b, x):
+    y_a, grads_a = run(net_a, x)
+    y_b, grads_b = run(net_b, x)
+    functional.reset_net(net_a), functional.reset_net(net_b)
+    torch.testing.assert_close(y_b, y_a, **TOL)
+    assert grads_b.keys() == grads_a.keys()
+    for key in grads_a:
+        torch.testing.assert_close(grads_b[key], grads_a[key], **TOL, msg=lambda m: f"{key}: {m}")
+    sd_a, sd_b = net_a.state_dict(), net_b.state_dict()
+    assert list(sd_a) == list(sd_b)
+    for key in sd_a:  # running statistics of BN and of the neurons' fused BN thresholds
+        torch.testing.assert_close(sd_b[key], sd_a[key], **TOL, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("method", ["vmap", "highdim"])
+def test_sequential_cifar_net_same_in_both_layouts(method):
+    torch.manual_seed(0)
+    net_tf = seq_cifar_net().double()
+    net_tl = to_time_last(copy.deepcopy(net_tf), method=method)
+    assert has_time_last_boundary(net_tl)
+    assert all(m.layout == "time_last" for m in net_tl.modules() if isinstance(m, MulFreeChannelwisePSN))
+    x = torch.randn(6, 3, 3, 8, dtype=torch.float64)  # (T columns, N, RGB, H rows)
+    for _ in range(2):  # training: batch statistics, running statistics updated
+        assert_same_run(net_tf, net_tl, x)
+    net_tf.eval(), net_tl.eval()
+    assert_same_run(net_tf, net_tl, x)
+
+
+def built_zoo_net(name, x):
+    torch.manual_seed(0)
+    net = zoo.BUILDERS[name](MulFreeChannelwisePSN, k=2).double()
+    net.eval()
+    net(x)  # materialises the lazy neurons (eval: running statistics untouched)
+    functional.reset_net(net)
+    return net.train()
+
+
+@pytest.mark.parametrize("name", list(zoo.BUILDERS))
+def test_zoo_net_same_in_both_layouts(name):
+    x = torch.randn(2, 2, 3, 8, 8, dtype=torch.float64)
+    net_tf = built_zoo_net(name, x)
+    net_tl = to_time_last(copy.deepcopy(net_tf))
+    assert_same_run(net_tf, net_tl, x)
+
+
+def test_checkpoints_load_across_layouts():
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 3, 8, dtype=torch.float64)
+    trained_tl = to_time_last(seq_cifar_net().double())
+    trained_tl(x)  # move the running statistics away from their initial values
+    fresh_tf = seq_cifar_net().double()
+    fresh_tf.load_state_dict(trained_tl.state_dict())
+    trained_tl.eval(), fresh_tf.eval()
+    torch.testing.assert_close(fresh_tf(x), trained_tl(x), **TOL)
+    fresh_tl = to_time_last(seq_cifar_net().double()).eval()
+    fresh_tl.load_state_dict(fresh_tf.state_dict())
+    torch.testing.assert_close(fresh_tl(x), fresh_tf(x), **TOL)
+
+
+def test_to_time_first_undoes_to_time_last_exactly():
+    x = torch.randn(2, 2, 3, 8, 8, dtype=torch.float64)
+    net = built_zoo_net("sew_resnet", x)
+    before = structure(net)
+    sd = {k: v.clone() for k, v in net.state_dict().items()}
+    net_tl = to_time_last(net)
+    assert structure(net_tl) != before
+    assert to_time_last(net_tl) is net_tl and structure(net_tl) == structure(to_time_last(net_tl))
+    assert len(net_tl._forward_pre_hooks) == 1  # the boundary is installed once
+    back = to_time_first(net_tl)
+    assert back is net and structure(back) == before
+    assert not back._forward_pre_hooks and not back._forward_hooks
+    assert all(m.layout == "time_first" for m in back.modules() if isinstance(m, MulFreeChannelwisePSN))
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, sd[k])
+    assert to_time_first(back) is back and structure(back) == before
+
+
+def test_plain_torch_modules_and_containers():
+    """Plain torch.nn layers: per step inside SeqToANNContainer; a top-level nn.Flatten sees (T, N, ...)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        layer.SeqToANNContainer(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4)),
+        MulFreeChannelwisePSN(4, k=3, step_mode="m"),
+        nn.Sequential(layer.MaxPool2d(2), nn.Identity()),
+        nn.Flatten(2),
+        nn.Linear(16, 5),
+        nn.ReLU(),
+        layer.SeqToANNContainer(nn.Linear(5, 3)),
+    ).double()
+    functional.set_step_mode(net, "m")
+    net_tl = to_time_last(copy.deepcopy(net))
+    assert isinstance(net_tl[0], mf.layer.TimeLastSequential) and isinstance(net_tl[3], mf.layer.TimeLastFlatten)
+    assert_same_run(net, net_tl, torch.randn(4, 3, 2, 4, 4, dtype=torch.float64))
+    net_tl.eval()
+    back = to_time_first(net_tl)
+    assert type(back[0]) is layer.SeqToANNContainer and type(back[3]) is nn.Flatten
+    assert not any(m.training for m in back.modules()), "train/eval mode must carry over"
+
+
+def test_dropout_and_reset_net_in_a_converted_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(6, 8), MulFreeChannelwisePSN(8, step_mode="m"), layer.Dropout(0.5),
+                        layer.Linear(8, 4))
+    functional.set_step_mode(net, "m")
+    net_tl = copy.deepcopy(net)
+    functional.reset_net(net_tl)  # SpikingJelly 2.x caches the modules reset_net visits
+    net_tl = to_time_last(net_tl)
+    x = torch.randn(5, 3, 6)
+    for seed in (1, 2):  # two simulations, each with its own dropout mask
+        torch.manual_seed(seed)
+        y = net(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(net_tl(x), y, rtol=1e-6, atol=1e-6)
+        functional.reset_net(net), functional.reset_net(net_tl)
+        assert net_tl[2].mask is None, "reset_net must reach the time-last Dropout"
+
+
+def test_boundary_false_takes_time_last_tensors():
+    torch.manual_seed(0)
+    net = seq_cifar_net().double().eval()
+    x = torch.randn(5, 2, 3, 8, dtype=torch.float64)
+    y = net(x)
+    net_tl = to_time_last(copy.deepcopy(net), boundary=False)
+    assert not has_time_last_boundary(net_tl)
+    torch.testing.assert_close(net_tl(x.movedim(0, -1)), y.movedim(0, -1), **TOL)
+
+
+def lif_net():
+    net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1), layer.BatchNorm2d(4), neuron.IFNode(),
+                        layer.Flatten(), layer.Linear(4 * 16, 3), neuron.LIFNode())
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def test_unconvertible_modules_raise_and_change_nothing():
+    net = lif_net()
+    before = structure(net)
+    with pytest.raises(UnconvertibleModuleError) as info:
+        to_time_last(net)
+    msg = str(info.value)
+    assert "2 (IFNode): a stateful SpikingJelly module" in msg and "5 (LIFNode)" in msg
+    assert "fallback='time_first'" in msg
+    assert structure(net) == before and not net._forward_pre_hooks
+
+    class Custom(nn.Module):
+        def forward(self, x):
+            return x.cumsum(0)
+    psn = MulFreeChannelwisePSN(3, step_mode="m")
+    net = nn.Sequential(layer.Linear(2, 3), psn, nn.Sequential(Custom()))
+    functional.set_step_mode(net, "m")
+    with pytest.raises(UnconvertibleModuleError, match=r"2\.0 \(Custom\): not a stateless layer"):
+        to_time_last(net)
+    assert psn.layout == "time_first" and type(net[0]) is layer.Linear
+    with pytest.raises(UnconvertibleModuleError, match=r"0\.0 \(LSTM\)"):
+        to_time_last(nn.Sequential(layer.SeqToANNContainer(nn.LSTM(2, 2))))
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        to_time_last(net, fallback="vmap")
+
+
+def test_single_step_network_is_rejected():
+    net = nn.Sequential(layer.Linear(2, 3), MulFreeChannelwisePSN(3))  # step_mode 's'
+    with pytest.raises(UnconvertibleModuleError, match=r"0 \(Linear\) has step_mode='s'"):
+        to_time_last(net)
+
+
+def test_fallback_runs_modules_time_first():
+    torch.manual_seed(0)
+    net = lif_net().double()
+    net_tl = to_time_last(copy.deepcopy(net), fallback="time_first")
+    assert isinstance(net_tl[0], mf.layer.TimeLastConv) and type(net_tl[2]) is neuron.IFNode
+    x = torch.rand(4, 2, 2, 4, 4, dtype=torch.float64) * 2
+    assert_same_run(net, net_tl, x)
+    back = to_time_first(net_tl)
+    assert not back[2]._forward_pre_hooks and type(back[0]) is layer.Conv2d
+    assert_same_run(net, back, x)
+
+
+class Square(nn.Module):
+    """A per-step layer this package does not know."""
+
+    def forward(self, x):
+        return x * x
+
+
+def test_fallback_runs_a_container_with_an_unknown_child_time_first():
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.SeqToANNContainer(nn.Linear(3, 4), Square()),
+                        MulFreeChannelwisePSN(4, step_mode="m"), layer.Linear(4, 2)).double()
+    functional.set_step_mode(net, "m")
+    with pytest.raises(UnconvertibleModuleError, match=r"0\.1 \(Square\)"):
+        to_time_last(net)
+    net_tl = to_time_last(copy.deepcopy(net), fallback="time_first")
+    assert type(net_tl[0]) is layer.SeqToANNContainer and net_tl[1].layout == "time_last"
+    assert_same_run(net, net_tl, torch.randn(5, 2, 3, dtype=torch.float64))

@@ -1,0 +1,306 @@
+"""Folding, integer bit-shift inference and streaming, held against the plain loop reference."""
+import io
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, energy
+from spikingjelly_mfpsn.deploy import FoldedMulFreePSN
+
+import reference
+
+GRID = 3  # test inputs and synaptic weights are multiples of 2**-GRID
+FRAC_BITS = 8  # enough for every neuron input of the test networks (multiples of 2**-2*GRID)
+
+
+def on_grid(*shape, bits=GRID, scale=2.0):
+    return torch.round(torch.randn(*shape) * scale * 2 ** bits) / 2 ** bits
+
+
+def randomise(neuron: MulFreeChannelwisePSN) -> MulFreeChannelwisePSN:
+    """Random weights and threshold statistics, so fused exponents span left and right shifts."""
+    c = neuron.channels
+    with torch.no_grad():
+        neuron.weight.copy_(torch.randn_like(neuron.weight))
+        if neuron.threshold == "bn":
+            neuron.gamma.copy_(torch.empty(c).uniform_(0.3, 2.0) * torch.sign(torch.randn(c)))
+            neuron.beta.copy_(torch.randn(c) * 0.5 - 0.3)
+            neuron.running_mean.copy_(torch.randn(c) * 0.5)
+            neuron.running_var.copy_(torch.empty(c).uniform_(0.2, 3.0))
+        else:
+            neuron.v_threshold.copy_(torch.randn(c) * 0.5 + 0.5)
+    return neuron
+
+
+def grid_synapse(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(on_grid(*p.shape, scale=0.5))
+    return module
+
+
+def random_net(k, d, threshold, channels=4, length=5):
+    """Conv1d -> MF-PSN -> Conv1d -> MF-PSN -> Flatten -> Linear -> MF-PSN on (T, N, 2, length)."""
+    def sn(c, dil):
+        return randomise(MulFreeChannelwisePSN(c, k=k, dilation=dil, threshold=threshold, exp_init=False,
+                                               step_mode="m"))
+    return nn.Sequential(
+        grid_synapse(layer.Conv1d(2, channels, 3, padding=1, step_mode="m")), sn(channels, d),
+        grid_synapse(layer.Conv1d(channels, channels, 3, padding=1, step_mode="m")), sn(channels, d % 3 + 1),
+        layer.Flatten(step_mode="m"),
+        grid_synapse(layer.Linear(channels * length, 6, step_mode="m")), sn(6, 1)).eval()
+
+
+def reference_spikes(folded: FoldedMulFreePSN, x: torch.Tensor) -> torch.Tensor:
+    """Theta of the plain-loop charge in float64 with W = sign * 2**shift built element by element."""
+    w = torch.tensor([[s * 2.0 ** e for s, e in zip(srow, erow)]
+                      for srow, erow in zip(folded.sign.tolist(), folded.shift.tolist())], dtype=torch.float64)
+    return (reference.charge(x.double(), w, folded.bias.double(), folded.dilation, folded.layout) >= 0).double()
+
+
+def run_capturing(net, x):
+    """Run ``net`` and return {neuron name: (input, output)} of its folded neurons."""
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, (i[0], o)))
+             for n, m in deploy.folded_neurons(net)]
+    functional.reset_net(net)
+    with torch.no_grad():
+        out = net(x)
+    for h in hooks:
+        h.remove()
+    return out, seen
+
+
+CASES = [(k, d, th) for (k, d), th in itertools.product([(1, 1), (2, 1), (3, 2), (5, 3), (4, 1)], ["bn", "param"])]
+
+
+@pytest.mark.parametrize("k,d,threshold", CASES)
+def test_folded_equals_unfolded(k, d, threshold):
+    torch.manual_seed(k * 7 + d)
+    net = random_net(k, d, threshold)
+    x = on_grid(9, 3, 2, 5)
+    with torch.no_grad():
+        want = net(x)
+    deploy.fold(net)
+    assert not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules())
+    functional.reset_net(net)
+    with torch.no_grad():
+        got = net(x)
+    assert torch.equal(got, want)
+
+
+def test_folded_neuron_keeps_no_float_weight():
+    n = randomise(MulFreeChannelwisePSN(5, k=4, step_mode="m"))
+    f = deploy.fold(n)
+    assert list(f.parameters()) == []
+    assert f.shift.dtype == torch.int8 and f.sign.dtype == torch.int8 and f.shift.shape == (5, 4)
+    float_buffers = [name for name, b in f.named_buffers() if b.is_floating_point()]
+    assert float_buffers == ["bias"]
+
+
+@pytest.mark.parametrize("k,d,threshold", CASES)
+def test_integer_path_equals_float_path_on_random_networks(k, d, threshold):
+    torch.manual_seed(100 + k * 7 + d)
+    net = deploy.fold(random_net(k, d, threshold)).double()
+    x = on_grid(11, 3, 2, 5).double()
+    out_float, float_seen = run_capturing(net, x)
+    deploy.set_integer(net, FRAC_BITS)
+    out_int, int_seen = run_capturing(net, x)
+    modules = dict(deploy.folded_neurons(net))
+    assert set(float_seen) == set(int_seen) == set(modules)
+    fired = 0
+    for name, (inp, spikes) in float_seen.items():
+        inp_i, spikes_i = int_seen[name]
+        want = reference_spikes(modules[name], inp)
+        assert torch.equal(inp_i, inp)  # so upstream spikes agreed too
+        assert torch.equal(spikes, want), name
+        assert torch.equal(spikes_i, want), name
+        fired += int(want.sum())
+    assert 0 < fired  # the comparison is not all-silent
+    assert torch.equal(out_int, out_float)
+
+
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+@pytest.mark.parametrize("k,d", [(1, 1), (3, 1), (4, 2), (6, 3)])
+def test_integer_neuron_matches_reference(layout, k, d):
+    torch.manual_seed(k + 10 * d)
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=k, dilation=d, exp_init=False, step_mode="m",
+                                                    layout=layout)))
+    shape = (7, 2, 3, 4) if layout == "time_first" else (2, 3, 4, 7)
+    x = on_grid(*shape, bits=5)
+    deploy.set_integer(f, 5)
+    got = f(x)
+    assert got.dtype == x.dtype
+    assert torch.equal(got.double(), reference_spikes(f, x))
+    # An integer input is taken as already fixed point with frac_bits fractional bits.
+    assert torch.equal(f(deploy.to_fixed(x, 5)).double(), reference_spikes(f, x))
+
+
+def test_narrow_accumulator_uses_flooring_right_shifts():
+    torch.manual_seed(3)
+    shift = torch.tensor([[-3, 1, -1], [2, -2, 0]], dtype=torch.int8)
+    sign = torch.tensor([[1, -1, 1], [-1, 1, 0]], dtype=torch.int8)
+    q = torch.randint(-50, 50, (6, 2, 2))
+    got = deploy.int_charge(q, shift, sign, dilation=2, extra_bits=0)
+    for t, n, c in itertools.product(range(6), range(2), range(2)):  # plain Python ints: >> floors
+        acc = 0
+        for i in range(3):
+            src = t - (2 - i) * 2
+            if src >= 0:
+                v, a = int(q[src, n, c]), int(shift[c, i])
+                acc += int(sign[c, i]) * (v << a if a >= 0 else v >> -a)
+        assert int(got[t, n, c]) == acc
+
+
+def test_float32_agreement_is_measured():
+    torch.manual_seed(5)
+    net = deploy.fold(random_net(4, 2, "bn"))
+    x = torch.randn(12, 4, 2, 5)  # off the fixed-point grid: rounded on entry
+    rates = deploy.agreement(net, x, frac_bits=16)
+    assert set(rates) == {n for n, _ in deploy.folded_neurons(net)}
+    for r in rates.values():
+        assert 0.99 <= r["local"] <= 1.0 and 0.0 <= r["network"] <= 1.0
+    coarse = deploy.agreement(net, x, frac_bits=0)  # rounding inputs to integers does change spikes
+    assert min(r["local"] for r in coarse.values()) < 1.0
+    assert all(m.frac_bits is None for _, m in deploy.folded_neurons(net))  # left on the float path
+
+
+@pytest.mark.parametrize("t,k,d", [(10, 3, 1), (2, 5, 1), (9, 4, 3), (4, 3, 2), (1, 2, 1)])
+def test_integer_path_counts_its_operations(t, k, d):
+    f = deploy.fold(MulFreeChannelwisePSN(3, k=k, dilation=d, step_mode="m"))
+    tally = {}
+    extra, bias_int = 0, torch.zeros(3, dtype=torch.int64)
+    deploy.int_fire(torch.ones(t, 2, 3, 5, dtype=torch.int64), f.shift, f.sign, bias_int, d, tally=tally)
+    brute = sum(1 for step in range(t) for j in range(k) if step - j * d >= 0)  # (step, tap) pairs inside
+    assert tally == {"shift": brute * 30, "add": (brute + t) * 30}
+    assert energy.taps_in_sequence(t, k, d) == brute
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_integer_neuron_runs_no_multiplication():
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(4, k=5, dilation=2, exp_init=False, step_mode="m")))
+    q = torch.randint(-100, 100, (9, 2, 4, 3))
+    extra, bias_int = 4, deploy.int_bias(f.bias, FRAC_BITS + 4)
+    with _OpRecorder() as rec:
+        deploy.int_fire(q, f.shift, f.sign, bias_int, f.dilation, extra_bits=extra)
+    banned = ("mul", "mm", "conv", "div", "matmul", "addcmul", "pow", "ldexp", "exp")
+    assert any("bitwise_left_shift" in n for n in rec.names)
+    assert [n for n in rec.names if any(b in n.split("::")[-1] for b in banned)] == []
+
+
+def stream(net, x):
+    """Feed ``x`` one step at a time; return the stacked outputs and the neurons' state sizes."""
+    functional.set_step_mode(net, "s")
+    functional.reset_net(net)
+    with torch.no_grad():
+        out = torch.stack([net(x_t) for x_t in x])
+    queues = [m.x_queue for _, m in deploy.folded_neurons(net)]
+    functional.set_step_mode(net, "m")
+    functional.reset_net(net)
+    return out, [(len(q), sum(t.numel() * t.element_size() for t in q)) for q in queues]
+
+
+@pytest.mark.parametrize("arithmetic", ["float", "integer"])
+def test_streaming_matches_multi_step_with_constant_memory(arithmetic):
+    torch.manual_seed(11)
+    net = deploy.fold(random_net(4, 2, "bn"))
+    if arithmetic == "integer":
+        deploy.set_integer(net, FRAC_BITS)
+    sizes = []
+    for t in (12, 40):
+        x = on_grid(t, 2, 2, 5)
+        functional.reset_net(net)
+        with torch.no_grad():
+            want = net(x)
+        got, state = stream(net, x)
+        assert torch.equal(got, want)
+        sizes.append(state)
+    assert sizes[0] == sizes[1]
+    assert [n for n, _ in sizes[0]] == [(m.k - 1) * m.dilation for _, m in deploy.folded_neurons(net)]
+
+
+def test_folded_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(13)
+    net = deploy.fold(random_net(3, 2, "bn"))
+    x = on_grid(8, 2, 2, 5)
+    _, want = run_capturing(net, x)
+    path = tmp_path / "folded.pt"
+    torch.save(net.state_dict(), path)
+    state = torch.load(path)
+    assert state["1.shift"].dtype == torch.int8 and "1.weight" not in state
+    # A fresh net folded the same way (and with another charge implementation) loads it.
+    fresh = random_net(3, 2, "bn")
+    for m in fresh.modules():
+        if isinstance(m, MulFreeChannelwisePSN):
+            m.method = "conv1d"
+    fresh = deploy.fold(fresh)
+    fresh.load_state_dict(state)
+    _, got = run_capturing(fresh, x)
+    for name in want:
+        assert torch.equal(got[name][1], want[name][1])
+    buffer = io.BytesIO()
+    torch.save(fresh, buffer)
+    buffer.seek(0)
+    whole = torch.load(buffer, weights_only=False)
+    assert torch.equal(whole[1].shift, net[1].shift)
+
+
+def test_unfold_gives_trainable_neurons_with_the_same_eval_output():
+    torch.manual_seed(17)
+    net = random_net(3, 1, "bn")
+    x = on_grid(7, 2, 2, 5)
+    with torch.no_grad():
+        want = net(x)
+    deploy.unfold(deploy.fold(net))
+    neurons = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    assert len(neurons) == 3 and all(n.threshold == "param" for n in neurons)
+    functional.reset_net(net)
+    with torch.no_grad():
+        assert torch.equal(net(x), want)
+    net.train()
+    functional.reset_net(net)
+    net(x).sum().backward()
+    assert neurons[0].weight.grad is not None
+
+
+def test_bad_input_gives_clear_errors():
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, step_mode="m")))
+    with pytest.raises(TypeError, match="integer.*fixed-point.*to_fixed"):
+        deploy.int_charge(torch.randn(4, 1, 3), f.shift, f.sign, 1)
+    with pytest.raises(TypeError, match="shift must be an integer"):
+        deploy.int_charge(torch.ones(4, 1, 3, dtype=torch.int64), f.shift.float(), f.sign, 1)
+    with pytest.raises(ValueError, match=r"sign must have shape \(C, k\) = \(3, k\)"):
+        deploy.int_charge(torch.ones(4, 1, 3, dtype=torch.int64), f.shift, f.sign[:2], 1)
+    with pytest.raises(OverflowError, match="accumulator"):
+        deploy.int_charge(torch.full((4, 1, 3), 2 ** 40), f.shift, f.sign, 1, extra_bits=30)
+    with pytest.raises(OverflowError, match="frac_bits"):
+        deploy.to_fixed(torch.tensor([1e30]), 8)
+    with pytest.raises(ValueError, match="frac_bits"):
+        deploy.set_integer(f, -1)
+    unfolded = nn.Sequential(layer.Linear(3, 3, step_mode="m"), MulFreeChannelwisePSN(3, step_mode="m"))
+    with pytest.raises(ValueError, match="not folded.*fold"):
+        deploy.set_integer(unfolded)
+    with pytest.raises(ValueError, match="not folded"):
+        deploy.agreement(unfolded, torch.randn(4, 1, 3))
+    with pytest.raises(ValueError, match="no FoldedMulFreePSN"):
+        deploy.set_integer(nn.Sequential(nn.Linear(2, 2)))
+    f.train()
+    with pytest.raises(RuntimeError, match="inference-only.*unfold"):
+        f(torch.randn(4, 1, 3))
+    with pytest.raises(ValueError, match="channels are not known"):
+        deploy.fold(MulFreeChannelwisePSN(None, step_mode="m"))
+    with pytest.raises(ValueError, match="quantize=True"):
+        deploy.fold(MulFreeChannelwisePSN(3, quantize=False))

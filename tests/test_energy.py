@@ -1,0 +1,215 @@
+"""Operation counts and energy: closed forms, counted operations, the paper's Table 5, SpikingJelly's counters."""
+import importlib.util
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, deploy, energy
+
+_spec = importlib.util.spec_from_file_location(
+    "energy_table5", os.path.join(os.path.dirname(__file__), "..", "examples", "energy_table5.py"))
+table5_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(table5_example)
+
+needs_psn = pytest.mark.skipif(_compat.PSN is None, reason=f"SpikingJelly {_compat.SJ_VERSION} has no neuron.PSN")
+needs_op_counter = pytest.mark.skipif(_compat.op_counter is None,
+                                      reason=f"SpikingJelly {_compat.SJ_VERSION} has no op_counter")
+
+
+def brute_taps(t, k, d):
+    return sum(1 for step in range(t) for j in range(k) if step - j * d >= 0)
+
+
+def test_taps_in_sequence_closed_form():
+    for t, k, d in itertools.product(range(0, 40, 3), range(1, 12), range(1, 5)):
+        assert energy.taps_in_sequence(t, k, d) == brute_taps(t, k, d), (t, k, d)
+    for t, k in itertools.product(range(1, 40), range(1, 40)):
+        if t >= k:  # the paper's (T + (1-k)/2) k holds for d = 1, T >= k
+            assert energy.taps_in_sequence(t, k) == energy.table1(t, k)["mfpsn"]["shift"]
+
+
+def test_table11_closed_forms():
+    forms = energy.table11()
+    assert "4.6 T^2 + 0.9 T" in forms["psn"]
+    assert "1.03 (T+(1-k)/2) k + 0.9 T" in forms["mfpsn"]
+    assert "0.515 T^2 + 1.415 T" in forms["mfpsn_max"]
+    assert energy.neuron_energy_pj("psn", 10) == pytest.approx(4.6 * 100 + 0.9 * 10)
+    assert energy.neuron_energy_pj("mfpsn", 32, 32) == pytest.approx(0.515 * 32 ** 2 + 1.415 * 32)
+    assert "2 T^2" in energy.table11({"mul": 1.1})["psn"]  # costs are overridable
+
+
+def small_seq_net(make_neuron, channels=6, length=8):
+    return table5_example.sequential_cifar_net(make_neuron, channels=channels, classes=5, length=length).eval()
+
+
+@pytest.mark.parametrize("t,k,d", [(12, 4, 1), (5, 8, 1), (12, 3, 3), (7, 4, 2), (1, 3, 1)])
+def test_counted_neuron_ops_equal_closed_forms(t, k, d):
+    torch.manual_seed(t + k + d)
+    net = small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=k, dilation=d + i % 2, step_mode="m"))
+    x = torch.randn(t, 2, 3, 8)
+    report = energy.estimate(net, x, use_spikingjelly=False)
+    neurons = [layer_ for layer_ in report.layers if layer_.role == "neuron"]
+    assert len(neurons) == 7
+    for i, n in enumerate(neurons):
+        assert n.counted == n.counts
+        per_neuron = energy.neuron_ops("mfpsn", t, k, d + i % 2)
+        positions = 6 * (8 if i < 3 else 4) if i < 6 else 256  # channels x length, then FC256
+        assert n.counts == {op: v * positions for op, v in per_neuron.items()}
+        assert n.counts["mul"] == 0
+    # The folded net runs the same operations.
+    folded = energy.estimate(deploy.fold(net), x, use_spikingjelly=False)
+    assert [n.counts for n in folded.layers if n.role == "neuron"] == [n.counts for n in neurons]
+
+
+def test_paper_table5_neuron_counts_for_mfpsn():
+    torch.manual_seed(0)
+    net = table5_example.sequential_cifar_net(table5_example.mfpsn(k=16)).eval()
+    report = energy.estimate(net, table5_example.image_to_sequence(torch.randn(1, 3, 32, 32)),
+                             use_spikingjelly=False)
+    # 18688 neurons x (T + (1-k)/2) k = 392 taps: the paper's 7.32e6 SHIFT, 7.92e6 ADD, 8.08 uJ.
+    assert report.neuron_ops == {"shift": 18688 * 392, "add": 18688 * (392 + 32), "mul": 0}
+    assert round(report.neuron_energy_uj, 2) == 8.08
+    encoding = [n for n in report.layers if n.role == "encoding"]
+    assert [n.name for n in encoding] == ["0"]
+    assert encoding[0].counts == {"mac": 128 * 3 * 3 * 32 * 32}  # c128k3 on a 3x32 column, 32 steps
+
+
+@needs_psn
+def test_paper_table5_neuron_counts_for_psn_and_ordering():
+    torch.manual_seed(0)
+    x = table5_example.image_to_sequence(torch.randn(1, 3, 32, 32))
+    psn = energy.estimate(table5_example.sequential_cifar_net(lambda i, c: _compat.PSN(32)).eval(), x,
+                          use_spikingjelly=False)
+    assert psn.neuron_ops == {"shift": 0, "mul": 18688 * 32 ** 2, "add": 18688 * (32 ** 2 + 32)}
+    assert psn.neuron_energy_uj == pytest.approx(88.56, abs=0.01)  # the paper's 1.91e7 MUL, 1.97e7 ADD
+    for layer_ in psn.layers:
+        if layer_.role == "neuron":
+            assert layer_.counted == layer_.counts
+
+
+@needs_psn
+def test_psn_costs_more_than_mfpsn_on_the_sequential_network():
+    torch.manual_seed(1)
+    x = torch.randn(16, 2, 3, 8)
+    psn = energy.estimate(small_seq_net(lambda i, c: _compat.PSN(16)), x)
+    ours = energy.estimate(small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=8, step_mode="m")), x)
+    assert ours.neuron_ops["mul"] == 0 and psn.neuron_ops["shift"] == 0
+    assert psn.neuron_energy_uj > ours.neuron_energy_uj
+    assert psn.total_energy_uj > ours.total_energy_uj
+    assert "PSN" in energy.table5({"PSN": psn, "MF-PSN": ours})
+
+
+def test_synaptic_counts_against_hand_counts():
+    conv = nn.Conv1d(2, 3, 3, padding=1, bias=False)
+    x = (torch.rand(4, 2, 5) < 0.3).float()
+    out = conv(x)
+    assert energy.dense_macs(conv, out) == 4 * 3 * 5 * 2 * 3
+    events = 0  # every spike adds a weight to each output position it reaches, for each output channel
+    for n, c, pos in x.nonzero().tolist():
+        events += 3 * sum(1 for o in range(5) if 0 <= pos - o + 1 < 3)
+    assert energy.spike_events(conv, x) == events
+    lin = nn.Linear(5, 7)
+    assert energy.spike_events(lin, x) == int(x.sum()) * 7
+
+
+def test_sops_formula_events_and_firing_rate_override():
+    torch.manual_seed(2)
+    net = small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=3, step_mode="m"))
+    x = torch.randn(6, 2, 3, 8)
+    report = energy.estimate(net, x, use_spikingjelly=False)
+    synaptic = [n for n in report.layers if n.role == "synaptic"]
+    assert len(synaptic) == 7  # five convs and two linears after the encoding conv
+    first = synaptic[0]  # input: the first neuron's spikes, 6 channels x 8 positions x 6 steps
+    dense = 6 * 6 * 8 * 6 * 3  # outputs per sample x fan-in
+    assert first.counts["sop"] == pytest.approx(first.firing_rate * dense)
+    events = energy.estimate(net, x, sops="events", use_spikingjelly=False)
+    assert [n.counts for n in events.layers if n.role == "synaptic"] == [n.counted for n in synaptic]
+    fixed = energy.estimate(net, x, firing_rate=0.5, use_spikingjelly=False)
+    assert [n for n in fixed.layers if n.role == "synaptic"][0].counts["sop"] == pytest.approx(0.5 * dense)
+    cheap = energy.estimate(net, x, costs={"shift": 0.0, "add": 0.0}, use_spikingjelly=False)
+    assert cheap.neuron_energy_uj == 0 and cheap.synaptic_energy_uj == pytest.approx(report.synaptic_energy_uj)
+
+
+@needs_op_counter
+def test_spikingjelly_counters_agree_with_the_plugin():
+    torch.manual_seed(3)
+    # Spikes feed every synaptic layer after the encoding conv (no pooling), so SpikingJelly counts
+    # them as synaptic operations too.
+    net = nn.Sequential(
+        layer.Conv1d(3, 6, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(6, k=3, step_mode="m"),
+        layer.Conv1d(6, 6, 3, padding=1, step_mode="m"), layer.BatchNorm1d(6, step_mode="m"),
+        MulFreeChannelwisePSN(6, k=4, dilation=2, step_mode="m"), layer.Flatten(step_mode="m"),
+        layer.Linear(48, 10, step_mode="m"), MulFreeChannelwisePSN(10, k=2, step_mode="m"),
+        layer.Linear(10, 4, step_mode="m")).eval()
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, MulFreeChannelwisePSN):
+                m.beta.fill_(-0.2)  # fire often enough that the counts are not all zero
+    x = torch.randn(8, 3, 3, 8)
+    report = energy.estimate(net, x, sops="events")
+    fired = 0
+    for n in report.layers:
+        assert n.spikingjelly is not None, n.name
+        if n.role == "neuron":
+            assert {op: n.spikingjelly[op] for op in n.counted} == n.counted
+        elif n.role == "encoding":
+            assert n.spikingjelly["mac"] == n.counted["mac"]
+        else:
+            assert n.spikingjelly["sop"] == n.counted["sop"] == n.counts["sop"]
+            fired += n.counted["sop"]
+    assert fired > 0
+
+
+@needs_op_counter
+def test_spikingjelly_profiler_counts_mfpsn_as_shift_and_add():
+    torch.manual_seed(4)
+    oc = _compat.op_counter
+    x = torch.randn(6, 2, 3, 8)
+    results = {}
+    for method in ("conv1d", "shift_add"):
+        torch.manual_seed(4)
+        net = small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=3, step_mode="m", method=method))
+        profiler = energy.MulFreeEnergyProfiler()
+        profiler.bind_model(net)
+        with profiler, torch.no_grad():
+            net(x)
+        results[method] = profiler.get_report()
+        functional.reset_net(net)
+        if method == "conv1d":  # SpikingJelly alone counts the neuron's own convolution as MACs
+            plain = oc.estimate_simple_energy(net, x)
+            functional.reset_net(net)
+    ours = energy.estimate(net, x)
+    a, b = results["conv1d"], results["shift_add"]
+    # The neuron's internal convolution is not counted as MACs: both implementations count alike.
+    assert a.counts["mac"] == b.counts["mac"] < plain.counts["mac"]
+    assert a.counts["neuron_shift"] == ours.neuron_ops["shift"] * 2 and a.counts["neuron_mul"] == 0
+    assert a.counts["neuron_add"] == ours.neuron_ops["add"] * 2
+    assert a.breakdown_pj["neuron_pj"] == pytest.approx(ours.neuron_energy_uj * 2e6)
+
+
+@pytest.mark.skipif(_compat.op_counter is not None, reason="SpikingJelly 2.x has op_counter")
+def test_profiler_needs_spikingjelly2():
+    with pytest.raises(ImportError, match="op_counter"):
+        energy.MulFreeEnergyProfiler()
+
+
+def test_bad_arguments():
+    net = small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=2, step_mode="m"))
+    x = torch.randn(4, 2, 3, 8)
+    with pytest.raises(ValueError, match="sops"):
+        energy.estimate(net, x, sops="some")
+    with pytest.raises(ValueError, match="costs: unknown operation 'div'"):
+        energy.estimate(net, x, costs={"div": 1.0})
+    with pytest.raises(ValueError, match=r"costs\['add'\] must be a number >= 0"):
+        energy.estimate(net, x, costs={"add": -1})
+    with pytest.raises(ValueError, match="batch_size"):
+        energy.estimate(net, x, batch_size=0)
+    functional.set_step_mode(net, "s")
+    with pytest.raises(ValueError, match="whole sequences"):
+        energy.estimate(net, x[0])
+    with pytest.raises(ValueError, match="nothing to count"):
+        energy.estimate(nn.Sequential(nn.ReLU()), x)

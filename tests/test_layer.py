@@ -1,0 +1,239 @@
+"""Each time-last wrapper against its time-first SpikingJelly counterpart: forward, backward (input and
+parameter gradients), batch-norm running statistics, Dropout masks; every method of two-way wrappers."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer
+
+import spikingjelly_mfpsn as mf
+from spikingjelly_mfpsn import layer as tl
+
+T, N = 3, 2
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def sj(cls_name, *args, **kwargs):
+    """SpikingJelly's multi-step layer ``cls_name``."""
+    m = getattr(layer, cls_name)(*args, **kwargs)
+    functional.set_step_mode(m, "m")
+    return m
+
+
+# (id, builder of a fresh time-first module, per-step feature shape (C, ...)). The time-first module is
+# SpikingJelly's multi-step layer, or SpikingJelly's SeqToANNContainer around a plain torch.nn layer.
+CASES = [
+    ("Conv1d", lambda: sj("Conv1d", 3, 4, 3, padding=1), (3, 7)),
+    ("Conv1d-s2-d2-g", lambda: sj("Conv1d", 4, 6, 3, stride=2, dilation=2, groups=2, bias=False), (4, 11)),
+    ("Conv1d-reflect", lambda: sj("Conv1d", 3, 4, 3, padding=2, padding_mode="reflect"), (3, 7)),
+    ("Conv2d", lambda: sj("Conv2d", 3, 4, 3, stride=2, padding=1), (3, 7, 6)),
+    ("Conv2d-same-circular", lambda: sj("Conv2d", 2, 4, (3, 2), padding="same", padding_mode="circular"), (2, 5, 6)),
+    ("nn.Conv2d-valid", lambda: layer.SeqToANNContainer(nn.Conv2d(3, 4, 2, padding="valid")), (3, 5, 5)),
+    ("Conv3d", lambda: sj("Conv3d", 2, 3, 3, padding=1), (2, 4, 5, 3)),
+    ("MaxPool1d", lambda: sj("MaxPool1d", 2), (3, 7)),
+    ("MaxPool2d-ceil", lambda: sj("MaxPool2d", 3, 2, 1, ceil_mode=True), (3, 7, 6)),
+    ("MaxPool2d-dilation", lambda: sj("MaxPool2d", 2, 1, 0, dilation=2), (2, 6, 6)),
+    ("MaxPool3d", lambda: sj("MaxPool3d", 2), (2, 4, 4, 4)),
+    ("AvgPool1d-nopad", lambda: sj("AvgPool1d", 3, 2, 1, count_include_pad=False), (3, 8)),
+    ("AvgPool2d-divisor", lambda: sj("AvgPool2d", 2, divisor_override=3), (3, 6, 4)),
+    ("AvgPool2d-ceil-pad", lambda: sj("AvgPool2d", 3, 2, 1, ceil_mode=True), (2, 7, 7)),
+    ("AvgPool3d", lambda: sj("AvgPool3d", 2), (2, 4, 4, 2)),
+    ("AdaptiveAvgPool1d", lambda: sj("AdaptiveAvgPool1d", 3), (3, 7)),
+    ("AdaptiveAvgPool2d", lambda: sj("AdaptiveAvgPool2d", (2, None)), (3, 5, 4)),
+    ("AdaptiveAvgPool3d", lambda: sj("AdaptiveAvgPool3d", 1), (2, 3, 3, 3)),
+    ("nn.AdaptiveMaxPool2d", lambda: layer.SeqToANNContainer(nn.AdaptiveMaxPool2d(2)), (3, 5, 5)),
+    ("Linear", lambda: sj("Linear", 5, 4), (5,)),
+    ("Linear-tokens", lambda: sj("Linear", 5, 4, bias=False), (3, 5)),
+    ("Flatten", lambda: sj("Flatten"), (3, 2, 2)),
+    ("Flatten-2", lambda: sj("Flatten", 2), (3, 2, 2, 2)),
+    ("nn.GroupNorm", lambda: layer.SeqToANNContainer(nn.GroupNorm(2, 4)), (4, 3, 3)),
+    ("nn.LayerNorm", lambda: layer.SeqToANNContainer(nn.LayerNorm(5)), (3, 5)),
+    ("nn.ConvTranspose2d", lambda: layer.SeqToANNContainer(nn.ConvTranspose2d(3, 2, 3, stride=2)), (3, 4, 4)),
+    ("nn.Upsample", lambda: layer.SeqToANNContainer(nn.Upsample(scale_factor=2)), (2, 3, 3)),
+]
+BN_CASES = [
+    ("BatchNorm1d-CL", lambda: sj("BatchNorm1d", 3), (3, 5)),
+    ("BatchNorm1d-C", lambda: layer.SeqToANNContainer(nn.BatchNorm1d(3)), (3,)),
+    ("BatchNorm2d", lambda: sj("BatchNorm2d", 3), (3, 4, 2)),
+    ("BatchNorm2d-momentum-None", lambda: sj("BatchNorm2d", 3, momentum=None), (3, 4, 2)),
+    ("BatchNorm2d-no-affine", lambda: sj("BatchNorm2d", 3, affine=False), (3, 4, 2)),
+    ("BatchNorm2d-no-running", lambda: sj("BatchNorm2d", 3, track_running_stats=False), (3, 4, 2)),
+    ("BatchNorm3d", lambda: sj("BatchNorm3d", 2), (2, 3, 2, 2)),
+]
+
+
+def per_step(m):
+    """The module a wrapper wraps: the layer itself, or the one layer inside a SeqToANNContainer."""
+    return m[0] if isinstance(m, layer.SeqToANNContainer) else m
+
+
+def wrap(ref, method=None):
+    w = tl.time_last(copy.deepcopy(per_step(ref)))
+    if method is not None:
+        w.method = method
+    return w
+
+
+def method_cases(cases):
+    for name, build, feat in cases:
+        for method in wrap(build()).__dict__.get("supported_methods", (None,)):
+            yield pytest.param(build, feat, method, id=f"{name}-{method}")
+
+
+def randomize_(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.uniform_(0.5, 1.5)  # away from 1 and 0 so affine parameters matter
+
+
+def check_against_time_first(ref, w, feat):
+    """Forward and gradients of the time-last wrapper ``w`` equal those of the time-first ``ref``."""
+    x = torch.randn(T, N, *feat, dtype=torch.float64, requires_grad=True)
+    y_ref = ref(x)
+    # The time-last input is a permuted view: wrappers must accept any strides.
+    y = w(x.movedim(0, -1))
+    assert y.shape == y_ref.movedim(0, -1).shape
+    torch.testing.assert_close(y.movedim(-1, 0), y_ref, **TOL)
+    g = torch.randn_like(y_ref)
+    params_ref, params = list(ref.parameters()), list(w.parameters())
+    grads_ref = torch.autograd.grad(y_ref, [x] + params_ref, g)
+    grads = torch.autograd.grad(y, [x] + params, g.movedim(0, -1))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("build,feat,method", list(method_cases(CASES)))
+def test_wrapper_matches_time_first(build, feat, method):
+    torch.manual_seed(0)
+    ref = build().double()
+    randomize_(ref)
+    w = wrap(ref, method)
+    if method is not None:
+        assert w.resolve_method() == method
+    check_against_time_first(ref, w, feat)
+
+
+@pytest.mark.parametrize("name,build,feat", BN_CASES, ids=[c[0] for c in BN_CASES])
+def test_batchnorm_matches_time_first(name, build, feat):
+    torch.manual_seed(0)
+    ref = build().double()
+    randomize_(ref)
+    w = wrap(ref)
+    for step in range(3):  # training: batch statistics, running statistics updated each call
+        check_against_time_first(ref, w, feat)
+        bn_ref = per_step(ref)
+        for key, value in bn_ref.state_dict().items():
+            torch.testing.assert_close(w.state_dict()[key], value, **TOL)
+    if per_step(ref).track_running_stats:
+        assert int(w.num_batches_tracked) == 3
+    ref.eval(), w.eval()  # eval: running statistics
+    check_against_time_first(ref, w, feat)
+
+
+@pytest.mark.parametrize("cls_name,feat", [("Dropout", (4, 3)), ("Dropout2d", (4, 3, 3))])
+def test_dropout_one_mask_for_all_steps(cls_name, feat):
+    ref = sj(cls_name, 0.5)
+    w = tl.time_last(copy.deepcopy(ref))
+    x = torch.rand(T, N, *feat) + 0.5
+    for _ in range(2):  # a second call in the same simulation reuses the mask
+        torch.manual_seed(7)
+        y_ref = ref(x)
+        torch.manual_seed(7)
+        y = w(x.movedim(0, -1))
+        torch.testing.assert_close(y.movedim(-1, 0), y_ref, rtol=0, atol=0)
+        torch.manual_seed(123)  # a fresh mask would differ
+    zero = (y == 0)
+    assert zero.any() and (~zero).any()
+    assert (zero == zero[..., :1]).all(), "every time step must share one mask"
+    first_mask = w.mask.clone()
+    functional.reset_net(w)
+    assert w.mask is None
+    w(x.movedim(0, -1))
+    assert not torch.equal(w.mask, first_mask)
+    w.eval()
+    assert torch.equal(w(x.movedim(0, -1)), x.movedim(0, -1))
+
+
+def test_flatten_whole_sequence():
+    """A plain nn.Flatten applied to the whole (T, N, ...) sequence (not per step)."""
+    x = torch.randn(T, N, 3, 2, 4)
+    for start, end in [(2, -1), (3, 4), (-3, -2)]:
+        f = nn.Flatten(start, end)
+        w = tl.time_last(copy.deepcopy(f), whole_sequence=True)
+        torch.testing.assert_close(w(x.movedim(0, -1)).movedim(-1, 0), f(x))
+    for start in (0, 1):
+        with pytest.raises(ValueError, match="merges time or batch"):
+            tl.time_last(nn.Flatten(start), whole_sequence=True)
+
+
+def test_t_last_seq_to_ann_container():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2))
+    x = torch.randn(T, N, 2, 4, 4)
+    ref = layer.SeqToANNContainer(copy.deepcopy(seq))(x)
+    y = tl.TLastSeqToANNContainer(*seq)(x.movedim(0, -1))
+    torch.testing.assert_close(y.movedim(-1, 0), ref)
+    assert layer.TLastSeqToANNContainer is tl.TLastSeqToANNContainer  # registered where SJ lacks it
+
+
+def test_parameters_and_state_dict_are_shared():
+    conv = sj("Conv2d", 2, 3, 3)
+    bn = sj("BatchNorm2d", 3)
+    for m in (conv, bn):
+        w = tl.time_last(m)
+        assert list(w.state_dict()) == list(m.state_dict())
+        assert all(a is b for a, b in zip(w.parameters(), m.parameters()))
+        assert w.time_first_module is m
+        # Loading a checkpoint through the wrapper loads the original, and the other way round.
+        sd = {k: torch.randn_like(v.float()).to(v.dtype) if v.is_floating_point() else v + 5
+              for k, v in m.state_dict().items()}
+        w.load_state_dict(sd)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, sd[k])
+        # Converting dtype through the wrapper converts the original's tensors (buffers too).
+        w.double()
+        assert all(t.dtype == torch.float64 for t in m.state_dict().values() if t.is_floating_point())
+        w.eval()
+        assert not w.time_first_module.training
+
+
+def test_tuning_protocol():
+    conv2 = tl.time_last(sj("Conv2d", 2, 3, 3))
+    assert conv2.supported_methods == ("vmap", "highdim")
+    assert conv2.method == "auto" and conv2.resolve_method() == tl.default_method(conv2.supported_methods)
+    assert tl.default_method(("vmap", "highdim")) == "highdim" and tl.default_method(("vmap",)) == "vmap"
+    conv2.method = "vmap"
+    assert conv2.resolve_method() == "vmap"
+    with pytest.raises(ValueError, match="method of TimeLastConv must be 'auto' or one of"):
+        conv2.method = "conv1d"
+    conv3 = tl.time_last(sj("Conv3d", 2, 3, 3))
+    assert conv3.supported_methods == ("vmap",) and conv3.resolve_method() == "vmap"
+    with pytest.raises(ValueError, match="highdim"):
+        conv3.method = "highdim"
+    for m in (sj("MaxPool2d", 2), sj("Linear", 2, 3)):
+        w = tl.time_last(m, method="vmap")
+        assert w.method == "vmap" and w.supported_methods == ("vmap", "highdim")
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match=r"expects a time-last sequence of 5 dims \(N, C, \*spatial, T\)"):
+        tl.time_last(sj("Conv2d", 2, 3, 3))(torch.randn(2, 2, 5, 5))
+    with pytest.raises(ValueError, match="expects 2 channels on dim 1"):
+        tl.time_last(sj("Conv2d", 2, 3, 3))(torch.randn(2, 3, 5, 5, 4))
+    with pytest.raises(ValueError, match="in_features=5 on dim -2"):
+        tl.time_last(sj("Linear", 5, 3))(torch.randn(2, 4, 5))
+    with pytest.raises(ValueError, match="of 5 dims"):
+        tl.time_last(sj("BatchNorm2d", 3))(torch.randn(2, 3, 4, 4))
+    with pytest.raises(ValueError, match="return_indices"):
+        tl.time_last(nn.MaxPool2d(2, return_indices=True))
+    with pytest.raises(TypeError, match="has no time-last wrapper"):
+        tl.time_last(nn.LSTM(2, 3))
+    # A subclass with its own forward is not mistaken for its base class.
+    class ScaledConv(nn.Conv2d):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    assert tl.wrapper_class(ScaledConv(1, 1, 1)) is None
+    with pytest.raises(TypeError, match="time-first torch.nn.Module"):
+        tl.TimeLastVmap(tl.time_last(nn.Linear(2, 2)))
+    assert mf.layer is tl

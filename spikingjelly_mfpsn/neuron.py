@@ -336,8 +336,9 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
             return self._maybe_quantize(w), b
         return self.fused_weight_bias()
 
-    def _spikes(self, x: torch.Tensor, run_charge, channel_axis: int) -> torch.Tensor:
-        """Spikes of ``run_charge`` (a closure over the input) in the weight's precision.
+    def _spikes(self, x: torch.Tensor, run_charge, run_fire, channel_axis: int) -> torch.Tensor:
+        """Spikes of this forward in the weight's precision: ``run_charge(w, b)`` gives H (used for the
+        batch statistics), ``run_fire(w, b)`` the spikes (closures over the input).
 
         Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
         low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.
@@ -347,7 +348,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
                  else contextlib.nullcontext())
         with guard:
             w, b = self._weight_bias_for(run_charge, channel_axis)
-            s = self.surrogate_function(run_charge(w, b))
+            s = run_fire(w, b)
         return s if s.dtype == x.dtype else s.to(x.dtype)
 
     def _promoted(self, x: torch.Tensor) -> torch.Tensor:
@@ -363,7 +364,10 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
         def run_charge(w, b):
             return ops.charge(xp, w, b, self.dilation, layout, method)
 
-        return self._spikes(x_seq, run_charge, ops.channel_dim(layout))
+        def run_fire(w, b):
+            return ops.fire(xp, w, b, self.dilation, layout, method, self.surrogate_function)
+
+        return self._spikes(x_seq, run_charge, run_fire, ops.channel_dim(layout))
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -385,7 +389,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
                     h = term if h is None else h + term
             return h if b is None else h + b.view(cshape)
 
-        spikes = self._spikes(x, run_charge, 1)
+        spikes = self._spikes(x, run_charge, lambda w, b: self.surrogate_function(run_charge(w, b)), 1)
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes

@@ -1,10 +1,18 @@
 """Implementations of the MF-PSN charge and the registry that holds them."""
 from .registry import (BACKEND_LIBRARIES, LAYOUTS, Implementation, available_backends, backend_available,
-                       channel_dim, charge, check_backend, check_charge_args, check_layout, get,
+                       channel_dim, charge, check_backend, check_charge_args, check_layout, fire, get,
                        implementations, names, register, supported, time_dim)
 from . import torch_ops  # noqa: F401  (registers the PyTorch implementations)
 from . import cupy_ops  # noqa: F401  (registers 'cupy' only where cupy and a CUDA device are present)
 
+try:  # registers the Triton implementation; without triton, backend='triton' says how to install it
+    from . import triton_ops  # noqa: F401
+except ImportError as exc:
+    if not (exc.name or "").startswith("triton"):
+        raise  # a bug of ours, not a missing triton
+    from .registry import note_unavailable
+    note_unavailable("triton", f"triton is installed but does not import ({exc})")
+
 __all__ = ["BACKEND_LIBRARIES", "LAYOUTS", "Implementation", "available_backends", "backend_available",
-           "channel_dim", "charge", "check_backend", "check_charge_args", "check_layout", "get",
+           "channel_dim", "charge", "check_backend", "check_charge_args", "check_layout", "fire", "get",
            "implementations", "names", "register", "supported", "time_dim"]

@@ -10,6 +10,10 @@ Every implementation obeys one contract, :meth:`Implementation.apply`:
 * ``weight``: ``(C, k)``, already quantised if quantisation is on; ``bias``: ``(C,)`` or ``None``;
 * returns ``H``, contiguous, of ``x``'s shape, differentiable w.r.t. ``x``, ``weight`` and ``bias``.
 
+An implementation may also fuse the spike: ``fire(x, weight, bias, dilation, layout, surrogate_function)``
+returns ``surrogate_function(H)`` (same values and gradients) or ``None`` when it cannot fuse that call;
+:func:`fire` then falls back to the surrogate module applied to the charge.
+
 An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
 returns human-readable reasons (empty when it supports the call).
 """
@@ -52,7 +56,8 @@ class Implementation:
 
     ``fn(x, weight, bias, dilation, layout) -> h`` does the work; ``layouts`` lists the layouts it
     accepts; ``requirements`` is an optional function returning extra reasons it cannot run a call
-    (device, dtype, size, missing library).
+    (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike (see the module
+    docstring).
     """
 
     name: str
@@ -61,6 +66,7 @@ class Implementation:
     fn: Callable[..., torch.Tensor]
     description: str = ""
     requirements: Optional[Callable[..., list[str]]] = field(default=None, compare=False)
+    fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                               layout: str) -> list[str]:
@@ -131,9 +137,7 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
 
 
-def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
-           layout: str, method: str) -> torch.Tensor:
-    """Run the named implementation after validating the call."""
+def _checked(x, weight, bias, dilation, layout, method) -> Implementation:
     check_charge_args(x, weight, bias, dilation, layout)
     impl = get(method)
     reasons = impl.not_supported_reasons(x, weight, dilation, layout)
@@ -141,7 +145,24 @@ def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         others = supported(x, weight, dilation, layout)
         raise ValueError(f"method {method!r} cannot run this input: {'; '.join(reasons)}. "
                          f"Methods that can: {others}")
-    return impl.apply(x, weight, bias, dilation, layout)
+    return impl
+
+
+def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
+           layout: str, method: str) -> torch.Tensor:
+    """Run the named implementation after validating the call."""
+    return _checked(x, weight, bias, dilation, layout, method).apply(x, weight, bias, dilation, layout)
+
+
+def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
+         layout: str, method: str, surrogate_function) -> torch.Tensor:
+    """``surrogate_function(charge(...))``, through the implementation's fused kernel when it has one."""
+    impl = _checked(x, weight, bias, dilation, layout, method)
+    if impl.fire is not None:
+        s = impl.fire(x, weight, bias, dilation, layout, surrogate_function)
+        if s is not None:
+            return s
+    return surrogate_function(impl.apply(x, weight, bias, dilation, layout))
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

@@ -1,0 +1,131 @@
+"""Passes over memory of one training step (forward + backward) of the neuron, per implementation.
+
+A pass is reading or writing one tensor of the size of the input X. PyTorch operators are counted
+as they run (a ``TorchDispatchMode``: every non-view operator reads each tensor argument once and
+writes each result once, broadcast arguments counted by their storage); a Triton kernel is counted
+from its launch arguments (each tensor it loads is read once -- the k shifted loads of one tile hit
+the cache -- and each tensor it stores is written once). Tensors of parameter size are included
+but amount to a few hundredths of a pass.
+
+Run on the CPU through Triton's interpreter::
+
+    TRITON_INTERPRET=1 python benchmarks/memory_passes.py
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+import spikingjelly_mfpsn  # noqa: E402,F401
+from spikingjelly.activation_based import neuron  # noqa: E402
+from spikingjelly_mfpsn import ops  # noqa: E402
+
+FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+        "lift_fresh", "_local_scalar_dense", "set_", "resize_"}
+WRITE_ONLY = {"fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros"}
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes really stored: an expanded (broadcast) tensor only holds its storage."""
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class Traffic(TorchDispatchMode):
+    """Adds up bytes read and written by PyTorch operators (and Triton kernels: :func:`count_triton`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = self.written = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not self.paused and not func.is_view and name not in FREE:
+            if name not in WRITE_ONLY:
+                self.read += sum(_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self.written += sum(_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _kernel_traffic(kwargs: dict, args: list, arg_names: list) -> tuple[int, int]:
+    """(bytes read, bytes written) of one launch of a charge kernel, from what it loads and stores."""
+    a = dict(zip(arg_names, args))
+    a.update(kwargs)
+    if "G" in a:  # backward: loads G, H (fused surrogate), X (weight gradient); stores GX
+        read = [a["G"]] + [a["H"]] * (a["SG"] != 0) + [a["X"]] * bool(a["NEED_GW"])
+        return sum(map(_bytes, read)), _bytes(a["GX"]) * bool(a["NEED_GX"])
+    return _bytes(a["X"]), _bytes(a["H"]) * bool(a["STORE_H"]) + _bytes(a["S"]) * bool(a["SPIKE"])
+
+
+@contextlib.contextmanager
+def count_triton(mode: Traffic):
+    """Count the Triton launches into ``mode`` from their arguments, not from the interpreter's insides."""
+    from spikingjelly_mfpsn.ops import triton_ops
+    tuners = [*triton_ops._FWD.values(), *triton_ops._BWD.values()]
+
+    def counted(tuner, run):
+        def launch(*args, **kwargs):
+            read, written = _kernel_traffic(kwargs, list(args), tuner.arg_names)
+            mode.read += read
+            mode.written += written
+            mode.paused = True  # the interpreter's own host copies are not the kernel's traffic
+            try:
+                return run(*args, **kwargs)
+            finally:
+                mode.paused = False
+        return launch
+
+    for tuner in tuners:
+        tuner.run = counted(tuner, tuner.run)
+    try:
+        yield mode
+    finally:
+        for tuner in tuners:
+            del tuner.run  # back to the class's method
+
+
+def step_passes(method: str, layout: str, threshold: str, shape) -> tuple[float, float]:
+    """(forward, backward) passes of one training step of the neuron with ``method``."""
+    torch.manual_seed(0)
+    backend = ops.get(method).backend
+    sn = neuron.MulFreeChannelwisePSN(shape[ops.channel_dim(layout)], k=2, dilation=1, step_mode="m",
+                                      layout=layout, threshold=threshold, backend=backend, method=method)
+    x = torch.randn(shape, requires_grad=True)
+    g = torch.randn(shape)
+    sn(x)  # warm-up (lazy state, autotuning)
+
+    def passes(fn):
+        with Traffic() as mode, (count_triton(mode) if backend == "triton" else contextlib.nullcontext()):
+            out = fn()
+        return (mode.read + mode.written) / _bytes(x), out
+
+    fwd, s = passes(lambda: sn(x))
+    bwd, _ = passes(lambda: s.backward(g))
+    return fwd, bwd
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="16,8,16,64", help="T,N,C,M (time-first order)")
+    args = parser.parse_args()
+    t, n, c, m = (int(v) for v in args.shape.split(","))
+    shapes = {"time_first": (t, n, c, m), "time_last": (n, c, m, t)}
+    print(f"passes over an X-sized tensor, one training step, k=2, X {shapes['time_first']} (time-first order)")
+    print(f"{'layout':<11} {'method':<12} {'threshold':<9} {'forward':>8} {'backward':>9} {'total':>6}")
+    for layout in ops.LAYOUTS:
+        for method in ops.names(layout=layout):
+            for threshold in ("param", "bn"):
+                f, b = step_passes(method, layout, threshold, shapes[layout])
+                print(f"{layout:<11} {method:<12} {threshold:<9} {f:8.1f} {b:9.1f} {f + b:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

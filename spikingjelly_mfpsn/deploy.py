@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, ops
-from .neuron import MulFreeChannelwisePSN
+from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape
 
 #: Default number of fractional bits of a neuron's fixed-point input.
@@ -195,7 +195,7 @@ def int_fire(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, bias_int:
 
 
 # ---------------------------------------------------------------------------------- folded neuron
-class FoldedMulFreePSN(_compat.MemoryModule):
+class FoldedMulFreePSN(ChargeNeuronBase):
     """Inference-only MF-PSN: ``shift``/``sign`` (int8, ``(C, k)``) and ``bias`` (``(C,)``), no float weight.
 
     Built by :func:`fold`. Eval only: a forward in training mode raises (use :func:`unfold` to train
@@ -204,13 +204,8 @@ class FoldedMulFreePSN(_compat.MemoryModule):
     :func:`set_integer`).
     """
 
-    # The float path is the neuron's own forward code; only where (Wq, b) come from differs.
-    _channel_axis = MulFreeChannelwisePSN._channel_axis
-    _check_rank = MulFreeChannelwisePSN._check_rank
-    _check_input = MulFreeChannelwisePSN._check_input
-    resolve_method = MulFreeChannelwisePSN.resolve_method
-    _float_multi_step = MulFreeChannelwisePSN.multi_step_forward
-    _float_single_step = MulFreeChannelwisePSN.single_step_forward
+    # The float path is the neuron's own forward code (ChargeNeuronBase); only where (Wq, b) come
+    # from differs.
 
     def __init__(self, channels: int, k: int, dilation: int = 1, step_mode: str = "s",
                  layout: str = "time_first", method: str = "auto", backend: str = "torch",
@@ -298,6 +293,9 @@ class FoldedMulFreePSN(_compat.MemoryModule):
         self._refuse_training()
         return self.fused_weight_bias()
 
+    def _compute_dtype(self) -> torch.dtype:
+        return self.bias.dtype
+
     def _int_format(self) -> tuple[int, torch.Tensor]:
         """(extra_bits, bias_int) of the current integer format."""
         acc = self.acc_frac_bits if self.acc_frac_bits is not None \
@@ -313,7 +311,7 @@ class FoldedMulFreePSN(_compat.MemoryModule):
 
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         if self.frac_bits is None:
-            return self._float_multi_step(x_seq)
+            return super().multi_step_forward(x_seq)
         self._check_input(x_seq)
         self._refuse_training()
         extra, bias_int = self._int_format()
@@ -322,7 +320,7 @@ class FoldedMulFreePSN(_compat.MemoryModule):
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frac_bits is None:
-            return self._float_single_step(x)
+            return super().single_step_forward(x)
         self._check_input(x)
         self._refuse_training()
         q = self._fixed(x)

@@ -97,7 +97,116 @@ def batch_stats(y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch
     return _BatchStats.apply(y, channel_axis)
 
 
-class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
+class ChargeNeuronBase(MemoryModule):
+    """What every MF-PSN variant shares: input checks, method resolution, the multi-step and
+    single-step forward around a charge, and the single-step state.
+
+    A subclass provides ``k``, ``dilation``, ``surrogate_function``, ``_layout``, ``_method``,
+    ``_backend``, ``channels``, ``_compute_dtype()`` and ``_weight_bias_for(run_charge, channel_axis)``
+    (the ``(Wq, b)`` of this forward, given a closure that computes the charge for a weight and bias).
+    """
+
+    def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
+        """The implementation that will run ``x_seq`` (``'auto'`` resolved by :func:`default_method`)."""
+        layout = layout or self._layout
+        if self._method != "auto":
+            return self._method
+        return default_method(x_seq, self.k, self.dilation, layout, self._backend)
+
+    # ------------------------------------------------------------------ forward
+    def _channel_axis(self, x: torch.Tensor) -> int:
+        return 1 if self.step_mode == "s" else ops.channel_dim(self._layout)
+
+    def _check_rank(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if self.step_mode == "s":
+            if not 2 <= x.dim() <= 5:
+                raise ValueError(f"single-step x must be (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); "
+                                 f"got shape {tuple(x.shape)}")
+        elif not 3 <= x.dim() <= 6:
+            want = "(T, N, C, ...)" if self._layout == "time_first" else "(N, C, ..., T)"
+            raise ValueError(f"multi-step x must be {want} with 0-3 feature dims for layout={self._layout!r}; "
+                             f"got shape {tuple(x.shape)}")
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        self._check_rank(x)
+        axis = self._channel_axis(x)
+        if x.shape[axis] != self.channels:
+            where = "dim 1" if self.step_mode == "s" else f"dim {axis} of a {self._layout} sequence"
+            raise ValueError(f"x has {x.shape[axis]} channels on {where} (shape {tuple(x.shape)}), "
+                             f"but this neuron has channels={self.channels}")
+
+    def _spikes(self, x: torch.Tensor, run_charge, run_fire, channel_axis: int) -> torch.Tensor:
+        """Spikes of this forward in the weight's precision: ``run_charge(w, b)`` gives H (used for the
+        batch statistics), ``run_fire(w, b)`` the spikes (closures over the input).
+
+        Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
+        low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.
+        """
+        device_type = x.device.type
+        guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
+                 else contextlib.nullcontext())
+        with guard:
+            w, b = self._weight_bias_for(run_charge, channel_axis)
+            s = run_fire(w, b)
+        return s if s.dtype == x.dtype else s.to(x.dtype)
+
+    def _promoted(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, self._compute_dtype())
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        self._check_input(x_seq)
+        layout = self._layout
+        method = self.resolve_method(x_seq, layout)
+        xp = self._promoted(x_seq)
+
+        def run_charge(w, b):
+            return ops.charge(xp, w, b, self.dilation, layout, method)
+
+        def run_fire(w, b):
+            return ops.fire(xp, w, b, self.dilation, layout, method, self.surrogate_function)
+
+        return self._spikes(x_seq, run_charge, run_fire, ops.channel_dim(layout))
+
+    def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        queue = self.x_queue
+        if queue and queue[-1].shape != x.shape:
+            raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
+                             f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
+                             f"before feeding sequences of another shape")
+        history = queue + (self._promoted(x),)
+        cshape = [-1] + [1] * (x.dim() - 2)
+
+        def run_charge(w, b):
+            # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
+            h = None
+            for i in range(self.k):
+                lag = (self.k - 1 - i) * self.dilation
+                if lag < len(history):
+                    term = history[-1 - lag] * w[:, i].view(cshape)
+                    h = term if h is None else h + term
+            return h if b is None else h + b.view(cshape)
+
+        spikes = self._spikes(x, run_charge, lambda w, b: self.surrogate_function(run_charge(w, b)), 1)
+        keep = (self.k - 1) * self.dilation
+        self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
+        return spikes
+
+    # ------------------------------------------------------------------ state handling
+    def detach(self):
+        self.x_queue = tuple(t.detach() for t in self.x_queue)
+        super().detach()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.x_queue = tuple(fn(t) for t in self.x_queue)
+        return super()._apply(fn, *args, **kwargs)
+
+
+
+class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
     """Multiplication-free channel-wise Parallel Spiking Neuron.
 
     :param channels: number of channels C (dim 1 of a single-step input); ``None`` infers it at the
@@ -242,13 +351,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
         """Names of the charge implementations of this neuron's backend and layout."""
         return ops.names(layout=self._layout, backend=self._backend)
 
-    def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
-        """The implementation that will run ``x_seq`` (``'auto'`` resolved by :func:`default_method`)."""
-        layout = layout or self._layout
-        if self._method != "auto":
-            return self._method
-        return default_method(x_seq, self.k, self.dilation, layout, self._backend)
-
     # ------------------------------------------------------------------ weight and bias
     def _check_finite(self, w: torch.Tensor) -> None:
         if torch.compiler.is_compiling():
@@ -303,30 +405,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
                 raise ValueError("a shift amount does not fit in int8; the weights span too many octaves")
             return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
 
-    # ------------------------------------------------------------------ forward
-    def _channel_axis(self, x: torch.Tensor) -> int:
-        return 1 if self.step_mode == "s" else ops.channel_dim(self._layout)
-
-    def _check_rank(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if self.step_mode == "s":
-            if not 2 <= x.dim() <= 5:
-                raise ValueError(f"single-step x must be (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); "
-                                 f"got shape {tuple(x.shape)}")
-        elif not 3 <= x.dim() <= 6:
-            want = "(T, N, C, ...)" if self._layout == "time_first" else "(N, C, ..., T)"
-            raise ValueError(f"multi-step x must be {want} with 0-3 feature dims for layout={self._layout!r}; "
-                             f"got shape {tuple(x.shape)}")
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        self._check_rank(x)
-        axis = self._channel_axis(x)
-        if x.shape[axis] != self.channels:
-            where = "dim 1" if self.step_mode == "s" else f"dim {axis} of a {self._layout} sequence"
-            raise ValueError(f"x has {x.shape[axis]} channels on {where} (shape {tuple(x.shape)}), "
-                             f"but this neuron has channels={self.channels}")
-
     def _weight_bias_for(self, run_charge, channel_axis: int):
         """(Wq, b) for this forward: batch statistics of ``run_charge(W, None)`` in BN training."""
         self._check_finite(self.weight)
@@ -336,72 +414,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, MemoryModule):
             return self._maybe_quantize(w), b
         return self.fused_weight_bias()
 
-    def _spikes(self, x: torch.Tensor, run_charge, run_fire, channel_axis: int) -> torch.Tensor:
-        """Spikes of this forward in the weight's precision: ``run_charge(w, b)`` gives H (used for the
-        batch statistics), ``run_fire(w, b)`` the spikes (closures over the input).
-
-        Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
-        low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.
-        """
-        device_type = x.device.type
-        guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
-                 else contextlib.nullcontext())
-        with guard:
-            w, b = self._weight_bias_for(run_charge, channel_axis)
-            s = run_fire(w, b)
-        return s if s.dtype == x.dtype else s.to(x.dtype)
-
-    def _promoted(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, self.weight.dtype)
-        return x if x.dtype == dtype else x.to(dtype)
-
-    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        self._check_input(x_seq)
-        layout = self._layout
-        method = self.resolve_method(x_seq, layout)
-        xp = self._promoted(x_seq)
-
-        def run_charge(w, b):
-            return ops.charge(xp, w, b, self.dilation, layout, method)
-
-        def run_fire(w, b):
-            return ops.fire(xp, w, b, self.dilation, layout, method, self.surrogate_function)
-
-        return self._spikes(x_seq, run_charge, run_fire, ops.channel_dim(layout))
-
-    def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        queue = self.x_queue
-        if queue and queue[-1].shape != x.shape:
-            raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
-                             f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
-                             f"before feeding sequences of another shape")
-        history = queue + (self._promoted(x),)
-        cshape = [-1] + [1] * (x.dim() - 2)
-
-        def run_charge(w, b):
-            # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
-            h = None
-            for i in range(self.k):
-                lag = (self.k - 1 - i) * self.dilation
-                if lag < len(history):
-                    term = history[-1 - lag] * w[:, i].view(cshape)
-                    h = term if h is None else h + term
-            return h if b is None else h + b.view(cshape)
-
-        spikes = self._spikes(x, run_charge, lambda w, b: self.surrogate_function(run_charge(w, b)), 1)
-        keep = (self.k - 1) * self.dilation
-        self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
-        return spikes
-
-    # ------------------------------------------------------------------ state handling
-    def detach(self):
-        self.x_queue = tuple(t.detach() for t in self.x_queue)
-        super().detach()
-
-    def _apply(self, fn, *args, **kwargs):
-        self.x_queue = tuple(fn(t) for t in self.x_queue)
-        return super()._apply(fn, *args, **kwargs)
+    def _compute_dtype(self) -> torch.dtype:
+        return self.weight.dtype
 
     def extra_repr(self) -> str:
         s = (f"channels={self.channels}, k={self.k}, dilation={self.dilation}, quantize={self.quantize}, "

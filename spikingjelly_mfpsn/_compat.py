@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 
+import torch.nn as nn
 from packaging.version import Version
 from spikingjelly.activation_based import base, functional, layer, neuron, surrogate
 
@@ -22,6 +23,18 @@ TLastSeqToANNContainer = getattr(layer, "TLastSeqToANNContainer", None)
 MemoryModule = base.MemoryModule
 MultiStepModule = base.MultiStepModule
 StepModule = base.StepModule
+
+
+if SJ2:
+    BatchNorm1d = layer.BatchNorm1d
+else:
+    class BatchNorm1d(layer.BatchNorm1d):
+        """``layer.BatchNorm1d`` that also takes multi-step ``(T, N, C)`` (0.0.0.0.14 wants ``(T, N, C, L)``)."""
+
+        def forward(self, x):
+            if self.step_mode == "m" and x.dim() == 3:
+                return nn.BatchNorm1d.forward(self, x.flatten(0, 1)).view(x.shape)
+            return super().forward(x)
 
 
 def default_surrogate():
@@ -52,6 +65,6 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
     return True
 
 
-__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "MemoryModule",
+__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "MemoryModule",
            "MultiStepModule", "StepModule", "default_surrogate", "invalidate_reset_cache",
            "add_to_namespace", "base", "functional", "layer", "neuron", "surrogate"]

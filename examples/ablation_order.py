@@ -25,9 +25,9 @@ def parse_args(argv=None):
     p.add_argument("--dataset", default="digits", choices=("digits", "cifar10", "cifar100"))
     p.add_argument("--data-dir", default=None, help="folder with the CIFAR python archive")
     p.add_argument("--out-dir", default="runs/ablation_order")
-    p.add_argument("--widths", type=int, nargs="+", default=[32, 64], help="pixel network stage widths")
-    p.add_argument("--blocks", type=int, default=1, help="residual blocks per stage")
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 128], help="pixel network stage widths")
+    p.add_argument("--blocks", type=int, default=2, help="residual blocks per stage")
+    p.add_argument("--epochs", type=int, default=10)
     args, rest = p.parse_known_args(argv)
     if not args.orders or min(args.orders) < 1:
         p.error("--orders must list orders >= 1")

@@ -35,7 +35,7 @@ except ImportError:  # running from a source checkout without installing the pac
 from spikingjelly.activation_based import functional
 from tqdm import tqdm
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, models
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, models, ops
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"
@@ -84,6 +84,11 @@ def check_common_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.method != "auto":
+        try:
+            ops.get(args.method)
+        except ValueError as e:
+            p.error(f"--method: {e}")
     if args.neuron in ("psn", "sliding_psn") and not models.psn_available(args.neuron):
         p.error(f"--neuron {args.neuron} needs SpikingJelly >= 2.0 (the installed one has no PSN family); "
                 f"use mfpsn, lif or plif")
@@ -136,6 +141,20 @@ def seed_all(seed: int, *salt: int) -> None:
 def teardown(env: Env) -> None:
     if env.world > 1:
         dist.destroy_process_group()
+
+
+def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
+    """A script's ``main``: parse, set up, ``build_task(args, env)``, :func:`fit`, tear down."""
+    args = parse_args(argv)
+    env = setup(args)
+    try:
+        try:
+            task = build_task(args, env)
+        except FileNotFoundError as e:  # missing data: the message says what to put where
+            raise SystemExit(str(e))
+        return fit(task, args, env)
+    finally:
+        teardown(env)
 
 
 # ------------------------------------------------------------------------------------------- method
@@ -272,15 +291,8 @@ def fit(task: Task, args, env: Env) -> dict:
     test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
 
     ckpt_path = os.path.join(args.out_dir, CHECKPOINT)
-    ckpt = None
-    if args.resume:
-        if not os.path.isfile(ckpt_path):
-            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location=env.device, weights_only=False)
-        changed = {k: (ckpt["config"].get(k), v) for k, v in task.config.items() if ckpt["config"].get(k) != v}
-        if changed:
-            raise SystemExit(f"--resume: {ckpt_path} was trained with a different network: "
-                             + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items()))
+    ckpt = load_checkpoint(ckpt_path, task.config, env) if args.resume else None
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
 
     x_example = next(iter(torch.utils.data.DataLoader(train_set, args.batch_size)))[0].to(env.device)
@@ -305,6 +317,8 @@ def fit(task: Task, args, env: Env) -> dict:
         env.log(f"resumed from {ckpt_path} after epoch {first_epoch}")
 
     n_params = sum(p.numel() for p in model.parameters())
+    run_info = dict(task=task.name, config=task.config, args=vars(args), method=method, parameters=n_params,
+                    processes=env.world)
     env.log(f"{task.name}: {len(train_set)} train / {len(limit(task.test_set, args.limit_test))} test samples, "
             f"{n_params} parameters, neuron={args.neuron} k={args.k} sawtooth={args.sawtooth} method={method}, "
             f"{env.world} process(es) on {env.device}")
@@ -330,14 +344,11 @@ def fit(task: Task, args, env: Env) -> dict:
             save_checkpoint(ckpt_path, dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                                             scheduler=scheduler.state_dict(), epoch=epoch + 1, history=history,
                                             config=task.config))
-            metrics = dict(task=task.name, config=task.config, args=vars(args), method=method, parameters=n_params,
-                           processes=env.world, history=history)
-            write_json(os.path.join(args.out_dir, METRICS), metrics)
+            write_json(os.path.join(args.out_dir, METRICS), dict(run_info, history=history))
             plot_curves(history, os.path.join(args.out_dir, CURVES), task.name)
 
     wall = time.time() - start_time
-    metrics = dict(task=task.name, config=task.config, args=vars(args), method=method, parameters=n_params,
-                   processes=env.world, history=history, wall_seconds=wall)
+    metrics = dict(run_info, history=history, wall_seconds=wall)
     if history:
         metrics.update(final_test_acc=history[-1]["test_acc"], best_test_acc=max(h["test_acc"] for h in history))
         env.log(f"summary: {task.name} neuron={args.neuron} k={args.k} sawtooth={'on' if args.sawtooth else 'off'} "
@@ -350,6 +361,18 @@ def fit(task: Task, args, env: Env) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- files
+
+def load_checkpoint(path: str, config: dict, env: Env) -> dict:
+    """The checkpoint at ``path``, after checking that it was trained with the network ``config``."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    ckpt = torch.load(path, map_location=env.device, weights_only=False)
+    changed = {k: (ckpt["config"].get(k), v) for k, v in config.items() if ckpt["config"].get(k) != v}
+    if changed:
+        raise SystemExit(f"--resume: {path} was trained with a different network: "
+                         + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items()))
+    return ckpt
+
 
 def save_checkpoint(path: str, state: dict) -> None:
     """Write atomically: an interrupted save never leaves a truncated checkpoint behind."""

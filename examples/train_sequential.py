@@ -42,7 +42,7 @@ def parse_args(argv=None):
     return args
 
 
-def build_task(args) -> common.Task:
+def build_task(args, env) -> common.Task:
     x_train, y_train, x_test, y_test = data.load_images(args.dataset, args.data_dir)
     x_train, x_test = data.standardize(x_train, x_test)
     _, c, h, w = x_train.shape
@@ -65,16 +65,7 @@ def build_task(args) -> common.Task:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    env = common.setup(args)
-    try:
-        try:
-            task = build_task(args)
-        except FileNotFoundError as e:
-            raise SystemExit(str(e))
-        return common.fit(task, args, env)
-    finally:
-        common.teardown(env)
+    return common.main(parse_args, build_task, argv)
 
 
 if __name__ == "__main__":

@@ -84,16 +84,7 @@ def build_task(args, env) -> common.Task:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    env = common.setup(args)
-    try:
-        try:
-            task = build_task(args, env)
-        except FileNotFoundError as e:
-            raise SystemExit(str(e))
-        return common.fit(task, args, env)
-    finally:
-        common.teardown(env)
+    return common.main(parse_args, build_task, argv)
 
 
 if __name__ == "__main__":

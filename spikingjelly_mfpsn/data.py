@@ -63,36 +63,39 @@ def _cifar_arrays(batch: dict, label_key: bytes, where: str) -> tuple[torch.Tens
 def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
     """CIFAR-10/100 from the standard python-pickle archive in ``data_dir``: either the archive itself
     (``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz``) or its extracted folder
-    (``cifar-10-batches-py/`` / ``cifar-100-python/``). Images ``(N, 3, 32, 32)`` in ``[0, 1]``.
+    (``cifar-10-batches-py/`` / ``cifar-100-python/``), or that folder itself. Images ``(N, 3, 32, 32)``
+    in ``[0, 1]``.
 
     The batches are Python pickles: only read files from the official archive (or your own).
     """
     if name not in CIFAR:
         raise ValueError(f"name must be one of {sorted(CIFAR)}, got {name!r}")
     archive, folder, train_members, test_member, label_key, _ = CIFAR[name]
-    folder_path = os.path.join(data_dir, folder)
     archive_path = os.path.join(data_dir, archive)
     members = train_members + [test_member]
-    if all(os.path.isfile(os.path.join(folder_path, m)) for m in members):
-        def read(member):
-            with open(os.path.join(folder_path, member), "rb") as f:
-                return pickle.load(f, encoding="bytes")
+    folders = [p for p in (os.path.join(data_dir, folder), data_dir)
+               if all(os.path.isfile(os.path.join(p, m)) for m in members)]
+    if folders:
+        folder_path = folders[0]
+        batches = {}
+        for m in members:
+            with open(os.path.join(folder_path, m), "rb") as f:
+                batches[m] = pickle.load(f, encoding="bytes")
     elif os.path.isfile(archive_path):
-        tar = tarfile.open(archive_path, "r:gz")
-        names = set(tar.getnames())
-
-        def read(member):
-            path = f"{folder}/{member}"
-            if path not in names:
-                raise FileNotFoundError(f"{archive_path} has no member {path!r}; is it the {name} python archive?")
-            return pickle.load(io.BytesIO(tar.extractfile(path).read()), encoding="bytes")
+        with tarfile.open(archive_path, "r:gz") as tar:
+            names = set(tar.getnames())
+            missing = [m for m in members if f"{folder}/{m}" not in names]
+            if missing:
+                raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python archive?")
+            batches = {m: pickle.load(io.BytesIO(tar.extractfile(f"{folder}/{m}").read()), encoding="bytes")
+                       for m in members}
     else:
         raise FileNotFoundError(
             f"{name} not found in --data-dir {data_dir!r}: put the python version of the data set there, either "
             f"the archive {archive} or its extracted folder {folder}/ (with {', '.join(members)}). "
             f"It is published at {CIFAR_URL}; nothing is downloaded automatically.")
-    train = [_cifar_arrays(read(m), label_key, f"{name}/{m}") for m in train_members]
-    x_test, y_test = _cifar_arrays(read(test_member), label_key, f"{name}/{test_member}")
+    train = [_cifar_arrays(batches[m], label_key, f"{name}/{m}") for m in train_members]
+    x_test, y_test = _cifar_arrays(batches[test_member], label_key, f"{name}/{test_member}")
     return torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), x_test, y_test
 
 

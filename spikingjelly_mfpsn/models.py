@@ -88,14 +88,12 @@ class NeuronFactory:
         self.surrogate_function = (surrogate_function if surrogate_function is not None
                                    else _compat.default_surrogate())
         self.neuron_kwargs = neuron_kwargs
-        self.count = 0  # spiking layers made so far (MF-PSN or not)
-        self.mfpsn_count = 0
+        self.mfpsn_count = 0  # MF-PSN layers made so far: the next one's sawtooth position
 
     def __call__(self, channels: int, T: Optional[int] = None) -> nn.Module:
         """A multi-step neuron for ``channels`` features; ``T`` is needed only by ``'psn'``."""
         sg = copy.deepcopy(self.surrogate_function)
         kw = dict(self.neuron_kwargs)
-        self.count += 1
         if self.neuron == "mfpsn":
             d = sawtooth_dilation(self.mfpsn_count) if self.sawtooth else 1
             self.mfpsn_count += 1

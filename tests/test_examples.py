@@ -208,10 +208,11 @@ def _write_cifar10(root, archive):
     return batches
 
 
-@pytest.mark.parametrize("archive", [False, True], ids=["folder", "tar.gz"])
-def test_cifar10_reader(tmp_path, archive):
-    batches = _write_cifar10(str(tmp_path), archive)
-    x_train, y_train, x_test, y_test = data.load_cifar(str(tmp_path), "cifar10")
+@pytest.mark.parametrize("where", ["folder", "tar.gz", "the folder itself"])
+def test_cifar10_reader(tmp_path, where):
+    batches = _write_cifar10(str(tmp_path), archive=where == "tar.gz")
+    data_dir = tmp_path / "cifar-10-batches-py" if where == "the folder itself" else tmp_path
+    x_train, y_train, x_test, y_test = data.load_cifar(str(data_dir), "cifar10")
     assert x_train.shape == (15, 3, 32, 32) and x_test.shape == (2, 3, 32, 32)
     raw = batches["data_batch_2"][b"data"][1]  # sample 4 of the training set
     n, c, h, w = 4, 2, 5, 17

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 try:
     import spikingjelly_mfpsn  # noqa: F401

@@ -10,6 +10,7 @@ import importlib.metadata
 import logging
 
 import torch
+import torch.nn as nn
 from packaging.version import Version
 from spikingjelly.activation_based import base, functional, layer, neuron, surrogate
 
@@ -44,6 +45,18 @@ def t_last_seq_to_ann_forward(x_seq: torch.Tensor, fn) -> torch.Tensor:
     return torch.vmap(fn, in_dims=-1, out_dims=-1)(x_seq)
 
 
+if SJ2:
+    BatchNorm1d = layer.BatchNorm1d
+else:
+    class BatchNorm1d(layer.BatchNorm1d):
+        """``layer.BatchNorm1d`` that also takes multi-step ``(T, N, C)`` (0.0.0.0.14 wants ``(T, N, C, L)``)."""
+
+        def forward(self, x):
+            if self.step_mode == "m" and x.dim() == 3:
+                return nn.BatchNorm1d.forward(self, x.flatten(0, 1)).view(x.shape)
+            return super().forward(x)
+
+
 def default_surrogate():
     return surrogate.ATan()
 
@@ -75,7 +88,6 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
 def spiking_neuron_classes() -> tuple:
     """Every spiking neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN
     family, ...), i.e. the default targets of ``replace_neurons``."""
-    import torch.nn as nn
     found = []
     for obj in vars(neuron).values():
         if (isinstance(obj, type) and issubclass(obj, nn.Module)
@@ -84,7 +96,9 @@ def spiking_neuron_classes() -> tuple:
     return tuple(found)
 
 
-__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "PSN", "op_counter", "MemoryModule",
+__all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "PSN", "op_counter",
+           "MemoryModule",
            "MultiStepModule", "StepModule", "default_surrogate", "sj_layer", "t_last_seq_to_ann_forward",
            "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base", "functional",
            "layer", "neuron", "surrogate"]
+

@@ -1,0 +1,407 @@
+"""Shared parts of the example training scripts.
+
+Command-line options, (distributed) setup, deterministic seeding, choosing the MF-PSN implementation
+(``--method`` / ``--layout``), the training loop with progress bars, per-epoch checkpoints,
+``--resume``, a metrics JSON, a PNG of the accuracy curves and a final summary line.
+
+Run under ``torchrun --nproc_per_node=N`` for DistributedDataParallel training (gloo on CPU, nccl on
+GPU): each process trains on its share of every epoch (``--batch-size`` is per process) and rank 0
+logs and writes the files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+try:
+    import spikingjelly_mfpsn  # noqa: F401
+except ImportError:  # running from a source checkout without installing the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import spikingjelly_mfpsn  # noqa: F401
+
+from spikingjelly.activation_based import functional
+from tqdm import tqdm
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, models, ops
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.json"
+CURVES = "curves.png"
+
+
+# ------------------------------------------------------------------------------------------- options
+
+def add_common_args(p: argparse.ArgumentParser, epochs: int, batch_size: int, lr: float, out_dir: str) -> None:
+    g = p.add_argument_group("neuron")
+    g.add_argument("--neuron", default="mfpsn", choices=models.NEURONS, help="spiking neuron (default: mfpsn)")
+    g.add_argument("--k", type=int, default=2, help="order of MF-PSN / Sliding PSN (default: 2)")
+    g.add_argument("--sawtooth", action=argparse.BooleanOptionalAction, default=True,
+                   help="MF-PSN dilations 1,2,3,1,2,3,... in running order (default: on)")
+    g.add_argument("--method", default="auto",
+                   help="MF-PSN charge implementation: 'auto' (autoselect) or a name, e.g. shift_add, conv1d")
+    g.add_argument("--layout", default=None, choices=("time_first", "time_last"),
+                   help="layout to run in (default: autoselect's choice with --method auto, else time_first)")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=epochs)
+    g.add_argument("--batch-size", type=int, default=batch_size, help="per process")
+    g.add_argument("--lr", type=float, default=lr)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--label-smoothing", type=float, default=0.1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--limit-train", type=int, default=None, metavar="N", help="use the first N training samples")
+    g.add_argument("--limit-test", type=int, default=None, metavar="N", help="use the first N test samples")
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (default 1: the example networks are small, and extra threads "
+                        "cost more than they give on a busy CPU; raise it for CIFAR-sized networks)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out-dir", default=out_dir, help=f"metrics, curves and checkpoint (default: {out_dir})")
+    g.add_argument("--resume", action="store_true", help=f"continue from OUT_DIR/{CHECKPOINT}")
+    g.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop after N epochs of this run (the schedule still spans --epochs; continue with --resume)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def check_common_args(p: argparse.ArgumentParser, args) -> None:
+    for name in ("k", "epochs", "batch_size", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("limit_train", "limit_test", "stop_after"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if args.method != "auto":
+        try:
+            ops.get(args.method)
+        except ValueError as e:
+            p.error(f"--method: {e}")
+    if args.neuron in ("psn", "sliding_psn") and not models.psn_available(args.neuron):
+        p.error(f"--neuron {args.neuron} needs SpikingJelly >= 2.0 (the installed one has no PSN family); "
+                f"use mfpsn, lif or plif")
+
+
+# ------------------------------------------------------------------------------------------- setup
+
+@dataclass
+class Env:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def log(self, msg: str) -> None:
+        if self.main:
+            tqdm.write(msg, file=sys.stdout)
+            sys.stdout.flush()
+
+
+def setup(args) -> Env:
+    """Seeds everything, makes algorithms deterministic and joins the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.device is not None:
+        device = torch.device(args.device)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_all(args.seed)  # the same initial network on every rank
+    return Env(rank, world, device)
+
+
+def seed_all(seed: int, *salt: int) -> None:
+    s = hash((seed,) + salt) % (2 ** 31)
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+
+
+def teardown(env: Env) -> None:
+    if env.world > 1:
+        dist.destroy_process_group()
+
+
+def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
+    """A script's ``main``: parse, set up, ``build_task(args, env)``, :func:`fit`, tear down."""
+    args = parse_args(argv)
+    env = setup(args)
+    try:
+        try:
+            task = build_task(args, env)
+        except FileNotFoundError as e:  # missing data: the message says what to put where
+            raise SystemExit(str(e))
+        return fit(task, args, env)
+    finally:
+        teardown(env)
+
+
+# ------------------------------------------------------------------------------------------- method
+
+def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) -> tuple[nn.Module, str]:
+    """Apply ``--method`` / ``--layout``; returns the (possibly converted) net and what it runs.
+
+    ``--method auto`` calls :func:`spikingjelly_mfpsn.functional.autoselect` on every rank (it shares
+    rank 0's choice); without it in this build, MF-PSN layers keep their own default implementation.
+    """
+    mfpsn = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    if args.method == "auto":
+        try:
+            from spikingjelly_mfpsn.functional import autoselect
+        except ImportError:
+            env.log("method=auto: autoselect is not available in this build; MF-PSN layers use their default "
+                    "implementation")
+            return _convert_layout(net, args.layout), "default"
+        layouts = (args.layout,) if args.layout else ("time_first", "time_last")
+        report = autoselect(net, x_example, layouts=layouts)
+        env.log(str(report))
+        return net, "auto"
+    if not mfpsn:
+        env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
+        return _convert_layout(net, args.layout), "n/a"
+    net = _convert_layout(net, args.layout)
+    try:
+        from spikingjelly_mfpsn.functional import set_method
+    except ImportError:
+        for m in mfpsn:
+            m.method = args.method
+    else:
+        set_method(net, args.method, layout=args.layout)
+    return net, args.method
+
+
+def _convert_layout(net: nn.Module, layout: Optional[str]) -> nn.Module:
+    if layout != "time_last":
+        return net
+    try:
+        from spikingjelly_mfpsn import to_time_last
+    except ImportError:
+        raise SystemExit("--layout time_last needs spikingjelly_mfpsn.to_time_last, which this build does not have")
+    return to_time_last(net)
+
+
+# ------------------------------------------------------------------------------------------- data
+
+class Sharded(torch.utils.data.Dataset):
+    """The ``rank``-th of ``world`` interleaved shards of a data set (no padding, no duplicates)."""
+
+    def __init__(self, dataset, rank: int, world: int):
+        self.dataset, self.indices = dataset, range(rank, len(dataset), world)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.dataset[self.indices[i]]
+
+
+def limit(dataset, n: Optional[int]):
+    return dataset if n is None or n >= len(dataset) else torch.utils.data.Subset(dataset, range(n))
+
+
+# ------------------------------------------------------------------------------------------- training
+
+@dataclass
+class Task:
+    """What a script trains: data, the network, and how a batch becomes the network's input."""
+    name: str
+    net: nn.Module
+    train_set: torch.utils.data.Dataset
+    test_set: torch.utils.data.Dataset
+    to_input: Callable[[torch.Tensor], torch.Tensor]  # batch from the loader -> time-first sequence
+    config: dict  # everything that defines the network, checked on --resume
+    after_step: Optional[Callable[[nn.Module], None]] = None  # e.g. clamp learnable delays
+    param_groups: Optional[Callable[[nn.Module], list]] = None  # optimiser groups (default: one group)
+
+
+def _step_batch(net, x, y, task, criterion):
+    out = net(task.to_input(x))
+    logits = out.mean(0)  # average the per-step scores over time
+    loss = criterion(logits, y)
+    return loss, (logits.argmax(1) == y).sum()
+
+
+def _reduce(env: Env, *values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    if env.world > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, scheduler=None, progress=True):
+    """One pass over ``loader``; trains when ``optimizer`` is given. Returns (mean loss, accuracy)
+    over all ranks. ``net`` is what runs (maybe DDP-wrapped), ``model`` the bare network."""
+    train = optimizer is not None
+    model.train(train)
+    loss_sum, correct, count = 0.0, 0.0, 0
+    bar = tqdm(loader, desc=desc, disable=not (env.main and progress), leave=False, dynamic_ncols=True,
+               mininterval=1.0, file=sys.stdout)
+    with torch.set_grad_enabled(train):
+        for x, y in bar:
+            x, y = x.to(env.device), y.to(env.device)
+            loss, hits = _step_batch(net if train else model, x, y, task, criterion)
+            if train:
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                if task.after_step is not None:
+                    task.after_step(model)
+            functional.reset_net(model)
+            loss_sum += loss.item() * len(y)
+            correct += hits.item()
+            count += len(y)
+            bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct / count:.4f}")
+    loss_sum, correct, count = _reduce(env, loss_sum, correct, count)
+    return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+def fit(task: Task, args, env: Env) -> dict:
+    """Train ``task.net`` for ``args.epochs``; returns the metrics written to ``OUT_DIR/metrics.json``."""
+    start_time = time.time()
+    model = task.net.to(env.device)
+    train_set = limit(task.train_set, args.limit_train)
+    test_set = Sharded(limit(task.test_set, args.limit_test), env.rank, env.world)
+    sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=args.seed) \
+        if env.world > 1 else None
+    gen = torch.Generator()
+    train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler,
+                                               generator=gen, drop_last=False)
+    test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
+
+    ckpt_path = os.path.join(args.out_dir, CHECKPOINT)
+    ckpt = load_checkpoint(ckpt_path, task.config, env) if args.resume else None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+
+    x_example = next(iter(torch.utils.data.DataLoader(train_set, args.batch_size)))[0].to(env.device)
+    model, method = configure_method(model, args, task.to_input(x_example), env)
+    functional.reset_net(model)
+    net = model
+    if env.world > 1:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[env.device] if env.device.type == "cuda" else None)
+
+    params = task.param_groups(model) if task.param_groups is not None else model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    total_steps = args.epochs * len(train_loader)
+    # Cosine annealing per step, in closed form so that a resumed run with more epochs follows the new schedule.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    history, first_epoch = [], 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        history, first_epoch = ckpt["history"], ckpt["epoch"]
+        env.log(f"resumed from {ckpt_path} after epoch {first_epoch}")
+
+    n_params = sum(p.numel() for p in model.parameters())
+    run_info = dict(task=task.name, config=task.config, args=vars(args), method=method, parameters=n_params,
+                    processes=env.world)
+    env.log(f"{task.name}: {len(train_set)} train / {len(limit(task.test_set, args.limit_test))} test samples, "
+            f"{n_params} parameters, neuron={args.neuron} k={args.k} sawtooth={args.sawtooth} method={method}, "
+            f"{env.world} process(es) on {env.device}")
+    if env.main:
+        os.makedirs(args.out_dir, exist_ok=True)
+    last_epoch = args.epochs if args.stop_after is None else min(args.epochs, first_epoch + args.stop_after)
+    for epoch in range(first_epoch, last_epoch):
+        t0 = time.time()
+        seed_all(args.seed, env.rank, epoch)  # dropout and shuffling depend only on (seed, rank, epoch): resumable
+        gen.manual_seed(args.seed * 1000 + epoch)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        tag = f"epoch {epoch + 1}/{args.epochs}"
+        train_loss, train_acc = run_epoch(net, model, train_loader, task, env, criterion, f"{tag} train", optimizer,
+                                          scheduler, not args.no_progress)
+        test_loss, test_acc = run_epoch(net, model, test_loader, task, env, criterion, f"{tag} test",
+                                        progress=not args.no_progress)
+        history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_acc=train_acc, test_loss=test_loss,
+                            test_acc=test_acc, lr=optimizer.param_groups[0]["lr"], seconds=time.time() - t0))
+        env.log(f"{tag}: train loss {train_loss:.4f} acc {train_acc:.4f} | test loss {test_loss:.4f} "
+                f"acc {test_acc:.4f} | {history[-1]['seconds']:.1f}s")
+        if env.main:
+            save_checkpoint(ckpt_path, dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                                            scheduler=scheduler.state_dict(), epoch=epoch + 1, history=history,
+                                            config=task.config))
+            write_json(os.path.join(args.out_dir, METRICS), dict(run_info, history=history))
+            plot_curves(history, os.path.join(args.out_dir, CURVES), task.name)
+
+    wall = time.time() - start_time
+    metrics = dict(run_info, history=history, wall_seconds=wall)
+    if history:
+        metrics.update(final_test_acc=history[-1]["test_acc"], best_test_acc=max(h["test_acc"] for h in history))
+        env.log(f"summary: {task.name} neuron={args.neuron} k={args.k} sawtooth={'on' if args.sawtooth else 'off'} "
+                f"method={method} epochs={len(history)} final test acc {metrics['final_test_acc']:.4f} "
+                f"(best {metrics['best_test_acc']:.4f}) in {wall:.1f}s on {env.world} process(es) "
+                f"-> {os.path.join(args.out_dir, METRICS)}")
+    if env.main:
+        write_json(os.path.join(args.out_dir, METRICS), metrics)
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------- files
+
+def load_checkpoint(path: str, config: dict, env: Env) -> dict:
+    """The checkpoint at ``path``, after checking that it was trained with the network ``config``."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    ckpt = torch.load(path, map_location=env.device, weights_only=False)
+    changed = {k: (ckpt["config"].get(k), v) for k, v in config.items() if ckpt["config"].get(k) != v}
+    if changed:
+        raise SystemExit(f"--resume: {path} was trained with a different network: "
+                         + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items()))
+    return ckpt
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write atomically: an interrupted save never leaves a truncated checkpoint behind."""
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def plot_curves(history: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for key, label in (("train", "train"), ("test", "test")):
+        ax_acc.plot(epochs, [100 * h[f"{key}_acc"] for h in history], marker="o", label=label)
+        ax_loss.plot(epochs, [h[f"{key}_loss"] for h in history], marker="o", label=label)
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title=f"{title}: accuracy")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title=f"{title}: loss")
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

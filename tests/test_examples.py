@@ -1,0 +1,391 @@
+"""The paper's network builders, the data readers and the example training scripts.
+
+The scripts run as subprocesses at tiny sizes (a few hundred digits, a tiny SHD file written here) and
+must learn: the training loss falls and the test accuracy beats chance by a wide margin.
+"""
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from spikingjelly.activation_based import functional, neuron as sj_neuron
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, data, models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+NEURONS = [pytest.param(n, marks=pytest.mark.skipif(
+    n in ("psn", "sliding_psn") and not models.psn_available(n),
+    reason=f"SpikingJelly {_compat.SJ_VERSION} has no PSN family (PSN/SlidingPSN exist only in 2.x)"))
+    for n in models.NEURONS]
+
+# builder -> (kwargs for a tiny network, input shape (T, N, ...), expected output T)
+TINY = {
+    "sequential_cifar": (dict(in_channels=3, height=8, num_classes=10, T=6, channels=8, hidden=16), (6, 3, 3, 8), 6),
+    "pixel_cifar": (dict(in_channels=3, num_classes=10, T=10, widths=(8, 16), blocks=1), (10, 3, 3), 3),
+    "shd": (dict(in_features=12, num_classes=20, T=7, hidden=16, layers=3, delays=False), (7, 3, 12), 7),
+    "dvs_lip": (dict(in_channels=2, num_classes=100, T=3, widths=(4, 4, 8, 8)), (3, 2, 2, 8, 8), 3),
+}
+
+
+# ----------------------------------------------------------------------------------------- builders
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("neuron", NEURONS)
+def test_builder_forward_backward(name, neuron):
+    kwargs, shape, t_out = TINY[name]
+    torch.manual_seed(0)
+    net = models.build(name, neuron=neuron, **kwargs)
+    x = torch.rand(shape)
+    y = net(x)
+    assert y.shape == (t_out, shape[1], kwargs["num_classes"])
+    assert torch.isfinite(y).all()
+    y.sum().backward()
+    first = next(net[0].parameters())
+    assert first.grad is not None and first.grad.abs().sum() > 0  # the gradient reaches the input layer
+    functional.reset_net(net)
+    assert models.spiking_layers(net), "the network has no spiking layer"
+    kinds = {type(m) for m in models.spiking_layers(net)}
+    if neuron == "mfpsn":
+        assert kinds == {MulFreeChannelwisePSN}
+
+
+def test_paper_sized_sequential_net_matches_the_table():
+    """{{c128k3s1-BN-SN}*3-APk2s2}*2-FC256-SN-FC10 on 32x32 images."""
+    net = models.sequential_image_net()
+    convs = [m for m in net if isinstance(m, torch.nn.Conv1d)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.stride) for c in convs] == \
+        [(3, 128, (3,), (1,))] + [(128, 128, (3,), (1,))] * 5
+    fcs = [m for m in net if isinstance(m, torch.nn.Linear)]
+    assert [(f.in_features, f.out_features) for f in fcs] == [(128 * 8, 256), (256, 10)]
+    assert len(models.spiking_layers(net)) == 7
+
+
+def _run_order(net, x):
+    order = []
+    hooks = [m.register_forward_hook(lambda m, i, o: order.append(m)) for m in models.spiking_layers(net)]
+    net(x)
+    for h in hooks:
+        h.remove()
+    return order
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_sawtooth_dilations_follow_running_order(name):
+    kwargs, shape, _ = TINY[name]
+    net = models.build(name, neuron="mfpsn", k=2, **kwargs)
+    ran = _run_order(net, torch.rand(shape))
+    assert len(ran) == len(models.spiking_layers(net)) >= 3
+    assert [m.dilation for m in ran] == [i % 3 + 1 for i in range(len(ran))]
+    flat = models.build(name, neuron="mfpsn", k=3, sawtooth=False, **kwargs)
+    assert {(m.dilation, m.k) for m in models.spiking_layers(flat)} == {(1, 3)}
+
+
+def test_psn_choice_needs_spikingjelly_2():
+    if models.psn_available("psn"):
+        net = models.sequential_image_net(1, 8, T=5, neuron="psn", channels=4, hidden=8)
+        assert all(isinstance(m, sj_neuron.PSN) for m in models.spiking_layers(net))
+        with pytest.raises(ValueError, match="T"):
+            models.sequential_image_net(1, 8, neuron="psn", channels=4, hidden=8)  # PSN needs T
+    else:
+        with pytest.raises(ValueError, match="SpikingJelly >= 2.0"):
+            models.sequential_image_net(1, 8, T=5, neuron="psn")
+
+
+def test_bad_builder_arguments_are_named():
+    with pytest.raises(ValueError, match="neuron"):
+        models.sequential_image_net(neuron="izhikevich")
+    with pytest.raises(ValueError, match="height"):
+        models.sequential_image_net(height=30)
+    with pytest.raises(ValueError, match="k"):
+        models.pixel_image_net(k=0)
+    with pytest.raises(ValueError, match="name"):
+        models.build("imagenet")
+
+
+def test_any_spikingjelly_neuron_class():
+    net = models.pixel_image_net(1, 10, widths=(8,), blocks=1, neuron=sj_neuron.IFNode)
+    assert all(isinstance(m, sj_neuron.IFNode) for m in models.spiking_layers(net))
+    assert net(torch.rand(5, 2, 1)).shape == (5, 2, 10)
+
+
+def test_shd_net_uses_delays_only_when_asked_and_available():
+    plain = models.shd_net(12, 20, hidden=8, delays=False)
+    assert not any(isinstance(m, models.DelayedLinear) for m in plain.modules())
+    if models.dcls_available():
+        delayed = models.shd_net(12, 20, hidden=8, delays=True)
+        assert sum(isinstance(m, models.DelayedLinear) for m in delayed.modules()) == 3
+    else:
+        with pytest.raises(ImportError, match="dcls"):
+            models.shd_net(12, 20, hidden=8, delays=True)
+
+
+# ------------------------------------------------------------------------------- time-mixing layers
+
+def _both_layouts(module, x_time_first):
+    module.layout = "time_first"
+    a = module(x_time_first)
+    module.layout = "time_last"
+    b = module(x_time_first.movedim(0, -1)).movedim(-1, 0)
+    module.layout = "time_first"
+    torch.testing.assert_close(a, b)
+    return a
+
+
+def test_temporal_avg_pool_keeps_the_last_partial_window():
+    x = torch.randn(10, 2, 3)
+    y = _both_layouts(models.TemporalAvgPool(4), x)
+    expected = torch.stack([x[0:4].mean(0), x[4:8].mean(0), x[8:10].mean(0)])
+    torch.testing.assert_close(y, expected)
+
+
+def test_membrane_readout_is_a_lif_that_never_fires():
+    x = torch.randn(9, 2, 5)
+    y = _both_layouts(models.MembraneReadout(tau=3.0), x)
+    lif = sj_neuron.LIFNode(tau=3.0, v_threshold=1e9, step_mode="m", store_v_seq=True)
+    assert lif(x).sum() == 0
+    torch.testing.assert_close(y, lif.v_seq)
+
+
+def test_temporal_conv3d_matches_conv3d_on_n_c_t_h_w():
+    m = models.TemporalConv3d(2, 3, (3, 3, 3), (1, 2, 2), (1, 1, 1))
+    x = torch.randn(5, 2, 2, 6, 6)
+    y = _both_layouts(m, x)
+    torch.testing.assert_close(y, m.conv(x.permute(1, 2, 0, 3, 4)).permute(2, 0, 1, 3, 4))
+
+
+@pytest.mark.skipif(not models.dcls_available(), reason="the dcls package is not installed")
+def test_delayed_linear_is_causal():
+    torch.manual_seed(0)
+    m = models.DelayedLinear(4, 3, max_delay=5)
+    x = torch.randn(12, 2, 4)
+    y = _both_layouts(m, x)
+    x2 = x.clone()
+    x2[7:] = torch.randn(5, 2, 4)  # change only the future of t = 6
+    torch.testing.assert_close(m(x2)[:7], y[:7])
+    assert not torch.allclose(m(x2)[7:], y[7:])
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def _import_example(name):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(EXAMPLES)
+
+
+def _cifar_batch(n, label_key, seed):
+    rng = np.random.default_rng(seed)
+    return {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            label_key: rng.integers(0, 10, n).tolist(), b"batch_label": b"test"}
+
+
+def _write_cifar10(root, archive):
+    """The python version of CIFAR-10: cifar-10-batches-py/{data_batch_1..5,test_batch}, pickled dicts."""
+    batches = {f"data_batch_{i}": _cifar_batch(3, b"labels", i) for i in range(1, 6)}
+    batches["test_batch"] = _cifar_batch(2, b"labels", 9)
+    if archive:
+        with tarfile.open(os.path.join(root, "cifar-10-python.tar.gz"), "w:gz") as tar:
+            for name, batch in batches.items():
+                raw = pickle.dumps(batch, protocol=2)
+                info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+                info.size = len(raw)
+                tar.addfile(info, io.BytesIO(raw))
+    else:
+        os.makedirs(os.path.join(root, "cifar-10-batches-py"))
+        for name, batch in batches.items():
+            with open(os.path.join(root, "cifar-10-batches-py", name), "wb") as f:
+                pickle.dump(batch, f, protocol=2)
+    return batches
+
+
+@pytest.mark.parametrize("where", ["folder", "tar.gz", "the folder itself"])
+def test_cifar10_reader(tmp_path, where):
+    batches = _write_cifar10(str(tmp_path), archive=where == "tar.gz")
+    data_dir = tmp_path / "cifar-10-batches-py" if where == "the folder itself" else tmp_path
+    x_train, y_train, x_test, y_test = data.load_cifar(str(data_dir), "cifar10")
+    assert x_train.shape == (15, 3, 32, 32) and x_test.shape == (2, 3, 32, 32)
+    raw = batches["data_batch_2"][b"data"][1]  # sample 4 of the training set
+    n, c, h, w = 4, 2, 5, 17
+    assert x_train[n, c, h, w] == pytest.approx(raw[c * 1024 + h * 32 + w] / 255.0)
+    assert y_train[3:6].tolist() == batches["data_batch_2"][b"labels"]
+    assert y_test.tolist() == batches["test_batch"][b"labels"]
+
+
+def test_cifar100_reader_uses_fine_labels(tmp_path):
+    os.makedirs(tmp_path / "cifar-100-python")
+    for name, n in (("train", 4), ("test", 2)):
+        batch = _cifar_batch(n, b"fine_labels", n)
+        batch[b"coarse_labels"] = [0] * n
+        with open(tmp_path / "cifar-100-python" / name, "wb") as f:
+            pickle.dump(batch, f)
+    x_train, y_train, x_test, y_test = data.load_cifar(str(tmp_path), "cifar100")
+    assert x_train.shape == (4, 3, 32, 32)
+    assert y_test.tolist() == _cifar_batch(2, b"fine_labels", 2)[b"fine_labels"]
+
+
+def test_missing_cifar_says_what_to_put_where(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        data.load_cifar(str(tmp_path), "cifar10")
+    for words in ("cifar-10-python.tar.gz", "cifar-10-batches-py", str(tmp_path), "data_batch_1"):
+        assert words in str(e.value)
+    train_sequential = _import_example("train_sequential")
+    with pytest.raises(SystemExit) as e:  # the script exits with the message, not a traceback
+        train_sequential.main(["--dataset", "cifar100", "--data-dir", str(tmp_path), "--no-progress"])
+    assert "cifar-100-python.tar.gz" in str(e.value.code)
+
+
+def _write_shd(path, times, units, labels):
+    """The SHD .h5 layout: spikes/times and spikes/units are variable-length arrays, labels uint16."""
+    import h5py
+    with h5py.File(path, "w") as f:
+        t = f.create_dataset("spikes/times", (len(times),), dtype=h5py.vlen_dtype(np.float32))
+        u = f.create_dataset("spikes/units", (len(units),), dtype=h5py.vlen_dtype(np.uint16))
+        for i, (ti, ui) in enumerate(zip(times, units)):
+            t[i] = np.asarray(ti, np.float32)
+            u[i] = np.asarray(ui, np.uint16)
+        f.create_dataset("labels", data=np.asarray(labels, np.uint16))
+        f.create_dataset("extra/speaker", data=np.zeros(len(labels), np.uint16))
+
+
+def test_shd_reader_bins_spikes(tmp_path):
+    path = str(tmp_path / "shd_train.h5")
+    _write_shd(path, [[0.0, 0.05, 0.26, 0.99], [0.5]], [[3, 4, 699, 10], [0]], [7, 2])
+    ds = data.SHD(path, bins=4, duration=1.0, unit_bin=5)
+    assert len(ds) == 2 and ds.features == 140 and ds.dropped_spikes == 0
+    frames, label = ds[0]
+    assert label.item() == 7 and frames.shape == (4, 140)
+    expected = np.zeros((4, 140), np.float32)
+    expected[0, 0] = 2  # units 3 and 4 share channel 0, both in [0, 0.25)
+    expected[1, 139] = 1
+    expected[3, 2] = 1
+    np.testing.assert_array_equal(frames.numpy(), expected)
+    short = data.SHD(path, bins=4, duration=0.5, unit_bin=5)
+    assert short.dropped_spikes == 2 and short[0][0].sum() == 3  # 0.99 s and 0.5 s are outside [0, 0.5)
+    assert data.SHD(path, bins=4, unit_bin=5).duration > 0.99  # default duration keeps every spike
+
+
+def test_missing_shd_says_what_to_put_where(tmp_path):
+    with pytest.raises(FileNotFoundError, match="shd_train.h5 and shd_test.h5"):
+        data.load_shd(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------- examples
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return env
+
+
+def run_example(script, *args, procs=1, cwd=None):
+    cmd = [sys.executable, os.path.join(EXAMPLES, script), *map(str, args), "--no-progress"]
+    if procs > 1:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        launcher = [torchrun] if os.path.exists(torchrun) else [sys.executable, "-m", "torch.distributed.run"]
+        cmd = launcher + ["--standalone", f"--nproc_per_node={procs}"] + cmd[1:]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cwd, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
+def assert_learns(metrics, chance):
+    h = metrics["history"]
+    assert h[-1]["train_loss"] < h[0]["train_loss"], h
+    assert metrics["final_test_acc"] > chance + 0.25, h
+
+
+TINY_DIGITS = ["--limit-train", 320, "--limit-test", 150, "--channels", 32, "--hidden", 32, "--convs", 1,
+               "--epochs", 3, "--lr", 1e-2]
+
+
+def test_train_sequential_learns_and_resumes_exactly(tmp_path):
+    # A fixed implementation: a timed autoselect could pick differently in each run, and implementations
+    # agree only to float tolerance.
+    args = [*TINY_DIGITS, "--batch-size", 16, "--method", "shift_add"]
+    a = str(tmp_path / "a")
+    out = run_example("train_sequential.py", *args, "--out-dir", a)
+    metrics = read_metrics(a)
+    assert_learns(metrics, chance=0.1)
+    assert "summary: sequential digits" in out.splitlines()[-1]
+    for name in ("checkpoint.pt", "curves.png", "metrics.json"):
+        assert os.path.getsize(os.path.join(a, name)) > 0
+    # Two epochs, stop, resume for the third: the same numbers as the uninterrupted run.
+    b = str(tmp_path / "b")
+    run_example("train_sequential.py", *args, "--out-dir", b, "--stop-after", 2)
+    assert len(read_metrics(b)["history"]) == 2
+    out = run_example("train_sequential.py", *args, "--out-dir", b, "--resume")
+    assert "resumed" in out
+    keys = ("train_loss", "train_acc", "test_loss", "test_acc", "lr")
+    assert [[h[k] for k in keys] for h in read_metrics(b)["history"]] == \
+        [[h[k] for k in keys] for h in metrics["history"]]
+
+
+def test_train_sequential_torchrun_two_processes(tmp_path):
+    out_dir = str(tmp_path / "ddp")
+    out = run_example("train_sequential.py", *TINY_DIGITS, "--batch-size", 8, "--method", "shift_add",
+                      "--out-dir", out_dir, procs=2)  # 8 per process: the same 16 per step as above
+    metrics = read_metrics(out_dir)
+    assert metrics["processes"] == 2 and metrics["method"] == "shift_add"
+    assert out.count("summary:") == 1  # rank 0 logs
+    assert_learns(metrics, chance=0.1)
+
+
+def test_train_shd_on_a_tiny_synthetic_file(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 160), ("test", 80)):
+        labels = rng.integers(0, 4, n)
+        times, units = [], []
+        for c in labels:  # class c: a burst in its own band of 175 units at a class-specific time, plus noise
+            t_sig = rng.normal(0.1 + 0.2 * c, 0.03, 40).clip(0, 0.95)
+            u_sig = rng.integers(175 * c, 175 * (c + 1), 40)
+            t_noise, u_noise = rng.uniform(0, 0.95, 20), rng.integers(0, 700, 20)
+            times.append(np.concatenate([t_sig, t_noise]))
+            units.append(np.concatenate([u_sig, u_noise]))
+        _write_shd(str(tmp_path / f"shd_{split}.h5"), times, units, labels)
+    out_dir = str(tmp_path / "run")
+    run_example("train_shd.py", "--data-dir", tmp_path, "--bins", 20, "--unit-bin", 35, "--hidden", 32,
+                "--batch-size", 16, "--epochs", 3, "--lr", 5e-3, "--max-delay", 5, "--out-dir", out_dir)
+    metrics = read_metrics(out_dir)
+    assert metrics["config"]["delays"] == models.dcls_available()
+    assert_learns(metrics, chance=0.25)
+
+
+def test_ablation_order_table_and_figure(tmp_path):
+    out_dir = str(tmp_path / "abl")
+    out = run_example("ablation_order.py", "--orders", 1, 2, "--epochs", 1, "--widths", 8, 8, "--limit-train", 64,
+                      "--limit-test", 32, "--batch-size", 32, "--out-dir", out_dir)
+    with open(os.path.join(out_dir, "ablation.json")) as f:
+        acc = json.load(f)["test_acc"]
+    assert set(acc["sawtooth"]) == set(acc["no_sawtooth"]) == {"1", "2"}
+    assert acc["sawtooth"]["1"] == acc["no_sawtooth"]["1"]  # k = 1 is trained once
+    runs = {d for d in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, d))}
+    assert runs == {"k1_sawtooth", "k2_sawtooth", "k2_no_sawtooth"}
+    assert os.path.getsize(os.path.join(out_dir, "ablation.png")) > 0
+    table = out[out.index("accuracy vs order"):]
+    assert f"{100 * acc['no_sawtooth']['2']:9.2f}" in table
+
+
+def test_psn_choice_on_the_command_line(capsys):
+    train_sequential = _import_example("train_sequential")
+    if models.psn_available("psn"):
+        assert train_sequential.parse_args(["--neuron", "psn"]).neuron == "psn"
+    else:
+        with pytest.raises(SystemExit):
+            train_sequential.parse_args(["--neuron", "psn"])
+        assert "SpikingJelly >= 2.0" in capsys.readouterr().err

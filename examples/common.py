@@ -158,45 +158,29 @@ def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
 
 # ------------------------------------------------------------------------------------------- method
 
-def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) -> tuple[nn.Module, str]:
-    """Apply ``--method`` / ``--layout``; returns the (possibly converted) net and what it runs.
+def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) -> tuple[nn.Module, str, float]:
+    """Apply ``--method`` / ``--layout``; returns the (possibly converted) net, what it runs and the
+    seconds autoselect took (0 without it).
 
-    ``--method auto`` calls :func:`spikingjelly_mfpsn.functional.autoselect` on every rank (it shares
-    rank 0's choice); without it in this build, MF-PSN layers keep their own default implementation.
+    ``--method auto`` runs :func:`spikingjelly_mfpsn.functional.autoselect` on every rank (rank 0 times,
+    every rank applies its choice), restricted to ``--layout`` when given.
     """
-    mfpsn = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    from spikingjelly_mfpsn.functional import autoselect, set_method
     if args.method == "auto":
-        try:
-            from spikingjelly_mfpsn.functional import autoselect
-        except ImportError:
-            env.log("method=auto: autoselect is not available in this build; MF-PSN layers use their default "
-                    "implementation")
-            return _convert_layout(net, args.layout), "default"
         layouts = (args.layout,) if args.layout else ("time_first", "time_last")
-        report = autoselect(net, x_example, layouts=layouts)
+        report = autoselect(net, x_example, layouts=layouts, progress=False)
         env.log(str(report))
-        return net, "auto"
-    if not mfpsn:
+        return net, f"auto ({report.layout})", report.seconds
+    if not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()):
         env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
-        return _convert_layout(net, args.layout), "n/a"
-    net = _convert_layout(net, args.layout)
-    try:
-        from spikingjelly_mfpsn.functional import set_method
-    except ImportError:
-        for m in mfpsn:
-            m.method = args.method
-    else:
-        set_method(net, args.method, layout=args.layout)
-    return net, args.method
+        return _convert_layout(net, args.layout), "n/a", 0.0
+    return set_method(net, args.method, layout=args.layout or "time_first"), args.method, 0.0
 
 
 def _convert_layout(net: nn.Module, layout: Optional[str]) -> nn.Module:
     if layout != "time_last":
         return net
-    try:
-        from spikingjelly_mfpsn import to_time_last
-    except ImportError:
-        raise SystemExit("--layout time_last needs spikingjelly_mfpsn.to_time_last, which this build does not have")
+    from spikingjelly_mfpsn import to_time_last
     return to_time_last(net)
 
 
@@ -295,7 +279,7 @@ def fit(task: Task, args, env: Env) -> dict:
         model.load_state_dict(ckpt["model"])
 
     x_example = next(iter(torch.utils.data.DataLoader(train_set, args.batch_size)))[0].to(env.device)
-    model, method = configure_method(model, args, task.to_input(x_example), env)
+    model, method, select_seconds = configure_method(model, args, task.to_input(x_example), env)
     functional.reset_net(model)
     net = model
     if env.world > 1:
@@ -317,7 +301,7 @@ def fit(task: Task, args, env: Env) -> dict:
 
     n_params = sum(p.numel() for p in model.parameters())
     run_info = dict(task=task.name, config=task.config, args=vars(args), method=method, parameters=n_params,
-                    processes=env.world)
+                    processes=env.world, autoselect_seconds=select_seconds)
     env.log(f"{task.name}: {len(train_set)} train / {len(limit(task.test_set, args.limit_test))} test samples, "
             f"{n_params} parameters, neuron={args.neuron} k={args.k} sawtooth={args.sawtooth} method={method}, "
             f"{env.world} process(es) on {env.device}")
@@ -350,6 +334,11 @@ def fit(task: Task, args, env: Env) -> dict:
     metrics = dict(run_info, history=history, wall_seconds=wall)
     if history:
         metrics.update(final_test_acc=history[-1]["test_acc"], best_test_acc=max(h["test_acc"] for h in history))
+        if select_seconds:
+            epoch_seconds = sum(h["seconds"] for h in history) / len(history)
+            metrics["autoselect_percent_of_epoch"] = 100.0 * select_seconds / epoch_seconds
+            env.log(f"autoselect took {select_seconds:.2f}s, {metrics['autoselect_percent_of_epoch']:.1f}% of a "
+                    f"mean epoch ({epoch_seconds:.1f}s)")
         env.log(f"summary: {task.name} neuron={args.neuron} k={args.k} sawtooth={'on' if args.sawtooth else 'off'} "
                 f"method={method} epochs={len(history)} final test acc {metrics['final_test_acc']:.4f} "
                 f"(best {metrics['best_test_acc']:.4f}) in {wall:.1f}s on {env.world} process(es) "

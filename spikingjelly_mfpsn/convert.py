@@ -115,6 +115,12 @@ def has_time_last_boundary(net: nn.Module) -> bool:
 _TIME_LAST = (layer.TimeLastModule, layer.TimeLastDropout, layer.TimeLastSequential, layer.TLastSeqToANNContainer)
 
 
+def _layout_aware(m: nn.Module) -> bool:
+    """Modules that run either layout themselves and say which through a ``layout`` attribute:
+    MF-PSN, and any module declaring ``layout_aware = True`` (e.g. layers that mix time steps)."""
+    return isinstance(m, MulFreeChannelwisePSN) or getattr(m, "layout_aware", False)
+
+
 def _why_not(m: nn.Module) -> str:
     if isinstance(m, _compat.MemoryModule):
         return "a stateful SpikingJelly module, which runs time-first only"
@@ -146,8 +152,8 @@ class _Converter:
         """The time-last replacement of ``m`` (``m`` itself when it is converted in place)."""
         if isinstance(m, _TIME_LAST) or _has_hooks(m, _island_enter, _island_exit):
             return m
-        if isinstance(m, MulFreeChannelwisePSN):
-            if per_step or m.step_mode != "m":
+        if _layout_aware(m):
+            if per_step or getattr(m, "step_mode", "m") != "m":
                 self.errors.append(f"{_describe(path, m)}: the time-last layout needs step_mode='m' outside "
                                    f"SeqToANNContainer (functional.set_step_mode(net, 'm'))")
             else:
@@ -243,7 +249,7 @@ def _revert(m: nn.Module) -> nn.Module:
         return original
     if isinstance(m, (layer.TimeLastModule, layer.TimeLastDropout)):
         return m.time_first_module
-    if isinstance(m, MulFreeChannelwisePSN):
+    if _layout_aware(m):
         m.layout = "time_first"
         return m
     for name, child in list(m.named_children()):

@@ -206,7 +206,7 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
     return net
 
 
-def autoselect(net: nn.Module, x_example, m: int = 3, layouts=("time_first", "time_last"), cache=True, **kwargs):
+def autoselect(net: nn.Module, x_example, m: int = 2, layouts=("time_first", "time_last"), cache=True, **kwargs):
     """Paper Algorithm 1: time every layer's implementations in each layout and apply the fastest.
     See :func:`spikingjelly_mfpsn.tuner.autoselect`."""
     from .tuner import autoselect as _autoselect

@@ -411,14 +411,16 @@ _WRAPPERS = {
 def wrapper_class(module: nn.Module):
     """The time-last wrapper class for ``module``, or None.
 
-    Matches exact types only (the torch.nn layer or SpikingJelly's subclass of the same name), so a
-    subclass with its own forward (e.g. a weight-standardised conv) is never silently mis-run.
+    Matches exact types only (the torch.nn layer, SpikingJelly's subclass of the same name, or the
+    compatibility module's stand-in for it), so a subclass with its own forward (e.g. a
+    weight-standardised conv) is never silently mis-run.
     """
     name = type(module).__name__
     if name in _DROPOUT_MASKS and type(module) is _compat.sj_layer(name):
         return TimeLastDropout
     for cls, wrapper in _WRAPPERS.items():
-        if type(module) is cls or (name == cls.__name__ and type(module) is _compat.sj_layer(name)):
+        if type(module) is cls or (name == cls.__name__ and type(module) in (_compat.sj_layer(name),
+                                                                             getattr(_compat, name, None))):
             return wrapper
     return None
 

@@ -135,6 +135,8 @@ def _check_positive(**values) -> None:
 class _TimeMixing(nn.Module):
     """Base of layers that mix time steps; ``layout`` says where the time axis of their input is."""
 
+    layout_aware = True  # to_time_last / to_time_first set ``layout`` instead of wrapping
+
     def __init__(self):
         super().__init__()
         self.layout = "time_first"

@@ -317,6 +317,9 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
     @layout.setter
     def layout(self, value: str) -> None:
         self._layout = ops.check_layout(value)
+        if self._method != "auto" and value not in ops.get(self._method).layouts:
+            # A method pinned for the other layout cannot run this one: back to the default choice.
+            self._method = "auto"
 
     @property
     def supported_backends(self) -> tuple[str, ...]:

@@ -29,6 +29,8 @@ import torch.nn as nn
 from . import _compat, ops
 
 CACHE_SCHEMA = 1
+# A candidate whose run takes this many times the best time so far is no longer timed.
+ABANDON = 3.0
 CACHE_ENV = "SPIKINGJELLY_MFPSN_CACHE"
 
 
@@ -57,6 +59,20 @@ def candidates(m: nn.Module) -> list[str]:
     if not is_tunable(m):
         return ["-"]
     return list(m.supported_methods)
+
+
+def _ordered(m: nn.Module, args: tuple) -> list[str]:
+    """Candidates, the layer's own default first: a good first time lets slow ones be abandoned early."""
+    cands = candidates(m)
+    resolve = getattr(m, "resolve_method", None)
+    if resolve is not None and args and isinstance(args[0], torch.Tensor):
+        with contextlib.suppress(Exception):
+            with _method(m, "auto"):
+                first = resolve(args[0])
+            if first in cands:
+                cands.remove(first)
+                cands.insert(0, first)
+    return cands
 
 
 @contextlib.contextmanager
@@ -100,8 +116,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter) -> float:
-    """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs."""
+def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter,
+            abandon_above: float = math.inf) -> float:
+    """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs.
+
+    A run slower than ``abandon_above`` (after the first, which may pay one-off costs) ends the
+    measurement early and returns that run's time: the candidate is already known to lose.
+    """
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     times = []
     for _ in range(2 * m + 1):
@@ -119,6 +140,9 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
             _sync(device)
             elapsed += timer() - t2
         times.append(elapsed)
+        if len(times) > 1 and elapsed > abandon_above:
+            _compat.functional.reset_net(module)
+            return elapsed
     _compat.functional.reset_net(module)
     return sum(times[-m:]) / m
 
@@ -159,6 +183,20 @@ def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
 
+def net_key(net: nn.Module, x, layouts) -> str:
+    """Cache key of a whole network's choice: every module's signature, the input, the device, the
+    layouts considered and the library versions."""
+    tensors = [x] if isinstance(x, torch.Tensor) else [t for t in x if isinstance(t, torch.Tensor)]
+    mods = [[name, f"{type(m).__module__}.{type(m).__qualname__}",
+             _repr_without_method(m) if is_tunable(m) else m.extra_repr(),
+             [list(p.shape) for p in m.parameters(recurse=False)], m.training]
+            for name, m in net.named_modules()]
+    sig = {"modules": mods, "inputs": [[list(t.shape), str(t.dtype)] for t in tensors],
+           "device": _device_name(tensors[0].device) if tensors else "none", "layouts": list(layouts),
+           "versions": _versions()}
+    return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
+
+
 def _repr_without_method(module: nn.Module) -> str:
     old = module.method
     try:
@@ -180,22 +218,26 @@ class TimingCache:
 
     def __init__(self, path: Optional[str]):
         self.path = path
-        self.entries: dict[str, dict[str, float]] = self._read() if path else {}
+        self.entries, self.plans = self._read() if path else ({}, {})
 
-    def _read(self) -> dict:
+    def _read(self) -> tuple[dict, dict]:
         try:
             with open(self.path) as f:
                 data = json.load(f)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, ValueError) as e:
             warnings.warn(f"autoselect cache {self.path} is unreadable ({e}); it will be rebuilt")
-            return {}
+            return {}, {}
         if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("layers"), dict):
             warnings.warn(f"autoselect cache {self.path} has an unknown format; it will be rebuilt")
-            return {}
-        return {k: v for k, v in data["layers"].items()
-                if isinstance(v, dict) and all(isinstance(t, (int, float)) for t in v.values())}
+            return {}, {}
+        layers_ = {k: v for k, v in data["layers"].items()
+                   if isinstance(v, dict) and all(isinstance(t, (int, float)) for t in v.values())}
+        plans = data.get("plans") if isinstance(data.get("plans"), dict) else {}
+        plans = {k: v for k, v in plans.items() if isinstance(v, dict) and isinstance(v.get("layout"), str)
+                 and isinstance(v.get("methods"), dict) and isinstance(v.get("totals"), dict)}
+        return layers_, plans
 
     def get(self, key: str) -> Optional[dict[str, float]]:
         return self.entries.get(key)
@@ -203,18 +245,25 @@ class TimingCache:
     def put(self, key: str, times: dict[str, float]) -> None:
         self.entries[key] = dict(times)
 
+    def get_plan(self, key: str) -> Optional[dict]:
+        return self.plans.get(key)
+
+    def put_plan(self, key: str, plan: dict) -> None:
+        self.plans[key] = plan
+
     def save(self) -> None:
         if not self.path:
             return
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         with _locked(self.path + ".lock"):
-            merged = self._read_quietly()
+            merged, plans = self._read_quietly()
             merged.update(self.entries)
+            plans.update(self.plans)
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
             try:
                 with os.fdopen(fd, "w") as f:
-                    json.dump({"schema": CACHE_SCHEMA, "layers": merged}, f)
+                    json.dump({"schema": CACHE_SCHEMA, "layers": merged, "plans": plans}, f)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
@@ -223,7 +272,7 @@ class TimingCache:
                     os.unlink(tmp)
                 raise
 
-    def _read_quietly(self) -> dict:
+    def _read_quietly(self) -> tuple[dict, dict]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self._read()
@@ -350,7 +399,10 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
     start_layout = _layout_of(net)
     reference = _outputs(net, x_example)  # eval mode: changes no state, materialises lazy parameters
     snap = _state_snapshot(net)
+    whole_key = net_key(net, x_example, layouts)
     try:
+        if _apply_cached_plan(net, x_example, cache.get_plan(whole_key), reference, snap, report):
+            return report
         plans = {}
         for layout in layouts:
             try:
@@ -372,10 +424,14 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
                 hit = times is not None and set(times) == set(candidates(mod))
                 if not hit:
                     times = {}
-                    for c in candidates(mod):
+                    for c in _ordered(mod, inputs[name]):
+                        best = min(times.values(), default=math.inf)
                         with _method(mod, c):
                             try:
-                                times[c] = float(measure_fn(mod, inputs[name], m))
+                                if measure_fn is measure:  # stop timing a candidate once it clearly loses
+                                    times[c] = measure(mod, inputs[name], m, abandon_above=ABANDON * best)
+                                else:
+                                    times[c] = float(measure_fn(mod, inputs[name], m))
                             except Exception as e:  # noqa: BLE001  (a candidate that cannot run is skipped)
                                 times[c] = math.inf
                                 report.skipped.append(f"{layout}/{name}/{c}: {type(e).__name__}: {e}")
@@ -390,7 +446,8 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
                 total += times[choice]
                 plan[name] = choice
                 rows.append(LayerResult(name, type(mod).__name__, times, choice, hit))
-                _restore(net, snap)
+                if not hit:
+                    _restore(net, snap)  # timing ran forward/backward in training mode
             report.layouts[layout] = rows
             report.totals[layout] = total
             plans[layout] = plan
@@ -402,6 +459,8 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             _restore(net, snap)
             if _agree(out, reference):
                 report.layout, report.methods = layout, plans[layout]
+                cache.put_plan(whole_key, {"layout": layout, "methods": plans[layout], "totals": report.totals})
+                cache.save()
                 return report
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
             warnings.warn(f"autoselect: {msg}; skipped")
@@ -412,6 +471,28 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         _convert(net, start_layout)
         _restore(net, snap)
         raise
+
+
+def _apply_cached_plan(net, x_example, plan, reference, snap, report) -> bool:
+    """Apply a whole-network choice from the cache if it still reproduces the outputs."""
+    if plan is None:
+        return False
+    start = _layout_of(net)
+    try:
+        _apply(net, plan["layout"], plan["methods"])
+        out = _outputs(net, x_example)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a stale plan: measure again
+        _convert(net, start)
+        _restore(net, snap)
+        return False
+    _restore(net, snap)
+    if not _agree(out, reference):
+        _convert(net, start)
+        return False
+    report.layout, report.methods = plan["layout"], dict(plan["methods"])
+    report.totals = {k: float(v) for k, v in plan["totals"].items()}
+    report.cache_hits = len(plan["methods"])
+    return True
 
 
 def _progress(mods, layout, progress):
@@ -434,7 +515,7 @@ def _apply(net: nn.Module, layout: str, plan: dict[str, str]) -> None:
             named[name].method = method
 
 
-def autoselect(net: nn.Module, x_example, m: int = 3, layouts: Sequence[str] = ("time_first", "time_last"),
+def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = ("time_first", "time_last"),
                cache=True, measure_fn: Optional[Callable] = None, progress: bool = True,
                verbose: bool = False) -> AutoselectReport:
     """Benchmark every layer's implementations in each layout and apply the fastest, in place.

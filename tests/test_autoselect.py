@@ -90,6 +90,19 @@ def test_choice_is_the_minimum_of_the_recorded_times(seed, bias, tmp_path):
     assert "time_first" in text and "time_last" in text and "(chosen)" in text
 
 
+def test_autoselect_again_after_a_layout_change(tmp_path):
+    """A second pass starts from the first one's choice (time-last methods pinned) and may move back."""
+    net = seq_net()
+    r1 = mf.autoselect(net, example(), cache=False, measure_fn=FakeTimes(0, {"time_last": 0.01}), progress=False)
+    assert r1.layout == "time_last" and current_layout(net) == "time_last"
+    r2 = mf.autoselect(net, example(), cache=False, measure_fn=FakeTimes(0, {"time_first": 0.01}), progress=False)
+    assert r2.layout == "time_first" and current_layout(net) == "time_first"
+    for m in net.modules():
+        if isinstance(m, MulFreeChannelwisePSN):
+            assert m.layout == "time_first" and "time_first" in ops.get(m.resolve_method(example())).layouts \
+                if m.method == "auto" else "time_first" in ops.get(m.method).layouts
+
+
 def test_outputs_and_state_unchanged(tmp_path):
     torch.manual_seed(0)
     net = seq_net()
@@ -119,8 +132,16 @@ def test_cache_hit_times_nothing(tmp_path):
     second = FakeTimes(4)  # would give other times: it must not be asked
     net2 = seq_net()
     r2 = mf.autoselect(net2, example(), cache=path, measure_fn=second, progress=False)
-    assert second.calls == 0 and r2.timed == 0 and r2.cache_hits == r1.timed + r1.cache_hits
+    # the whole-network choice is cached: nothing timed, nothing captured
+    assert second.calls == 0 and r2.timed == 0 and r2.cache_hits == len(r1.methods) and not r2.layouts
     assert (r2.layout, r2.methods) == (r1.layout, r1.methods)
+    # without it, the per-layer timings still answer every layer
+    data = json.loads(open(path).read())
+    data["plans"] = {}
+    open(path, "w").write(json.dumps(data))
+    r2b = mf.autoselect(seq_net(), example(), cache=path, measure_fn=second, progress=False)
+    assert second.calls == 0 and r2b.timed == 0 and r2b.cache_hits == r1.timed + r1.cache_hits
+    assert (r2b.layout, r2b.methods) == (r1.layout, r1.methods)
     # another input shape is timed again
     r3 = mf.autoselect(seq_net(), example(t=9), cache=path, measure_fn=second, progress=False)
     assert second.calls > 0 and r3.timed > 0
@@ -253,3 +274,18 @@ def test_distributed_rank0_decides_every_rank_applies(tmp_path):
     (_, layout0, applied0, methods0), (_, layout1, applied1, methods1) = got
     assert layout0 == layout1 == applied0 == applied1 == "time_last"
     assert methods0 == methods1
+
+
+def test_stale_whole_network_plan_is_measured_again(tmp_path):
+    path = tmp_path / "c.json"
+    net, x = seq_net(), example()
+    eval_out(net, x)  # materialise the lazy channels, as autoselect does before computing the key
+    key = tuner.net_key(net, x, ("time_first", "time_last"))
+    path.write_text(json.dumps({"schema": tuner.CACHE_SCHEMA, "layers": {},
+                                "plans": {key: {"layout": "time_first", "methods": {"no.such.layer": "conv1d"},
+                                                "totals": {"time_first": 1.0}}}}))
+    fake = FakeTimes(5)
+    report = mf.autoselect(net, x, cache=str(path), measure_fn=fake, progress=False)
+    assert fake.calls > 0 and report.timed > 0
+    plan = json.loads(path.read_text())["plans"][key]
+    assert plan["methods"] == report.methods and plan["layout"] == report.layout

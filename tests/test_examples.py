@@ -389,3 +389,30 @@ def test_psn_choice_on_the_command_line(capsys):
         with pytest.raises(SystemExit):
             train_sequential.parse_args(["--neuron", "psn"])
         assert "SpikingJelly >= 2.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_paper_networks_run_time_last_with_the_same_outputs(name):
+    """The builders' networks (layers that mix time steps included) convert to the time-last layout
+    and back, with the same outputs and gradients in float64."""
+    from spikingjelly_mfpsn import to_time_first, to_time_last
+    kwargs, shape, _ = TINY[name]
+    if name in ("dvs_lip", "shd"):
+        kwargs = dict(kwargs, dropout=0.0)  # one forward each way: no random masks to compare
+    torch.manual_seed(0)
+    net = models.build(name, neuron="mfpsn", **kwargs).double()
+    x = torch.rand(shape, dtype=torch.float64)
+    want = net(x)
+    g = torch.randn_like(want)
+    grads_want = torch.autograd.grad(want, list(net.parameters()), g, allow_unused=True)
+    functional.reset_net(net)
+    net = to_time_last(net)
+    got = net(x)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got, list(net.parameters()), g, allow_unused=True)
+    for a, b in zip(grads, grads_want):
+        if b is not None:
+            torch.testing.assert_close(a, b)
+    functional.reset_net(net)
+    net = to_time_first(net)
+    torch.testing.assert_close(net(x), want)

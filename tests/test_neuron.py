@@ -233,6 +233,15 @@ def test_every_method_and_layout_gives_the_same_neuron(threshold):
             assert sn.state_dict().keys() == state.keys()
 
 
+def test_layout_change_drops_a_method_of_the_other_layout():
+    sn = MulFreeChannelwisePSN(channels=3, k=2, step_mode="m", layout="time_last", method="conv2d")
+    sn.layout = "time_first"
+    assert sn.method == "auto"
+    sn.method = "shift_add"
+    sn.layout = "time_last"
+    assert sn.method == "shift_add"  # supports both layouts: kept
+
+
 def test_auto_method_uses_documented_default():
     sn = MulFreeChannelwisePSN(channels=3, k=2, step_mode="m")
     x = torch.randn(8, 2, 3)

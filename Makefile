@@ -11,7 +11,6 @@ EXTRAS = pytest scikit-learn matplotlib h5py triton==3.9.0 dcls==0.1.1
 
 define make_venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install -q --upgrade pip >/dev/null
 	$(1)/bin/pip install -q $(TORCH)
 	$(1)/bin/pip install -q --no-deps $(2)
 	$(1)/bin/pip install -q -r requirements-sj.txt $(EXTRAS)
@@ -25,9 +24,17 @@ endef
 .venv-sj14/.ready: setup.cfg requirements-sj.txt Makefile
 	$(call make_venv,.venv-sj14,$(SJ14))
 
-# The main job: train MF-PSN on the bundled handwritten digits.
+# The main job: the paper's sequential image task on the bundled handwritten digits (autoselected).
+train: .venv-sj2/.ready
+	.venv-sj2/bin/python examples/train_sequential.py --out-dir runs/sequential_digits
+
+# A one-minute demo: a SpikingJelly LIF network, its neurons switched to MF-PSN, trained briefly.
 demo: .venv-sj2/.ready
 	.venv-sj2/bin/python examples/demo.py
+
+# The speed suite (not part of the tests): ratio tables in benchmarks/results/.
+bench: .venv-sj2/.ready
+	.venv-sj2/bin/python benchmarks/speed_suite.py
 
 # The whole test suite, against SpikingJelly 2.0.0 and 0.0.0.0.14.
 test: test-sj2 test-sj14

@@ -1,0 +1,69 @@
+"""Side-by-side timing for the benchmark scripts: every candidate runs in the same process, interleaved
+round by round, so machine noise hits all of them alike; results are medians with their spread."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def sync(device: torch.device | str = "cpu") -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                device="cpu") -> dict[str, list[float]]:
+    """Seconds of each ``fns[name]()`` call: ``warmup`` untimed rounds, then ``repeats`` rounds, each
+    round running every candidate once in turn."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(ts: list[float]) -> float:
+    return statistics.median(ts)
+
+
+def spread(ts: list[float]) -> float:
+    """Relative spread of a list of times: (max - min) / median."""
+    return (max(ts) - min(ts)) / statistics.median(ts)
+
+
+def ratio_cell(num: list[float], den: list[float]) -> str:
+    """``median(num) / median(den)`` with the spread of the two, e.g. ``3.12 ±4%``."""
+    r = median(num) / median(den)
+    return f"{r:.2f} ±{100 * max(spread(num), spread(den)):.0f}%"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import os
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} "
+            f"thread(s)")

@@ -1,0 +1,344 @@
+"""The speed suite: ratio tables measured side by side in one process (never absolute claims).
+
+    python benchmarks/speed_suite.py [--parts neuron,network,overhead,inference] [--quick] [--out DIR]
+
+1. neuron    MF-PSN layer forward+backward (training, BN threshold), every method x layout, over T, k, d,
+             at the sequential-CIFAR conv shape (N x 128 x 32 per step) and an FC shape (N x 256): speed-up
+             over the vanilla time-first reshape+Conv1d, and time over a memory floor (an out-of-place
+             per-channel scale of the same tensor, forward+backward). Plus torch.compile'd neurons.
+2. network   one training step of the paper's sequential-CIFAR network: MF-PSN autoselected, MF-PSN
+             vanilla, SpikingJelly's PSN / SlidingPSN / LIF on the same network, eager and compiled.
+3. overhead  autoselect (cold cache and warm cache) as a percent of one epoch of the digits example.
+4. inference single-step inference of the sequential network: state memory and time per step, MF-PSN
+             (k=4) against SlidingPSN (k=32), paper Table 3.
+
+Writes ``DIR/speed.md`` (tables) and ``DIR/speed.png`` (chart); prints the tables as it goes.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleaved, machine, markdown_table, median, ratio_cell  # noqa: E402
+
+from spikingjelly.activation_based import functional, neuron  # noqa: E402
+
+import spikingjelly_mfpsn as mf  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, models, ops  # noqa: E402
+
+VANILLA = ("time_first", "conv1d")
+
+
+def step_fn(module, x, layout):
+    """One forward+backward of ``module`` on a fresh leaf copy of ``x``."""
+    grad = torch.ones_like(x)
+
+    def run():
+        xi = x.detach().requires_grad_()
+        out = module(xi)
+        out.backward(grad)
+        functional.reset_net(module)
+    return run
+
+
+def floor_fn(x, channel_axis):
+    """The memory floor: an out-of-place per-channel scale, forward and backward."""
+    shape = [1] * x.dim()
+    shape[channel_axis] = -1
+    w = torch.randn(x.shape[channel_axis]).view(shape).requires_grad_()
+    grad = torch.ones_like(x)
+
+    def run():
+        xi = x.detach().requires_grad_()
+        (xi * w).backward(grad)
+    return run
+
+
+# ------------------------------------------------------------------------------------------ part 1
+def part_neuron(args, out):
+    shapes = {"conv N16xC128xL32": (16, 128, (32,)), "fc N64xC256": (64, 256, ())}
+    ts = [8, 32] if args.quick else [2, 4, 8, 16, 32]
+    ks = [2, 8] if args.quick else [2, 4, 8]
+    ds = [1, 3] if args.quick else [1, 2, 3]
+    header = ["shape", "T", "k", "d", "best (layout/method)", "best vs vanilla", "best / floor"]
+    rows, per_impl = [], []
+    targets = {"speedup": [], "floor": []}
+    for (sname, (n, c, feat)), t, k, d in itertools.product(shapes.items(), ts, ks, ds):
+        x_first = torch.randn(t, n, c, *feat)
+        x_last = x_first.movedim(0, -1).contiguous()
+        fns = {}
+        for layout in ops.LAYOUTS:
+            x = x_first if layout == "time_first" else x_last
+            for method in ops.names(layout=layout, backend="torch"):
+                sn = MulFreeChannelwisePSN(c, k=k, dilation=d, step_mode="m", layout=layout, method=method)
+                if ops.get(method).supports(x, sn.weight, d, layout):
+                    fns[(layout, method)] = step_fn(sn, x, layout)
+        fns["floor"] = floor_fn(x_first, 2)
+        times = interleaved(fns, repeats=args.repeats, warmup=1)
+        impls = {key: v for key, v in times.items() if key != "floor"}
+        best = min(impls, key=lambda key: median(impls[key]))
+        speed = median(times[VANILLA]) / median(times[best])
+        over_floor = median(times[best]) / median(times["floor"])
+        rows.append([sname, t, k, d, "/".join(best), ratio_cell(times[VANILLA], times[best]),
+                     ratio_cell(times[best], times["floor"])])
+        per_impl.append((sname, t, k, d, {"/".join(key): median(times[VANILLA]) / median(v)
+                                          for key, v in impls.items()}))
+        if t >= 8:
+            targets["speedup"].append(speed)
+        targets["floor"].append(over_floor)
+        print(" | ".join(str(x) for x in rows[-1]), flush=True)
+    text = ["## 1. Neuron layer forward+backward (training, threshold='bn')", "",
+            "Speed-up = vanilla time / best time (higher is faster); floor = best time / memory-floor time.",
+            "", markdown_table(header, rows), ""]
+    names = sorted({name for *_, d_ in per_impl for name in d_})
+    text += ["Every implementation, speed-up over vanilla:", "",
+             markdown_table(["shape", "T", "k", "d"] + names,
+                            [[s, t, k, d] + [f"{r.get(nm, float('nan')):.2f}" for nm in names]
+                             for s, t, k, d, r in per_impl]), ""]
+    sp, fl = sorted(targets["speedup"]), sorted(targets["floor"])
+    text += [f"Target: best >= 3x vanilla at T >= 8. Median over configs {median(sp):.2f}x, "
+             f"min {sp[0]:.2f}x, max {sp[-1]:.2f}x.",
+             f"Target: best within 2.5x of the memory floor. Median {median(fl):.2f}x, min {fl[0]:.2f}x, "
+             f"max {fl[-1]:.2f}x.", ""]
+    text += part_neuron_compiled(args)
+    out.append("\n".join(text))
+    return per_impl
+
+
+def part_neuron_compiled(args):
+    """torch.compile'd neurons (inductor) next to eager ones, at a few configurations."""
+    rows = []
+    configs = [(16, 128, (32,), 8, 2, 1), (16, 128, (32,), 32, 2, 1)] if not args.quick else \
+        [(16, 128, (32,), 8, 2, 1)]
+    for n, c, feat, t, k, d in configs:
+        x = torch.randn(t, n, c, *feat)
+        eager = MulFreeChannelwisePSN(c, k=k, dilation=d, step_mode="m")
+        vanilla = MulFreeChannelwisePSN(c, k=k, dilation=d, step_mode="m", method="conv1d")
+        compiled = torch.compile(copy.deepcopy(eager))
+        fns = {"vanilla": step_fn(vanilla, x, "time_first"), "eager": step_fn(eager, x, "time_first"),
+               "compiled": step_fn(compiled, x, "time_first"), "floor": floor_fn(x, 2)}
+        t0 = time.perf_counter()
+        fns["compiled"]()
+        compile_s = time.perf_counter() - t0
+        times = interleaved(fns, repeats=args.repeats, warmup=1)
+        rows.append([f"N{n}xC{c}xL{feat[0] if feat else 1}", t, k, d,
+                     ratio_cell(times["vanilla"], times["eager"]), ratio_cell(times["vanilla"], times["compiled"]),
+                     ratio_cell(times["compiled"], times["floor"]), f"{compile_s:.0f} s"])
+        print(" | ".join(str(x) for x in rows[-1]), flush=True)
+    return ["torch.compile (inductor) of the whole neuron, default method:", "",
+            markdown_table(["shape", "T", "k", "d", "eager vs vanilla", "compiled vs vanilla",
+                            "compiled / floor", "first compile"], rows), ""]
+
+
+# ------------------------------------------------------------------------------------------ part 2
+def _seq_net(kind, T, channels, k=2):
+    if kind in ("psn", "sliding_psn") and not models.psn_available(kind):
+        return None
+    return models.sequential_image_net(3, 32, 100, T=T, neuron=kind, k=k if kind != "sliding_psn" else 32 if T >= 32
+                                       else T, channels=channels, hidden=256)
+
+
+def train_step(net, x, y, opt):
+    def run():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x).mean(0), y)
+        loss.backward()
+        opt.step()
+        functional.reset_net(net)
+    return run
+
+
+def part_network(args, out):
+    T, N = 32, args.batch
+    channels = 64 if args.quick else 128
+    x = torch.rand(T, N, 3, 32)
+    y = torch.randint(0, 100, (N,))
+    torch.manual_seed(0)
+    configs = {}
+    mfn = _seq_net("mfpsn", T, channels)
+    vanilla = copy.deepcopy(mfn)
+    mf.set_method(vanilla, "conv1d")
+    auto = copy.deepcopy(mfn)
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        report = mf.autoselect(auto, x, cache=os.path.join(d, "c.json"), progress=False)
+        select_s = time.perf_counter() - t0
+    configs["MF-PSN autoselected"] = auto
+    configs["MF-PSN vanilla"] = vanilla
+    for kind, label in (("psn", "PSN"), ("sliding_psn", "SlidingPSN (k=32)"), ("lif", "LIF")):
+        net = _seq_net(kind, T, channels)
+        if net is not None:
+            configs[label] = net
+    compiled = {}
+    if not args.no_compile:
+        for label in ("MF-PSN autoselected", "PSN"):
+            if label in configs:
+                compiled[label + ", compiled"] = torch.compile(copy.deepcopy(configs[label]))
+    fns = {}
+    for label, net in {**configs, **compiled}.items():
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        fns[label] = train_step(net, x, y, opt)
+    compile_s = {}
+    for label in compiled:
+        t0 = time.perf_counter()
+        fns[label]()
+        compile_s[label] = time.perf_counter() - t0
+    times = interleaved(fns, repeats=args.repeats, warmup=1)
+    base = "PSN" if "PSN" in times else "LIF"
+    rows = [[label, f"{median(ts) * 1e3:.0f} ms", ratio_cell(ts, times[base])] for label, ts in times.items()]
+    text = [f"## 2. Training step, sequential-CIFAR network (T={T}, N={N}, {channels} channels, k=2, CIFAR-100 head)",
+            "", f"Ratio = time / {base} eager time (<= 1.0 is as fast or faster). Autoselect chose layout "
+            f"{report.layout!r} in {select_s:.1f} s; first compile: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items()), "",
+            markdown_table(["configuration", "median step", f"ratio to {base}"], rows), ""]
+    for r in rows:
+        print(" | ".join(r), flush=True)
+    out.append("\n".join(text))
+    return {label: median(ts) / median(times[base]) for label, ts in times.items()}
+
+
+# ------------------------------------------------------------------------------------------ part 3
+def part_overhead(args, out):
+    """Autoselect on the digits example's network and batch vs one epoch of that example."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import train_sequential  # the example itself: its defaults, network and data
+    ex = train_sequential.parse_args([])
+    task = train_sequential.build_task(ex, None)
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(task.train_set, ex.batch_size, shuffle=True)
+    net = task.net
+    x_example = task.to_input(next(iter(loader))[0])
+    with tempfile.TemporaryDirectory() as d:
+        cache = os.path.join(d, "c.json")
+        t0 = time.perf_counter()
+        mf.autoselect(net, x_example, cache=cache, progress=False)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        mf.autoselect(net, x_example, cache=cache, progress=False)
+        warm = time.perf_counter() - t0
+    opt = torch.optim.AdamW(net.parameters(), lr=ex.lr)
+    t0 = time.perf_counter()
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(net(task.to_input(x)).mean(0), y).backward()
+        opt.step()
+        functional.reset_net(net)
+    epoch = time.perf_counter() - t0
+    rows = [["cold cache (times every layer)", f"{cold:.2f} s", f"{100 * cold / epoch:.1f}%"],
+            ["warm cache (second call)", f"{warm:.3f} s", f"{100 * warm / epoch:.1f}%"]]
+    text = ["## 3. Autoselect overhead vs one epoch of the digits example", "",
+            f"One training epoch of `examples/train_sequential.py` with its defaults ({len(loader)} steps of "
+            f"{ex.batch_size}): {epoch:.2f} s.", "",
+            markdown_table(["autoselect", "time", "percent of an epoch"], rows), ""]
+    for r in rows:
+        print(" | ".join(r), flush=True)
+    out.append("\n".join(text))
+    return {"cold": 100 * cold / epoch, "warm": 100 * warm / epoch}
+
+
+# ------------------------------------------------------------------------------------------ part 4
+def part_inference(args, out):
+    if not models.psn_available("sliding_psn"):
+        out.append("## 4. Single-step inference\n\nSkipped: SlidingPSN needs SpikingJelly 2.x.\n")
+        return
+    T, N = 32, args.batch
+    channels = 64 if args.quick else 128
+    x = torch.rand(T, N, 3, 32)
+    rows, per_step = [], {}
+    for label, kind, k in (("MF-PSN k=4", "mfpsn", 4), ("SlidingPSN k=32", "sliding_psn", 32)):
+        net = models.sequential_image_net(3, 32, 100, T=T, neuron=kind, k=k, channels=channels, hidden=256).eval()
+        functional.set_step_mode(net, "s")
+        with torch.no_grad():
+            net(x[0])  # materialise
+            functional.reset_net(net)
+            t0 = time.perf_counter()
+            for t in range(T):
+                net(x[t])
+            per_step[label] = (time.perf_counter() - t0) / T
+            state = sum(v.numel() * v.element_size() for m in net.modules() if isinstance(m, _compat.MemoryModule)
+                        for v in _tensors(m))
+        rows.append([label, f"{state / 2 ** 20:.1f} MiB", f"{per_step[label] * 1e3:.1f} ms"])
+    base = "SlidingPSN k=32"
+    text = [f"## 4. Single-step inference, sequential-CIFAR network (N={N}, {channels} channels), after {T} steps", "",
+            "State = the inputs the neurons keep (paper Table 3 reports process memory on a GPU).", "",
+            markdown_table(["neuron", "state memory", "time per step"], rows), "",
+            f"Time per step, MF-PSN / SlidingPSN: {per_step['MF-PSN k=4'] / per_step[base]:.2f}", ""]
+    for r in rows:
+        print(" | ".join(r), flush=True)
+    out.append("\n".join(text))
+
+
+def _tensors(m):
+    for v in m._memories.values():
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------------ main
+def chart(per_impl, network, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    if per_impl:
+        conv = [(t, r) for s, t, k, d, r in per_impl if s.startswith("conv") and k == 2 and d == 1]
+        for name in sorted({n for _, r in conv for n in r}):
+            axes[0].plot([t for t, _ in conv], [r.get(name, float("nan")) for _, r in conv], marker="o", label=name)
+        axes[0].set_xscale("log", base=2)
+        axes[0].set_xlabel("T")
+        axes[0].set_ylabel("speed-up over vanilla")
+        axes[0].set_title("neuron layer fwd+bwd, conv shape, k=2, d=1")
+        axes[0].legend(fontsize=7)
+    if network:
+        labels = list(network)
+        axes[1].barh(labels, [network[k] for k in labels])
+        axes[1].axvline(1.0, color="k", lw=0.8)
+        axes[1].set_xlabel("training step time / PSN")
+        axes[1].set_title("sequential-CIFAR network")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="neuron,network,overhead,inference")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (minutes instead of tens of minutes)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile configurations")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = args.parts.split(",")
+    torch.manual_seed(0)
+    out = [f"# Speed suite\n\nMachine: {machine()}. Every ratio is a median over {args.repeats} interleaved "
+           f"repeats in one process; ± is the larger relative spread (max-min)/median of the two.\n"]
+    per_impl = part_neuron(args, out) if "neuron" in parts else None
+    network = part_network(args, out) if "network" in parts else None
+    if "overhead" in parts:
+        part_overhead(args, out)
+    if "inference" in parts:
+        part_inference(args, out)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "speed.md"), "w") as f:
+        f.write("\n".join(out))
+    chart(per_impl, network, os.path.join(args.out, "speed.png"))
+    print(f"wrote {os.path.join(args.out, 'speed.md')} and speed.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,9 +18,15 @@ from .neuron import MulFreeChannelwisePSN
 logger = _compat.logger
 
 
+def sawtooth_dilation(index: int, period: int = 3) -> int:
+    """Dilation of the ``index``-th (0-based) spiking-neuron layer (paper Eq. 4:
+    ``d^0 = 1, d^{l+1} = d^l mod 3 + 1``): 1, 2, 3, 1, 2, 3, ..."""
+    return index % period + 1
+
+
 def sawtooth(n: int, period: int = 3) -> list[int]:
-    """Sawtooth dilations of the paper (Eq. 4): ``d^0 = 1, d^{l+1} = d^l mod 3 + 1`` -> 1, 2, 3, 1, 2, 3..."""
-    return [i % period + 1 for i in range(n)]
+    """The first ``n`` sawtooth dilations: 1, 2, 3, 1, 2, 3, ..."""
+    return [sawtooth_dilation(i, period) for i in range(n)]
 
 
 @dataclass

@@ -42,15 +42,11 @@ import torch.nn.functional as F
 
 from . import _compat
 from ._compat import layer
+from .functional import sawtooth_dilation
 from .neuron import MulFreeChannelwisePSN
 
 NEURONS = ("mfpsn", "lif", "plif", "psn", "sliding_psn")
 _PSN_CLASSES = {"psn": "PSN", "sliding_psn": "SlidingPSN"}
-
-
-def sawtooth_dilation(index: int) -> int:
-    """Dilation of the ``index``-th (0-based) spiking-neuron layer: 1, 2, 3, 1, 2, 3, ... (paper Eq. d)."""
-    return index % 3 + 1
 
 
 def psn_available(name: str) -> bool:

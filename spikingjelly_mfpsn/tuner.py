@@ -21,7 +21,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -315,6 +315,9 @@ class AutoselectReport:
     cache_hits: int = 0
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    compiled: bool = False
+    compile_times: dict[str, float] = field(default_factory=dict)
+    compile_backend: Optional[str] = None
 
     def __str__(self) -> str:
         lines = [f"autoselect: layout {self.layout!r} "
@@ -326,6 +329,9 @@ class AutoselectReport:
             for r in rows:
                 cands = ", ".join(f"{k}={v * 1e3:.3f}" for k, v in sorted(r.times.items(), key=lambda kv: kv[1]))
                 lines.append(f"  {r.name:<28} {r.kind:<26} {r.choice:<12} {cands}{' [cache]' if r.cached else ''}")
+        if self.compile_times:
+            lines.append("whole network, " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.compile_times.items())
+                         + f": {'compiled' if self.compiled else 'eager'} ({self.compile_backend})")
         for s in self.skipped:
             lines.append(f"skipped: {s}")
         return "\n".join(lines)
@@ -394,14 +400,18 @@ def _broadcast(obj):
     return box[0]
 
 
-def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress) -> AutoselectReport:
+def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress,
+            compile_backend: Optional[str] = None) -> AutoselectReport:
     report = AutoselectReport()
     start_layout = _layout_of(net)
     reference = _outputs(net, x_example)  # eval mode: changes no state, materialises lazy parameters
     snap = _state_snapshot(net)
-    whole_key = net_key(net, x_example, layouts)
+    whole_key = net_key(net, x_example, layouts) + (f"+compile:{compile_backend}" if compile_backend else "")
     try:
         if _apply_cached_plan(net, x_example, cache.get_plan(whole_key), reference, snap, report):
+            if compile_backend and report.compiled:
+                _compile(net, compile_backend)
+                report.compile_backend = compile_backend
             return report
         plans = {}
         for layout in layouts:
@@ -459,7 +469,10 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             _restore(net, snap)
             if _agree(out, reference):
                 report.layout, report.methods = layout, plans[layout]
-                cache.put_plan(whole_key, {"layout": layout, "methods": plans[layout], "totals": report.totals})
+                if compile_backend:
+                    _time_compiled(net, x_example, m, measure_fn, compile_backend, reference, snap, report)
+                cache.put_plan(whole_key, {"layout": layout, "methods": plans[layout], "totals": report.totals,
+                                           "compiled": report.compiled})
                 cache.save()
                 return report
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
@@ -491,8 +504,40 @@ def _apply_cached_plan(net, x_example, plan, reference, snap, report) -> bool:
         return False
     report.layout, report.methods = plan["layout"], dict(plan["methods"])
     report.totals = {k: float(v) for k, v in plan["totals"].items()}
+    report.compiled = bool(plan.get("compiled", False))
     report.cache_hits = len(plan["methods"])
     return True
+
+
+def _compile(net: nn.Module, backend: str) -> None:
+    """``torch.compile`` the network's forward in place (``nn.Module.compile``)."""
+    net.compile(backend=backend)
+
+
+def _uncompile(net: nn.Module) -> None:
+    net._compiled_call_impl = None
+
+
+def _time_compiled(net, x_example, m, measure_fn, backend, reference, snap, report) -> None:
+    """Time a whole training step eager and compiled; keep ``torch.compile`` if faster and correct.
+
+    The compiled step is timed after its first run (the compilation itself is not counted)."""
+    eager = float(measure_fn(net, (x_example,), m))
+    _restore(net, snap)
+    _compile(net, backend)
+    try:
+        compiled = float(measure_fn(net, (x_example,), m))
+        _restore(net, snap)
+        ok = _agree(_outputs(net, x_example), reference)
+    except Exception as e:  # noqa: BLE001  (a backend that cannot compile this net: stay eager)
+        compiled, ok = math.inf, False
+        report.skipped.append(f"torch.compile({backend}): {type(e).__name__}: {e}")
+    _restore(net, snap)
+    report.compile_times = {"eager": eager, "compiled": compiled}
+    report.compile_backend = backend
+    report.compiled = ok and compiled < eager
+    if not report.compiled:
+        _uncompile(net)
 
 
 def _progress(mods, layout, progress):
@@ -517,7 +562,7 @@ def _apply(net: nn.Module, layout: str, plan: dict[str, str]) -> None:
 
 def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = ("time_first", "time_last"),
                cache=True, measure_fn: Optional[Callable] = None, progress: bool = True,
-               verbose: bool = False) -> AutoselectReport:
+               verbose: bool = False, compile: Union[bool, str] = False) -> AutoselectReport:
     """Benchmark every layer's implementations in each layout and apply the fastest, in place.
 
     :param net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
@@ -528,6 +573,10 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         ``~/.cache/spikingjelly_mfpsn/autoselect.json``), a path, or ``False``
     :param measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
     :param progress: show a progress bar
+    :param compile: also time one whole training step of the chosen configuration under
+        ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place with
+        ``nn.Module.compile``, when it is faster and reproduces the outputs. The first compilation
+        takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
     :return: an :class:`AutoselectReport`; ``print`` it for a table
 
     Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
@@ -538,15 +587,19 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         ops.check_layout(layout)
     if not layouts:
         raise ValueError("layouts must name at least one layout")
+    backend = ("inductor" if compile is True else compile) or None
     t0 = time.perf_counter()
     path = default_cache_path() if cache is True else (cache or None)
     report = None
+    _uncompile(net)  # a previous pass may have compiled it; every configuration is timed eager first
     if _dist_rank() == 0:
         report = _select(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
-                         progress)
+                         progress, backend)
     report = _broadcast(report)
     if report.layout is not None:
         _apply(net, report.layout, report.methods)
+        if report.compiled and getattr(net, "_compiled_call_impl", None) is None:
+            _compile(net, report.compile_backend)
     _compat.invalidate_reset_cache(net)
     report.seconds = time.perf_counter() - t0
     if verbose:

@@ -289,3 +289,28 @@ def test_stale_whole_network_plan_is_measured_again(tmp_path):
     assert fake.calls > 0 and report.timed > 0
     plan = json.loads(path.read_text())["plans"][key]
     assert plan["methods"] == report.methods and plan["layout"] == report.layout
+
+
+@pytest.mark.parametrize("compiled_faster", [True, False])
+def test_compile_option_keeps_torch_compile_only_when_faster(tmp_path, compiled_faster):
+    net, x = seq_net(), example()
+    ref = eval_out(net, x)
+    layer_times = FakeTimes(6)
+
+    def fake(module, args, m):
+        if module is net:  # a whole training step, eager or compiled
+            is_compiled = getattr(net, "_compiled_call_impl", None) is not None
+            return (0.5 if compiled_faster else 2.0) if is_compiled else 1.0
+        return layer_times(module, args, m)
+
+    path = str(tmp_path / "c.json")
+    report = mf.autoselect(net, x, cache=path, measure_fn=fake, progress=False, compile="aot_eager")
+    assert report.compiled is compiled_faster and report.compile_times["eager"] == 1.0
+    assert (net._compiled_call_impl is not None) is compiled_faster
+    torch.testing.assert_close(eval_out(net, x), ref)
+    assert "compiled" in str(report) or "eager" in str(report)
+    # the decision is cached with the plan: a new net of the same shape is compiled (or not) untimed
+    net2 = seq_net()
+    r2 = mf.autoselect(net2, x, cache=path, measure_fn=lambda *a: pytest.fail("timed again"), progress=False,
+                       compile="aot_eager")
+    assert r2.compiled is compiled_faster and (net2._compiled_call_impl is not None) is compiled_faster

@@ -25,13 +25,12 @@ import tempfile
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import interleaved, machine, markdown_table, median, ratio_cell  # noqa: E402
 
-from spikingjelly.activation_based import functional, neuron  # noqa: E402
+from spikingjelly.activation_based import functional  # noqa: E402
 
 import spikingjelly_mfpsn as mf  # noqa: E402
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, models, ops  # noqa: E402

@@ -12,7 +12,6 @@ import copy
 import time
 
 import torch
-import torch.nn as nn
 from spikingjelly.activation_based import functional, layer
 
 import spikingjelly_mfpsn as mf

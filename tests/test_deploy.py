@@ -173,7 +173,7 @@ def test_float32_agreement_is_measured():
 def test_integer_path_counts_its_operations(t, k, d):
     f = deploy.fold(MulFreeChannelwisePSN(3, k=k, dilation=d, step_mode="m"))
     tally = {}
-    extra, bias_int = 0, torch.zeros(3, dtype=torch.int64)
+    bias_int = torch.zeros(3, dtype=torch.int64)
     deploy.int_fire(torch.ones(t, 2, 3, 5, dtype=torch.int64), f.shift, f.sign, bias_int, d, tally=tally)
     brute = sum(1 for step in range(t) for j in range(k) if step - j * d >= 0)  # (step, tap) pairs inside
     assert tally == {"shift": brute * 30, "add": (brute + t) * 30}

@@ -1,5 +1,4 @@
 """MulFreeChannelwisePSN against the paper's equations, step modes, state, errors and export."""
-import itertools
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ Each function has the registry contract ``fn(x, weight, bias, dilation, layout) 
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from . import _compat, ops
 from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
-from .ops.registry import channel_view_shape
+from .ops.registry import channel_view_shape, tap_schedule
 
 #: Default number of fractional bits of a neuron's fixed-point input.
 FRAC_BITS = 8
@@ -118,19 +118,6 @@ def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
         raise OverflowError(f"the accumulator needs {bits} bits (inputs up to {top}, left shifts up to "
                             f"{int(amount.max())}, {amount.shape[1]} taps) but int64 holds {_MAX_BITS}; "
                             f"lower frac_bits or acc_frac_bits")
-
-
-def tap_schedule(t_len: int, k: int, dilation: int, start: int = 0):
-    """The taps the integer charge runs for output steps ``[start, t_len)``.
-
-    Yields ``(i, lag, first)`` for every tap ``i`` (lag ``(k-1-i)*d``) that falls inside the sequence
-    for at least one of those steps; it runs on output steps ``[first, t_len)``, ``first = max(start, lag)``.
-    """
-    for i in range(k):
-        lag = (k - 1 - i) * dilation
-        first = max(start, lag)
-        if first < t_len:
-            yield i, lag, first
 
 
 def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilation: int,

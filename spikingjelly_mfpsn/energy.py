@@ -35,7 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _compat, ops
-from .deploy import FoldedMulFreePSN, tap_schedule
+from .deploy import FoldedMulFreePSN
+from .ops.registry import tap_schedule
 from .neuron import MulFreeChannelwisePSN
 
 #: Energy per operation in pJ at 45 nm (paper Sec. 5.4: FP32 MUL/ADD, FIX32 SHIFT, MAC/AC of Eq. syn).
@@ -142,7 +143,7 @@ def closed_form_neuron_ops(module: nn.Module, x: torch.Tensor) -> dict[str, int]
 
 def counted_neuron_ops(module: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Operations the neuron runs on ``x``: for MF-PSN the integer path's tap schedule
-    (:func:`deploy.tap_schedule`, one shift and one add per tap element, one threshold add per step);
+    (:func:`ops.tap_schedule`, one shift and one add per tap element, one threshold add per step);
     for PSN the shapes of its ``addmm(bias, W, X)``."""
     t, n = _sequence_geometry(module, x)
     kind = neuron_kind(module)

@@ -183,11 +183,9 @@ class ChargeNeuronBase(MemoryModule):
         def run_charge(w, b):
             # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
             h = None
-            for i in range(self.k):
-                lag = (self.k - 1 - i) * self.dilation
-                if lag < len(history):
-                    term = history[-1 - lag] * w[:, i].view(cshape)
-                    h = term if h is None else h + term
+            for i, lag, _ in ops.tap_schedule(len(history), self.k, self.dilation, start=len(history) - 1):
+                term = history[-1 - lag] * w[:, i].view(cshape)
+                h = term if h is None else h + term
             return h if b is None else h + b.view(cshape)
 
         spikes = self._spikes(x, run_charge, lambda w, b: self.surrogate_function(run_charge(w, b)), 1)

@@ -50,6 +50,20 @@ def channel_view_shape(ndim: int, layout: str) -> list[int]:
     return shape
 
 
+def tap_schedule(t_len: int, k: int, dilation: int, start: int = 0):
+    """The taps of the charge that matter for output steps ``[start, t_len)``.
+
+    Yields ``(i, lag, first)`` for every tap ``i`` (it reads ``X[t - lag]``, ``lag = (k-1-i)*d``) that
+    falls inside the sequence for at least one of those steps; it contributes to output steps
+    ``[first, t_len)``, ``first = max(start, lag)``.
+    """
+    for i in range(k):
+        lag = (k - 1 - i) * dilation
+        first = max(start, lag)
+        if first < t_len:
+            yield i, lag, first
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way of computing the charge.

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .reduce import channel_dot, channel_sum
-from .registry import Implementation, channel_dim, channel_view_shape, register, time_dim
+from .registry import Implementation, channel_dim, channel_view_shape, register, tap_schedule, time_dim
 
 # A (C, T, T) Toeplitz weight beyond this many elements is refused by Vmap+MM.
 MAX_MM_ELEMENTS = 1 << 28
@@ -108,14 +108,10 @@ def _vmap_mm_requirements(x, weight, dilation, layout):
 
 # ---------------------------------------------------------------- shift-add (both layouts)
 def _taps(weight: torch.Tensor, x: torch.Tensor, dilation: int, layout: str):
-    """Yield (w_i broadcastable to x, lag_i) for every tap whose lag is shorter than T."""
-    t = x.shape[time_dim(layout)]
-    k = weight.shape[1]
+    """Yield (i, w_i broadcastable to x, lag_i) for every tap whose lag is shorter than T."""
     shape = channel_view_shape(x.dim(), layout)
-    for i in range(k):
-        lag = (k - 1 - i) * dilation
-        if lag < t:
-            yield i, weight[:, i].view(shape), lag
+    for i, lag, _ in tap_schedule(x.shape[time_dim(layout)], weight.shape[1], dilation):
+        yield i, weight[:, i].view(shape), lag
 
 
 class _ShiftAdd(torch.autograd.Function):

@@ -276,7 +276,7 @@ class FoldedMulFreePSN(ChargeNeuronBase):
                                "statistics): call net.eval(), or spikingjelly_mfpsn.deploy.unfold(net) to get "
                                "trainable MulFreeChannelwisePSN neurons back")
 
-    def _weight_bias_for(self, run_charge, channel_axis: int):
+    def _weight_bias_for(self, run_stats):
         self._refuse_training()
         return self.fused_weight_bias()
 

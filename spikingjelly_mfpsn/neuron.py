@@ -23,7 +23,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import ops
 from ._compat import MemoryModule, default_surrogate
-from .ops.reduce import channel_dot, channel_sum
+from .ops.reduce import batch_stats
 from .quantize import STE_MODES, quantize, shift_amounts
 
 THRESHOLDS = ("bn", "param")
@@ -61,49 +61,13 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
     return "conv2d" if layout == "time_last" else "conv1d"
 
 
-class _BatchStats(torch.autograd.Function):
-    """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis``.
-
-    Two-pass (mean, then the squared norm of ``y - mean``) so large means do not cancel; the backward
-    is one fused pass, ``dy = a[c] * y + b[c]``. Much faster on CPUs than ``torch.var_mean`` over
-    strided dims.
-    """
-
-    @staticmethod
-    def forward(ctx, y, channel_axis):
-        shape = [1] * y.dim()
-        shape[channel_axis] = -1
-        n = y.numel() // y.shape[channel_axis]
-        mean = channel_sum(y, channel_axis) / n
-        z = y - mean.view(shape)
-        var = channel_dot(z, z, channel_axis) / n
-        ctx.save_for_backward(y, mean)
-        ctx.shape, ctx.n = shape, n
-        return mean, var
-
-    @staticmethod
-    def backward(ctx, g_mean, g_var):
-        y, mean = ctx.saved_tensors
-        n, shape = ctx.n, ctx.shape
-        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
-        g_var = torch.zeros_like(mean) if g_var is None else g_var
-        scale = 2.0 * g_var / n
-        shift = g_mean / n - scale * mean
-        return torch.addcmul(shift.view(shape), y, scale.view(shape)), None
-
-
-def batch_stats(y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, biased var)`` per channel of ``y``, differentiable (see :class:`_BatchStats`)."""
-    return _BatchStats.apply(y, channel_axis)
-
-
 class ChargeNeuronBase(MemoryModule):
     """What every MF-PSN variant shares: input checks, method resolution, the multi-step and
     single-step forward around a charge, and the single-step state.
 
     A subclass provides ``k``, ``dilation``, ``surrogate_function``, ``_layout``, ``_method``,
-    ``_backend``, ``channels``, ``_compute_dtype()`` and ``_weight_bias_for(run_charge, channel_axis)``
-    (the ``(Wq, b)`` of this forward, given a closure that computes the charge for a weight and bias).
+    ``_backend``, ``channels``, ``_compute_dtype()`` and ``_weight_bias_for(run_stats)`` (the ``(Wq, b)``
+    of this forward, given a closure ``run_stats(w) -> (mean, biased var, count)`` of the bias-free charge).
     """
 
     def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
@@ -137,9 +101,9 @@ class ChargeNeuronBase(MemoryModule):
             raise ValueError(f"x has {x.shape[axis]} channels on {where} (shape {tuple(x.shape)}), "
                              f"but this neuron has channels={self.channels}")
 
-    def _spikes(self, x: torch.Tensor, run_charge, run_fire, channel_axis: int) -> torch.Tensor:
-        """Spikes of this forward in the weight's precision: ``run_charge(w, b)`` gives H (used for the
-        batch statistics), ``run_fire(w, b)`` the spikes (closures over the input).
+    def _spikes(self, x: torch.Tensor, run_stats, run_fire) -> torch.Tensor:
+        """Spikes of this forward in the weight's precision: ``run_stats(w)`` gives the per-channel batch
+        statistics ``(mean, biased var, count)`` of the bias-free charge, ``run_fire(w, b)`` the spikes (closures over the input).
 
         Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
         low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.
@@ -148,7 +112,7 @@ class ChargeNeuronBase(MemoryModule):
         guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
                  else contextlib.nullcontext())
         with guard:
-            w, b = self._weight_bias_for(run_charge, channel_axis)
+            w, b = self._weight_bias_for(run_stats)
             s = run_fire(w, b)
         return s if s.dtype == x.dtype else s.to(x.dtype)
 
@@ -162,13 +126,14 @@ class ChargeNeuronBase(MemoryModule):
         method = self.resolve_method(x_seq, layout)
         xp = self._promoted(x_seq)
 
-        def run_charge(w, b):
-            return ops.charge(xp, w, b, self.dilation, layout, method)
+        def run_stats(w):
+            mean, var = ops.batch_stats(xp, w, self.dilation, layout, method)
+            return mean, var, xp.numel() // max(self.channels, 1)
 
         def run_fire(w, b):
             return ops.fire(xp, w, b, self.dilation, layout, method, self.surrogate_function)
 
-        return self._spikes(x_seq, run_charge, run_fire, ops.channel_dim(layout))
+        return self._spikes(x_seq, run_stats, run_fire)
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -188,7 +153,10 @@ class ChargeNeuronBase(MemoryModule):
                 h = term if h is None else h + term
             return h if b is None else h + b.view(cshape)
 
-        spikes = self._spikes(x, run_charge, lambda w, b: self.surrogate_function(run_charge(w, b)), 1)
+        def run_stats(w):
+            return (*batch_stats(run_charge(w, None), 1), x.numel() // max(self.channels, 1))
+
+        spikes = self._spikes(x, run_stats, lambda w, b: self.surrogate_function(run_charge(w, b)))
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes
@@ -365,17 +333,14 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
     def _maybe_quantize(self, w: torch.Tensor) -> torch.Tensor:
         return quantize(w, self.ste) if self.quantize else w
 
-    def _batch_stats(self, y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, var = batch_stats(y, channel_axis)
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
         if self.training:
-            n = y.numel() // y.shape[channel_axis]
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
                 unbiased = var.detach() * (n / max(n - 1, 1))
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
-        return mean, var
 
     def _fuse(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.gamma * torch.rsqrt(var + self.eps)
@@ -406,11 +371,12 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
                 raise ValueError("a shift amount does not fit in int8; the weights span too many octaves")
             return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
 
-    def _weight_bias_for(self, run_charge, channel_axis: int):
-        """(Wq, b) for this forward: batch statistics of ``run_charge(W, None)`` in BN training."""
+    def _weight_bias_for(self, run_stats):
+        """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""
         self._check_finite(self.weight)
         if self.threshold == "bn" and self.training:
-            mean, var = self._batch_stats(run_charge(self.weight, None), channel_axis)
+            mean, var, n = run_stats(self.weight)
+            self._update_running_stats(mean, var, n)
             w, b = self._fuse(mean, var)
             return self._maybe_quantize(w), b
         return self.fused_weight_bias()

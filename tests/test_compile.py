@@ -66,11 +66,13 @@ def test_bf16_autocast_training_tracks_fp32():
     """A few AdamW steps under CPU bf16 autocast stay within 5 % of the fp32 run's loss; the charge
     itself runs in fp32 (the neuron promotes bf16 inputs)."""
     dtypes = []
-    real = ops.charge
+    real = {name: getattr(ops, name) for name in ("charge", "fire", "batch_stats")}
 
-    def recording(x, *a, **kw):
-        dtypes.append(x.dtype)
-        return real(x, *a, **kw)
+    def recording(name):
+        def run(x, *a, **kw):
+            dtypes.append(x.dtype)
+            return real[name](x, *a, **kw)
+        return run
 
     torch.manual_seed(1)
     x = torch.rand(8, 32, 6)
@@ -82,11 +84,13 @@ def test_bf16_autocast_training_tracks_fp32():
         losses[mode] = []
         for _ in range(5):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
-                ops.charge = recording
+                for name in real:
+                    setattr(ops, name, recording(name))
                 try:
                     out = net(x).mean(0)
                 finally:
-                    ops.charge = real
+                    for name, fn in real.items():
+                        setattr(ops, name, fn)
                 loss = nn.functional.cross_entropy(out.float(), y)
             opt.zero_grad()
             loss.backward()

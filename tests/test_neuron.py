@@ -117,7 +117,9 @@ def test_train_runs_two_charges_eval_one(monkeypatch):
             return real(*a, **kw)
         return run
 
-    # The last charge of a forward goes through ops.fire (charge + spike, fused where possible).
+    # Training: the batch statistics (ops.batch_stats, one charge) and the spikes (ops.fire, charge +
+    # spike, fused where possible); eval: only the spikes.
+    monkeypatch.setattr(ops, "batch_stats", counting(ops.batch_stats))
     monkeypatch.setattr(ops, "charge", counting(ops.charge))
     monkeypatch.setattr(ops, "fire", counting(ops.fire))
     sn = MulFreeChannelwisePSN(channels=2, k=2, step_mode="m")

@@ -32,3 +32,39 @@ def channel_dot(a: torch.Tensor, b: torch.Tensor, channel_axis: int) -> torch.Te
     channel_axis %= a.dim()
     first = _first_axis(a, channel_axis)
     return _rest(torch.linalg.vecdot(a, b, dim=first), channel_axis, first)
+
+
+class BatchStats(torch.autograd.Function):
+    """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis``.
+
+    Two-pass (mean, then the squared norm of ``y - mean``) so large means do not cancel; the backward
+    is one fused pass, ``dy = a[c] * y + b[c]``. Much faster on CPUs than ``torch.var_mean`` over
+    strided dims.
+    """
+
+    @staticmethod
+    def forward(ctx, y, channel_axis):
+        shape = [1] * y.dim()
+        shape[channel_axis] = -1
+        n = y.numel() // y.shape[channel_axis]
+        mean = channel_sum(y, channel_axis) / n
+        z = y - mean.view(shape)
+        var = channel_dot(z, z, channel_axis) / n
+        ctx.save_for_backward(y, mean)
+        ctx.shape, ctx.n = shape, n
+        return mean, var
+
+    @staticmethod
+    def backward(ctx, g_mean, g_var):
+        y, mean = ctx.saved_tensors
+        n, shape = ctx.n, ctx.shape
+        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
+        g_var = torch.zeros_like(mean) if g_var is None else g_var
+        scale = 2.0 * g_var / n
+        shift = g_mean / n - scale * mean
+        return torch.addcmul(shift.view(shape), y, scale.view(shape)), None
+
+
+def batch_stats(y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, biased var)`` per channel of ``y``, differentiable (see :class:`BatchStats`)."""
+    return BatchStats.apply(y, channel_axis)

@@ -14,6 +14,10 @@ An implementation may also fuse the spike: ``fire(x, weight, bias, dilation, lay
 returns ``surrogate_function(H)`` (same values and gradients) or ``None`` when it cannot fuse that call;
 :func:`fire` then falls back to the surrogate module applied to the charge.
 
+An implementation may also fuse the batch statistics of the bias-free charge: ``stats(x, weight,
+dilation, layout)`` returns the per-channel ``(mean, biased variance)`` of ``H`` without writing ``H``
+(same values and gradients as :func:`~spikingjelly_mfpsn.ops.reduce.batch_stats` of the charge).
+
 An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
 returns human-readable reasons (empty when it supports the call).
 """
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from . import reduce
 
 LAYOUTS = ("time_first", "time_last")
 
@@ -64,14 +70,35 @@ def tap_schedule(t_len: int, k: int, dilation: int, start: int = 0):
             yield i, lag, first
 
 
+# Surrogates that fused kernels reproduce exactly (kernel code per SpikingJelly class name).
+SURROGATE_KINDS = {"ATan": 1, "Sigmoid": 2}
+
+
+def surrogate_kind(surrogate_function) -> int:
+    """Kernel code of a surrogate a fused charge + spike reproduces exactly, else 0.
+
+    Only SpikingJelly's own ``ATan``/``Sigmoid`` (exact type, spiking mode, float alpha, no hooks):
+    a subclass or a hooked module may behave differently, so it takes the unfused path.
+    """
+    from .._compat import surrogate
+    name = type(surrogate_function).__name__
+    if name not in SURROGATE_KINDS or type(surrogate_function) is not getattr(surrogate, name, None):
+        return 0
+    if not getattr(surrogate_function, "spiking", False) or not isinstance(surrogate_function.alpha, (int, float)):
+        return 0
+    if surrogate_function._forward_hooks or surrogate_function._forward_pre_hooks:
+        return 0
+    return SURROGATE_KINDS[name]
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way of computing the charge.
 
     ``fn(x, weight, bias, dilation, layout) -> h`` does the work; ``layouts`` lists the layouts it
     accepts; ``requirements`` is an optional function returning extra reasons it cannot run a call
-    (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike (see the module
-    docstring).
+    (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike and ``stats`` an
+    optional fused charge + batch statistics (see the module docstring).
     """
 
     name: str
@@ -81,6 +108,7 @@ class Implementation:
     description: str = ""
     requirements: Optional[Callable[..., list[str]]] = field(default=None, compare=False)
     fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
+    stats: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = field(default=None, compare=False)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                               layout: str) -> list[str]:
@@ -177,6 +205,15 @@ def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], di
         if s is not None:
             return s
     return surrogate_function(impl.apply(x, weight, bias, dilation, layout))
+
+
+def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str,
+                method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``(mean, biased var)`` of the bias-free charge, through the fused kernel when there is one."""
+    impl = _checked(x, weight, None, dilation, layout, method)
+    if impl.stats is not None:
+        return impl.stats(x, weight, dilation, layout)
+    return reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

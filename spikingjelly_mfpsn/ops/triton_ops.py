@@ -30,12 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .registry import Implementation, register
+from .registry import Implementation, register, surrogate_kind
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Fused charge + fire supports these surrogates (exact type, spiking mode); others fall back to
-# charge followed by the surrogate module.
-SURROGATE_KINDS = {"ATan": 1, "Sigmoid": 2}
 _HALF_PI: tl.constexpr = tl.constexpr(math.pi / 2)
 
 
@@ -316,23 +313,6 @@ class _TritonCharge(torch.autograd.Function):
 def charge(x, weight, bias, dilation, layout):
     """Registry contract: H, dense, differentiable w.r.t. x, weight and bias."""
     return _TritonCharge.apply(x, weight, bias, dilation, layout, 0, 0.0, True)
-
-
-def surrogate_kind(surrogate_function) -> int:
-    """Kernel code of a surrogate the fused path reproduces exactly, else 0.
-
-    Only SpikingJelly's own ``ATan``/``Sigmoid`` (exact type, spiking mode, float alpha, no hooks):
-    a subclass or a hooked module may behave differently, so it takes the unfused path.
-    """
-    from .._compat import surrogate
-    name = type(surrogate_function).__name__
-    if name not in SURROGATE_KINDS or type(surrogate_function) is not getattr(surrogate, name, None):
-        return 0
-    if not getattr(surrogate_function, "spiking", False) or not isinstance(surrogate_function.alpha, (int, float)):
-        return 0
-    if surrogate_function._forward_hooks or surrogate_function._forward_pre_hooks:
-        return 0
-    return SURROGATE_KINDS[name]
 
 
 def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:

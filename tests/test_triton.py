@@ -297,7 +297,7 @@ def test_without_triton_nothing_else_breaks():
         import torch, spikingjelly_mfpsn
         from spikingjelly.activation_based import neuron
         from spikingjelly_mfpsn import ops
-        assert "triton" not in ops.names() and ops.available_backends() == ("torch",), ops.names()
+        assert "triton" not in ops.names() and "triton" not in ops.available_backends(), ops.names()
         sn = neuron.MulFreeChannelwisePSN(3, step_mode="m")
         assert sn(torch.randn(5, 2, 3)).shape == (5, 2, 3)
         try:

@@ -4,6 +4,7 @@ from .registry import (BACKEND_LIBRARIES, LAYOUTS, Implementation, available_bac
                        get, implementations, names, register, supported, tap_schedule, time_dim)
 from . import torch_ops  # noqa: F401  (registers the PyTorch implementations)
 from . import cupy_ops  # noqa: F401  (registers 'cupy' only where cupy and a CUDA device are present)
+from . import cpp_ops  # noqa: F401  (registers 'cpp' where a C++ compiler is found; built at first use)
 
 try:  # registers the Triton implementation; without triton, backend='triton' says how to install it
     from . import triton_ops  # noqa: F401

@@ -217,7 +217,7 @@ def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: st
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.
-BACKEND_LIBRARIES = {"torch": None, "triton": "triton", "cupy": "cupy"}
+BACKEND_LIBRARIES = {"torch": None, "triton": "triton", "cupy": "cupy", "cpp": None}
 _INSTALL_HINTS = {"triton": "pip install triton (its kernels need a CUDA device, or TRITON_INTERPRET=1 on the CPU)",
                   "cupy": "pip install cupy-cuda12x (needs a CUDA device)"}
 
@@ -238,7 +238,7 @@ def check_backend(backend: str) -> str:
     if not backend_available(backend):
         import importlib.util
         lib = BACKEND_LIBRARIES[backend]
-        if importlib.util.find_spec(lib) is None:
+        if lib is not None and importlib.util.find_spec(lib) is None:
             raise ImportError(f"backend={backend!r} needs the {lib} package, which "
                               f"does not import here: {_INSTALL_HINTS.get(backend, '')}")
         raise ImportError(f"backend={backend!r} cannot run here: "
@@ -247,11 +247,13 @@ def check_backend(backend: str) -> str:
 
 
 def backend_available(backend: str) -> bool:
-    lib = BACKEND_LIBRARIES.get(backend)
-    if lib is None:
-        return backend in BACKEND_LIBRARIES
+    if backend not in BACKEND_LIBRARIES:
+        return False
+    if backend == "torch":
+        return True
     import importlib.util
-    return importlib.util.find_spec(lib) is not None and any(
+    lib = BACKEND_LIBRARIES[backend]
+    return (lib is None or importlib.util.find_spec(lib) is not None) and any(
         impl.backend == backend for impl in _REGISTRY.values())
 
 

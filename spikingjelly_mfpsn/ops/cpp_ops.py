@@ -1,0 +1,286 @@
+"""C++ backend of the charge for CPU tensors: the fused kernels of ``cpu/mfpsn_cpu.cpp``.
+
+Registered as implementation ``'cpp'`` (backend ``'cpp'``, both layouts) when a C++ compiler is on
+the machine (``$CXX``, ``g++``, ``clang++`` or ``c++``). The source is compiled at the first call
+(a second or two) into ``$SPIKINGJELLY_MFPSN_BUILD`` or ``~/.cache/spikingjelly_mfpsn/build``, one
+library per source, compiler and CPU, written atomically, and loaded with :mod:`ctypes`. Threads: the
+kernels use ``torch.get_num_threads()`` OpenMP threads.
+
+What it fuses, so that the X-sized tensors of a BN-threshold training step are read few times:
+
+* ``stats``: the batch statistics of the bias-free charge without writing the charge (forward: one
+  read of X); backward recomputes the charge tile by tile (one read of X, one write of dL/dX);
+* ``fire``: charge + bias + spike for SpikingJelly's ATan/Sigmoid surrogates (one read of X, one
+  write of S; nothing else saved); backward recomputes H and forms ``dL/dH`` on the fly;
+* ``charge``: H = charge + bias, for everything else (e.g. a custom surrogate).
+
+Float32 and float64; per-channel sums are accumulated in float64.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .registry import (Implementation, channel_dim, check_layout, note_unavailable, register, surrogate_kind,
+                       time_dim)
+
+SOURCE_FILE = Path(__file__).with_name("cpu") / "mfpsn_cpu.cpp"
+BUILD_ENV = "SPIKINGJELLY_MFPSN_BUILD"
+DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+_MODE_CHARGE, _MODE_STATS = 0, 3
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+
+
+class BuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded here."""
+
+
+def compiler() -> Optional[str]:
+    """The C++ compiler the backend uses, or None."""
+    env = os.environ.get("CXX")
+    if env:
+        return shutil.which(env) or (env if os.path.isfile(env) else None)
+    for name in ("g++", "clang++", "c++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get(BUILD_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "spikingjelly_mfpsn", "build"))
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compile(cxx: str, out: Path) -> None:
+    """Compile the source to ``out`` (atomically: a temporary file renamed into place)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for extra in (["-fopenmp"], []):  # without OpenMP the kernels run on one thread
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cxx, *_FLAGS, *extra, str(SOURCE_FILE), "-o", tmp]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode == 0:
+            os.replace(tmp, out)
+            return
+        os.unlink(tmp)
+        errors.append(f"$ {' '.join(cmd)}\n{run.stderr.strip()[-2000:]}")
+    raise BuildError("the C++ kernels of backend 'cpp' did not compile:\n" + "\n".join(errors))
+
+
+_LOCK = threading.Lock()
+_LIB: Optional[ctypes.CDLL] = None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels, built on first use."""
+    global _LIB
+    with _LOCK:
+        if _LIB is None:
+            cxx = compiler()
+            if cxx is None:
+                raise BuildError("backend 'cpp' needs a C++ compiler (g++, clang++ or $CXX)")
+            version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+            key = hashlib.sha256("\0".join([SOURCE_FILE.read_text(), cxx, version, " ".join(_FLAGS), _cpu_id()])
+                                 .encode()).hexdigest()[:16]
+            path = build_dir() / f"mfpsn_cpu_{key}.so"
+            if not path.exists():
+                _compile(cxx, path)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:  # a truncated or foreign file: build it again once
+                path.unlink(missing_ok=True)
+                _compile(cxx, path)
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError:
+                    raise BuildError(f"the compiled kernels at {path} do not load: {e}") from e
+            _declare(lib)
+            _LIB = lib
+        return _LIB
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    geometry = [i64, i64, i64, i64, i32, i32, i32, i32]
+    for suffix in DTYPES.values():
+        fwd = getattr(lib, f"mfpsn_forward_{suffix}")
+        fwd.argtypes = [p, p, p, p, i32, p] + geometry
+        fwd.restype = None
+        bwd = getattr(lib, f"mfpsn_backward_{suffix}")
+        bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, p] + geometry
+        bwd.restype = None
+
+
+# ---------------------------------------------------------------- calling the kernels
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _dense(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x`` contiguous in its layout's order (a copy only for strided inputs)."""
+    return x.contiguous()
+
+
+def _geometry(x: torch.Tensor, k: int, dilation: int, layout: str) -> tuple:
+    """(T, N, C, F, k, d, time_last, threads) of a contiguous ``x``; F is the product of the feature dims."""
+    time_last = layout == "time_last"
+    t, n, c = x.shape[time_dim(layout)], x.shape[0 if time_last else 1], x.shape[channel_dim(layout)]
+    feat = 1
+    for size in (x.shape[2:-1] if time_last else x.shape[3:]):
+        feat *= size
+    return (t, n, c, feat, k, dilation, int(time_last), torch.get_num_threads())
+
+
+def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
+    """Run the forward kernel: ``(out, sums)``; ``out`` is H (or S with ``spike``) unless ``stats``,
+    ``sums`` the float64 ``(2, C)`` per-channel sum and sum of squares of the bias-free charge."""
+    lib = library()
+    c = weight.shape[0]
+    out = None if stats else torch.empty_like(x, memory_format=torch.contiguous_format)
+    sums = torch.zeros(2, c, dtype=torch.float64) if stats else None
+    if x.numel():
+        getattr(lib, f"mfpsn_forward_{DTYPES[x.dtype]}")(
+            _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), int(spike), _ptr(sums),
+            *_geometry(x, weight.shape[1], dilation, layout))
+    return out, sums
+
+
+def backward(x, weight, bias, grad, mode, alpha, coef, dilation, layout, need_gx, need_sums):
+    """Run the backward kernel: ``(dL/dX or None, dL/dW float64 or None, dL/db float64 or None)``."""
+    lib = library()
+    c, k = weight.shape
+    gx = torch.empty_like(x) if need_gx else None
+    gw = torch.zeros(c, k, dtype=torch.float64) if need_sums else None
+    gb = torch.zeros(c, dtype=torch.float64) if need_sums else None
+    a, b = coef if coef is not None else (None, None)
+    if x.numel():
+        getattr(lib, f"mfpsn_backward_{DTYPES[x.dtype]}")(
+            _ptr(x), _ptr(weight), _ptr(bias), _ptr(grad), mode, float(alpha), _ptr(a), _ptr(b),
+            _ptr(gx), _ptr(gw), _ptr(gb), *_geometry(x, k, dilation, layout))
+    return gx, gw, gb
+
+
+class _CppCharge(torch.autograd.Function):
+    """H = charge(X, W) + b, or S = Heaviside(H) with the surrogate gradient ``kind`` (1 ATan, 2 Sigmoid);
+    H is recomputed in the backward, so only X, W and b are saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dilation, layout, kind, alpha):
+        x = _dense(x, layout)
+        weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out, _ = forward(x, weight, bias, dilation, layout, spike=bool(kind))
+        ctx.save_for_backward(x, weight, bias)
+        ctx.args = (dilation, layout, kind, alpha)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        dilation, layout, kind, alpha = ctx.args
+        need_sums = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        grad = grad.to(x.dtype).contiguous()
+        gx, gw, gb = backward(x, weight, bias, grad, kind or _MODE_CHARGE, alpha, None, dilation, layout,
+                              ctx.needs_input_grad[0], need_sums)
+        gw = gw.to(weight.dtype) if gw is not None and ctx.needs_input_grad[1] else None
+        gb = gb.to(bias.dtype) if gb is not None and bias is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None, None, None
+
+
+class _CppStats(torch.autograd.Function):
+    """Per-channel (mean, biased var) of charge(X, W) without writing it; the backward
+    ``dL/dY = a[c] * Y + b[c]`` is formed tile by tile from a recomputed Y."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dilation, layout):
+        x = _dense(x, layout)
+        weight = weight.contiguous()
+        _, sums = forward(x, weight, None, dilation, layout, stats=True)
+        n = max(x.numel() // weight.shape[0], 1)
+        mean = sums[0] / n
+        var = (sums[1] / n - mean * mean).clamp_min_(0.0)
+        ctx.save_for_backward(x, weight, mean)
+        ctx.args = (dilation, layout, n)
+        return mean.to(weight.dtype), var.to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, g_mean, g_var):
+        x, weight, mean = ctx.saved_tensors
+        dilation, layout, n = ctx.args
+        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean.double()
+        g_var = torch.zeros_like(mean) if g_var is None else g_var.double()
+        a = 2.0 * g_var / n
+        b = g_mean / n - a * mean
+        coef = (a.to(x.dtype), b.to(x.dtype))
+        gx, gw, _ = backward(x, weight, None, None, _MODE_STATS, 0.0, coef, dilation, layout,
+                             ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return gx, None if gw is None else gw.to(weight.dtype), None, None
+
+
+# ---------------------------------------------------------------- registry entries
+def charge(x, weight, bias, dilation, layout):
+    """Registry contract: H, dense, differentiable w.r.t. x, weight and bias."""
+    return _CppCharge.apply(x, weight, bias, dilation, layout, 0, 0.0)
+
+
+def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
+    """Fused charge + Heaviside + surrogate gradient, or None for a surrogate the kernel does not know."""
+    kind = surrogate_kind(surrogate_function)
+    if not kind:
+        return None
+    return _CppCharge.apply(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha))
+
+
+def stats(x, weight, dilation, layout):
+    return _CppStats.apply(x, weight, dilation, layout)
+
+
+def requirements(x, weight, dilation, layout) -> list[str]:
+    check_layout(layout)
+    reasons = []
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        reasons.append(f"cpp kernels run on CPU tensors (x is on {x.device}, weight on {weight.device})")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        reasons.append(f"cpp supports float32/float64 x with a weight of the same dtype, got x {x.dtype}, "
+                       f"weight {weight.dtype}")
+    return reasons
+
+
+IMPLEMENTATION = Implementation("cpp", "cpp", ("time_first", "time_last"), charge,
+                                "fused C++/OpenMP CPU kernels: charge, spike and batch statistics",
+                                requirements, fire, stats)
+
+
+def register_if_available() -> Optional[str]:
+    """Register ``'cpp'`` when a compiler exists; otherwise record why not. Returns that reason."""
+    if compiler() is None:
+        reason = "no C++ compiler found (set $CXX or install g++ or clang++)"
+        note_unavailable("cpp", reason)
+        return reason
+    register(IMPLEMENTATION)
+    return None
+
+
+register_if_available()

@@ -1,0 +1,222 @@
+"""The C++ CPU backend ('cpp') against the plain loop reference: fused spike, fused batch statistics,
+the neuron with backend='cpp', the build cache, and what happens without a compiler.
+
+The plain charge of 'cpp' is also held to the reference on the full grid of tests/test_ops.py.
+"""
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import spikingjelly_mfpsn  # noqa: F401  (registers the neuron)
+from spikingjelly.activation_based import neuron, surrogate
+from spikingjelly_mfpsn import ops
+from spikingjelly_mfpsn.ops import cpp_ops
+from spikingjelly_mfpsn.ops.reduce import batch_stats as reference_stats
+
+import reference
+from test_ops import make_input
+
+if cpp_ops.compiler() is None:
+    pytest.skip("no C++ compiler (g++/clang++ or $CXX): backend 'cpp' is not registered here "
+                "(test_without_compiler covers that case in a subprocess)", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = ops.LAYOUTS
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}", autouse=True)
+def threads(request):
+    """Every test on one and on two threads (per-thread partial sums, tiles split between threads)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def check_grads(out, out_ref, inputs, inputs_ref, tol):
+    g = torch.randn(out_ref.shape, dtype=out_ref.dtype)
+    got = torch.autograd.grad(out, inputs, g.to(out.dtype))
+    want = torch.autograd.grad(out_ref, inputs_ref, g)
+    for a, b, i in zip(got, want, range(len(got))):
+        assert a.dtype == inputs[i].dtype and a.shape == inputs[i].shape
+        torch.testing.assert_close(a.double(), b.double(), **tol, msg=lambda m: f"grad of input {i}: {m}")
+
+
+# Shapes with several tiles per block (C * F above the tile width), N > 1, and feature dims.
+SHAPES = [(9, 3, 5, ()), (7, 2, 4, (3,)), (6, 2, 3, (2, 3)), (5, 3, 40, (30,)), (70, 2, 300, ())]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("t,n,c,feat", SHAPES)
+@pytest.mark.parametrize("k,dilation", [(1, 1), (2, 1), (3, 2), (5, 3)])
+def test_batch_stats_match_reference(layout, t, n, c, feat, k, dilation):
+    """Fused statistics == mean/biased var of the reference charge (values and grads of x and W)."""
+    torch.manual_seed(t + k)
+    x = make_input(t, n, c, feat, layout, torch.float64, True) + 3.0  # a mean far from 0
+    w = torch.randn(c, k, dtype=torch.float64)
+    (xa, wa), (xr, wr) = leaves(x, w), leaves(x, w)
+    mean, var = ops.batch_stats(xa, wa, dilation, layout, "cpp")
+    h_ref = reference.charge(xr, wr, None, dilation, layout)
+    dims = [d for d in range(x.dim()) if d != ops.channel_dim(layout)]
+    mean_ref, var_ref = h_ref.mean(dims), h_ref.var(dims, unbiased=False)
+    torch.testing.assert_close(mean, mean_ref, **TOL[torch.float64])
+    torch.testing.assert_close(var, var_ref, rtol=1e-9, atol=1e-9)
+    check_grads(torch.stack([mean, var]), torch.stack([mean_ref, var_ref]), [xa, wa], [xr, wr],
+                dict(rtol=1e-8, atol=1e-9))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batch_stats_float32_match_two_pass(layout):
+    x = make_input(12, 4, 6, (5,), layout, torch.float32, False) * 4 + 10
+    w = torch.randn(6, 3)
+    (xa, wa), (xr, wr) = leaves(x, w), leaves(x, w)
+    got = ops.batch_stats(xa, wa, 2, layout, "cpp")
+    want = reference_stats(reference.charge(xr, wr, None, 2, layout), ops.channel_dim(layout))
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    check_grads(torch.stack(got), torch.stack(want), [xa, wa], [xr, wr], dict(rtol=1e-4, atol=1e-4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("sg", [surrogate.ATan(), surrogate.ATan(alpha=3.5), surrogate.Sigmoid(),
+                                surrogate.Sigmoid(alpha=1.5)], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("t,n,c,feat", SHAPES[1:4:2])
+def test_fused_fire_matches_surrogate(layout, sg, dtype, t, n, c, feat):
+    torch.manual_seed(5)
+    x = make_input(t, n, c, feat, layout, dtype, False)
+    w, b = torch.randn(c, 3, dtype=dtype), torch.randn(c, dtype=dtype) * 0.5
+    args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
+    s = ops.fire(*args, 2, layout, "cpp", sg)
+    assert type(s.grad_fn).__name__ == "_CppChargeBackward" and s.dtype == dtype
+    h_ref = reference.charge(*args_ref, 2, layout)
+    s_ref = sg(h_ref)
+    clear = h_ref.detach().abs() > 1e-4  # rounding may flip a spike where |H| ~ 0
+    torch.testing.assert_close(s.double()[clear], s_ref.detach()[clear])
+    check_grads(s, s_ref, args, args_ref, TOL[dtype])
+
+
+def test_fire_falls_back_for_other_surrogates():
+    x = torch.randn(6, 2, 3, dtype=torch.float64)
+    w, b = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    for sg in (surrogate.PiecewiseQuadratic(), surrogate.ATan(spiking=False)):
+        args, args_ref = leaves(x, w, b), leaves(x, w, b)
+        s = ops.fire(*args, 1, "time_first", "cpp", sg)
+        assert type(s.grad_fn).__name__ != "_CppChargeBackward"
+        s_ref = sg(reference.charge(*args_ref, 1, "time_first"))
+        torch.testing.assert_close(s, s_ref)
+        check_grads(s, s_ref, args, args_ref, TOL[torch.float64])
+
+
+def test_fire_without_grad_and_empty_batch():
+    x = torch.randn(6, 2, 3)
+    w, b = torch.randn(3, 2), torch.randn(3)
+    with torch.no_grad():
+        s = ops.fire(x, w, b, 1, "time_first", "cpp", surrogate.ATan())
+    assert torch.equal(s, (reference.charge(x, w, b, 1, "time_first") >= 0).float())
+    empty = torch.randn(6, 0, 3, requires_grad=True)
+    h = ops.charge(empty, w, b, 1, "time_first", "cpp")
+    h.sum().backward()
+    assert h.shape == empty.shape and empty.grad.shape == empty.shape
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_neuron_backend_cpp(layout, threshold):
+    """backend='cpp' trains the same neuron as the torch implementation: spikes, every gradient,
+    running statistics, over two steps (the second with updated running stats)."""
+    torch.manual_seed(7)
+    ref = neuron.MulFreeChannelwisePSN(4, k=3, dilation=2, step_mode="m", layout=layout, threshold=threshold,
+                                       exp_init=False, method="shift_add").double()
+    fast = copy.deepcopy(ref)
+    fast.backend = "cpp"
+    assert "cpp" in fast.supported_backends and fast.resolve_method(torch.zeros(3, 2, 4)) == "cpp"
+    shape = (9, 3, 4, 2) if layout == "time_first" else (3, 4, 2, 9)
+    for _ in range(2):
+        x = torch.randn(shape, dtype=torch.float64) * 2
+        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        sr, sf = ref(xr), fast(xf)
+        torch.testing.assert_close(sf, sr)
+        g = torch.randn_like(sr)
+        (sr * g).sum().backward()
+        (sf * g).sum().backward()
+        torch.testing.assert_close(xf.grad, xr.grad)
+        for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"grad {name}: {m}")
+        for a, b in zip(ref.buffers(), fast.buffers()):
+            torch.testing.assert_close(a, b)
+    ref.eval()
+    fast.eval()
+    x = torch.randn(shape, dtype=torch.float64)
+    torch.testing.assert_close(fast(x), ref(x))
+
+
+def test_requirements_name_the_problem():
+    impl = ops.get("cpp")
+    x = torch.randn(4, 2, 3)
+    assert impl.supports(x, torch.randn(3, 2), 1, "time_first")
+    reasons = impl.not_supported_reasons(x.half(), torch.randn(3, 2).half(), 1, "time_first")
+    assert any("float32/float64" in r for r in reasons)
+    reasons = impl.not_supported_reasons(x, torch.randn(3, 2).double(), 1, "time_first")
+    assert any("same dtype" in r for r in reasons)
+    with pytest.raises(ValueError, match="cannot run this input"):
+        ops.charge(x.half(), torch.randn(3, 2).half(), None, 1, "time_first", "cpp")
+
+
+def run_python(code, **env):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=300)
+
+
+def test_build_cache_survives_a_corrupted_library(tmp_path):
+    """A truncated library in the build directory is rebuilt, not loaded (and not a crash)."""
+    code = """
+        import torch
+        from spikingjelly_mfpsn import ops
+        from spikingjelly_mfpsn.ops import cpp_ops
+        x, w = torch.randn(5, 2, 3), torch.randn(3, 2)
+        h = ops.charge(x, w, None, 1, "time_first", "cpp")
+        want = ops.charge(x, w, None, 1, "time_first", "shift_add")
+        assert torch.allclose(h, want), (h, want)
+        print(sorted(p.name for p in cpp_ops.build_dir().iterdir()))
+    """
+    first = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    libs = list(tmp_path.glob("*.so"))
+    assert len(libs) == 1
+    libs[0].write_bytes(b"not a shared library")
+    second = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert libs[0].read_bytes()[:4] == b"\x7fELF"
+    assert not [p for p in tmp_path.iterdir() if p.suffix != ".so"]  # no temporary files left behind
+
+
+def test_without_compiler():
+    """No compiler: 'cpp' is not registered, backend='cpp' says why, and everything else still works."""
+    out = run_python("""
+        import torch
+        from spikingjelly.activation_based import neuron
+        import spikingjelly_mfpsn
+        from spikingjelly_mfpsn import ops
+        assert "cpp" not in ops.names() and "cpp" not in ops.available_backends()
+        try:
+            neuron.MulFreeChannelwisePSN(3, backend="cpp")
+        except ImportError as e:
+            print("ERROR:", e)
+        sn = neuron.MulFreeChannelwisePSN(3, step_mode="m")
+        print(sn(torch.randn(4, 2, 3)).shape)
+    """, CXX="/nonexistent/compiler")
+    assert out.returncode == 0, out.stderr
+    assert "ERROR: backend='cpp' cannot run here: no C++ compiler" in out.stdout
+    assert "torch.Size([4, 2, 3])" in out.stdout

@@ -78,7 +78,7 @@ def part_neuron(args, out):
         fns = {}
         for layout in ops.LAYOUTS:
             x = x_first if layout == "time_first" else x_last
-            for method in ops.names(layout=layout, backend="torch"):
+            for method in ops.candidate_names(layout):  # every implementation autoselect may pick here
                 sn = MulFreeChannelwisePSN(c, k=k, dilation=d, step_mode="m", layout=layout, method=method)
                 if ops.get(method).supports(x, sn.weight, d, layout):
                     fns[(layout, method)] = step_fn(sn, x, layout)

@@ -188,7 +188,9 @@ def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Modul
 
 
 def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instance=(nn.Module,)) -> nn.Module:
-    """Set ``method`` on every module of type ``instance`` with a ``supported_methods`` list that has it.
+    """Set ``method`` on every module of type ``instance`` whose ``supported_methods`` (or, for MF-PSN
+    neurons, ``candidate_methods``: a method of another available backend, which switches the neuron's
+    backend too) has it.
 
     ``'auto'`` is accepted by every such module; others are logged and skipped. With ``layout``, the
     network is first converted to that layout (:func:`~spikingjelly_mfpsn.to_time_last` /
@@ -204,6 +206,7 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
         supported = getattr(m, "supported_methods", None)
         if supported is None:
             continue
+        supported = list(supported) + [c for c in getattr(m, "candidate_methods", ()) if c not in supported]
         if method == "auto" or method in supported:
             m.method = method
         else:

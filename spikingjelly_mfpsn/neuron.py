@@ -307,18 +307,24 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
 
     @method.setter
     def method(self, value: str) -> None:
+        """A method of another backend switches the backend too (method names are unique)."""
         if value != "auto":
             impl = ops.get(value)
             if impl.backend != self._backend:
-                raise ValueError(f"method {value!r} belongs to backend {impl.backend!r}, but this neuron's "
-                                 f"backend is {self._backend!r}; set backend={impl.backend!r} first or pick one of "
-                                 f"{self.supported_methods}")
+                ops.check_backend(impl.backend)
+                self._backend = impl.backend
         self._method = value
 
     @property
     def supported_methods(self) -> list[str]:
         """Names of the charge implementations of this neuron's backend and layout."""
         return ops.names(layout=self._layout, backend=self._backend)
+
+    @property
+    def candidate_methods(self) -> list[str]:
+        """What an autoselect pass times: the implementations of every backend available here for
+        this neuron's layout (setting one as ``method`` also sets its backend)."""
+        return ops.candidate_names(self._layout)
 
     # ------------------------------------------------------------------ weight and bias
     def _check_finite(self, w: torch.Tensor) -> None:

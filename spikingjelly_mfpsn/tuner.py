@@ -58,7 +58,7 @@ def layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
 def candidates(m: nn.Module) -> list[str]:
     if not is_tunable(m):
         return ["-"]
-    return list(m.supported_methods)
+    return list(getattr(m, "candidate_methods", None) or m.supported_methods)
 
 
 def _ordered(m: nn.Module, args: tuple) -> list[str]:
@@ -80,11 +80,13 @@ def _method(m: nn.Module, method: str):
     if method == "-":
         yield
         return
-    old = m.method
-    m.method = method
+    old, old_backend = m.method, getattr(m, "backend", None)
+    m.method = method  # (a method of another backend switches the neuron's backend)
     try:
         yield
     finally:
+        if old_backend is not None and m.backend != old_backend:
+            m.backend = old_backend
         m.method = old
 
 

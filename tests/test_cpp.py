@@ -220,3 +220,25 @@ def test_without_compiler():
     assert out.returncode == 0, out.stderr
     assert "ERROR: backend='cpp' cannot run here: no C++ compiler" in out.stdout
     assert "torch.Size([4, 2, 3])" in out.stdout
+
+
+def test_autoselect_candidates_and_method_switch_backend():
+    """'cpp' is an autoselect candidate of a torch-backend neuron; choosing it switches the backend;
+    an emulated backend (Triton's interpreter) is never a candidate."""
+    from spikingjelly.activation_based import functional
+    import spikingjelly_mfpsn as mf
+    sn = neuron.MulFreeChannelwisePSN(3, step_mode="m")
+    assert sn.backend == "torch" and "cpp" in sn.candidate_methods and "cpp" not in sn.supported_methods
+    assert set(sn.supported_methods) <= set(sn.candidate_methods)
+    if "triton" in ops.names():
+        from spikingjelly_mfpsn.ops import triton_ops
+        assert ("triton" in sn.candidate_methods) == (not triton_ops.INTERPRETED)
+    net = torch.nn.Sequential(sn)
+    mf.set_method(net, "cpp")
+    assert sn.method == "cpp" and sn.backend == "cpp"
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    ref = neuron.MulFreeChannelwisePSN(3, step_mode="m", method="shift_add").double()
+    torch.testing.assert_close(net.double()(x), ref(x))
+    functional.reset_net(net)
+    sn.method = "shift_add"
+    assert sn.backend == "torch"

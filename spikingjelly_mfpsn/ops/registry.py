@@ -109,6 +109,7 @@ class Implementation:
     requirements: Optional[Callable[..., list[str]]] = field(default=None, compare=False)
     fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
     stats: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = field(default=None, compare=False)
+    autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                               layout: str) -> list[str]:
@@ -147,6 +148,13 @@ def names(layout: Optional[str] = None, backend: Optional[str] = None) -> list[s
     """Registered implementation names, optionally only those for ``layout`` and ``backend``."""
     return [n for n, impl in _REGISTRY.items()
             if (layout is None or layout in impl.layouts) and (backend is None or impl.backend == backend)]
+
+
+def candidate_names(layout: str) -> list[str]:
+    """Implementations an autoselect pass may time for ``layout``: every available backend's, except
+    those that run emulated here (e.g. Triton's interpreter)."""
+    return [n for n in names(layout=layout)
+            if _REGISTRY[n].autoselect and backend_available(_REGISTRY[n].backend)]
 
 
 def implementations() -> list[Implementation]:

@@ -340,4 +340,4 @@ def requirements(x, weight, dilation, layout) -> list[str]:
 
 register(Implementation("triton", "triton", ("time_first", "time_last"), charge,
                         "Triton kernels on the strided layout: bias and (with ATan/Sigmoid) spike fused",
-                        requirements, fire))
+                        requirements, fire, autoselect=not INTERPRETED))

@@ -242,3 +242,51 @@ def test_autoselect_candidates_and_method_switch_backend():
     functional.reset_net(net)
     sn.method = "shift_add"
     assert sn.backend == "torch"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("training", [True, False])
+def test_no_graph_break_under_torch_compile(layout, training):
+    """torch.compile sees the kernels as custom ops: no graph break inside a 'cpp' neuron."""
+    import torch._dynamo as dynamo
+    sn = neuron.MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m", layout=layout, backend="cpp")
+    sn.train(training)
+    x = torch.randn(6, 4, 8, 5) if layout == "time_first" else torch.randn(4, 8, 5, 6)
+    sn(x)
+    dynamo.reset()
+    explanation = dynamo.explain(sn)(x)
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+
+
+def test_compiled_training_matches_eager():
+    """A compiled (aot_eager) network of 'cpp' neurons: outputs, every gradient and the running
+    statistics equal the eager torch implementation's."""
+    from spikingjelly.activation_based import functional, layer
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(layer.Linear(6, 16), neuron.MulFreeChannelwisePSN(16, k=3, dilation=2),
+                              layer.Linear(16, 16),
+                              neuron.MulFreeChannelwisePSN(16, k=2, threshold="param", surrogate_function=surrogate.Sigmoid()),
+                              layer.Linear(16, 4)).double()
+    functional.set_step_mode(ref, "m")
+    fast = copy.deepcopy(ref)
+    spikingjelly_mfpsn.set_method(fast, "cpp")
+    compiled = torch.compile(fast, backend="aot_eager")
+    x = torch.rand(5, 3, 6, dtype=torch.float64)
+    out_r, out_c = ref(x), compiled(x)
+    torch.testing.assert_close(out_c, out_r)
+    out_r.square().sum().backward()
+    out_c.square().sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{name}: {m}")
+    for a, b in zip(ref.buffers(), fast.buffers()):
+        torch.testing.assert_close(b, a)
+
+
+def test_custom_ops_pass_opcheck():
+    """The custom ops' schemas, fake kernels and autograd registrations are consistent."""
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(cpp_ops._charge_op, (x, w, b, 1, "time_first", 1, 2.0))
+    torch.library.opcheck(cpp_ops._charge_op, (x, w, None, 2, "time_first", 0, 0.0))
+    torch.library.opcheck(cpp_ops._stats_op, (x, w, 1, "time_first"))

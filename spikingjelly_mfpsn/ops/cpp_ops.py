@@ -138,11 +138,6 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def _dense(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """``x`` contiguous in its layout's order (a copy only for strided inputs)."""
-    return x.contiguous()
-
-
 def _geometry(x: torch.Tensor, k: int, dilation: int, layout: str) -> tuple:
     """(T, N, C, F, k, d, time_last, threads) of a contiguous ``x``; F is the product of the feature dims."""
     time_last = layout == "time_last"
@@ -182,31 +177,61 @@ def backward(x, weight, bias, grad, mode, alpha, coef, dilation, layout, need_gx
     return gx, gw, gb
 
 
+# ---------------------------------------------------------------- differentiable forms
+# The math of each direction, shared by the eager autograd Functions and the custom ops that
+# torch.compile sees (an opaque op instead of a graph break at the ctypes call).
+def _charge_fwd(x, weight, bias, dilation, layout, kind):
+    return forward(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+                   dilation, layout, spike=bool(kind))[0]
+
+
+def _charge_bwd(x, weight, bias, grad, dilation, layout, kind, alpha, needs):
+    """(dL/dX, dL/dW, dL/db), each None unless asked for in ``needs``; H recomputed from X."""
+    need_sums = needs[1] or (bias is not None and needs[2])
+    gx, gw, gb = backward(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+                          grad.to(x.dtype).contiguous(), kind or _MODE_CHARGE, alpha, None, dilation, layout,
+                          needs[0], need_sums)
+    gw = gw.to(weight.dtype) if gw is not None and needs[1] else None
+    gb = gb.to(bias.dtype) if gb is not None and bias is not None and needs[2] else None
+    return gx, gw, gb
+
+
+def _stats_fwd(x, weight, dilation, layout):
+    """(mean, biased var) in the weight's dtype, from float64 sums."""
+    x = x.contiguous()
+    _, sums = forward(x, weight.contiguous(), None, dilation, layout, stats=True)
+    n = max(x.numel() // weight.shape[0], 1)
+    mean = sums[0] / n
+    var = (sums[1] / n - mean * mean).clamp_min_(0.0)
+    return mean.to(weight.dtype), var.to(weight.dtype)
+
+
+def _stats_bwd(x, weight, mean, g_mean, g_var, dilation, layout, needs):
+    """(dL/dX, dL/dW): ``dL/dY = a[c] * Y + b[c]`` pushed through the charge, Y recomputed."""
+    n = max(x.numel() // weight.shape[0], 1)
+    g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
+    g_var = torch.zeros_like(mean) if g_var is None else g_var
+    a = 2.0 * g_var.double() / n
+    b = g_mean.double() / n - a * mean.double()
+    gx, gw, _ = backward(x.contiguous(), weight.contiguous(), None, None, _MODE_STATS, 0.0,
+                         (a.to(x.dtype), b.to(x.dtype)), dilation, layout, needs[0], needs[1])
+    return gx, None if gw is None else gw.to(weight.dtype)
+
+
 class _CppCharge(torch.autograd.Function):
     """H = charge(X, W) + b, or S = Heaviside(H) with the surrogate gradient ``kind`` (1 ATan, 2 Sigmoid);
     H is recomputed in the backward, so only X, W and b are saved."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dilation, layout, kind, alpha):
-        x = _dense(x, layout)
-        weight = weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
-        out, _ = forward(x, weight, bias, dilation, layout, spike=bool(kind))
         ctx.save_for_backward(x, weight, bias)
         ctx.args = (dilation, layout, kind, alpha)
-        return out
+        return _charge_fwd(x, weight, bias, dilation, layout, kind)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
-        dilation, layout, kind, alpha = ctx.args
-        need_sums = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        grad = grad.to(x.dtype).contiguous()
-        gx, gw, gb = backward(x, weight, bias, grad, kind or _MODE_CHARGE, alpha, None, dilation, layout,
-                              ctx.needs_input_grad[0], need_sums)
-        gw = gw.to(weight.dtype) if gw is not None and ctx.needs_input_grad[1] else None
-        gb = gb.to(bias.dtype) if gb is not None and bias is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None, None, None
+        return (*_charge_bwd(x, weight, bias, grad, *ctx.args, ctx.needs_input_grad[:3]), None, None, None, None)
 
 
 class _CppStats(torch.autograd.Function):
@@ -215,34 +240,107 @@ class _CppStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, dilation, layout):
-        x = _dense(x, layout)
-        weight = weight.contiguous()
-        _, sums = forward(x, weight, None, dilation, layout, stats=True)
-        n = max(x.numel() // weight.shape[0], 1)
-        mean = sums[0] / n
-        var = (sums[1] / n - mean * mean).clamp_min_(0.0)
+        mean, var = _stats_fwd(x, weight, dilation, layout)
         ctx.save_for_backward(x, weight, mean)
-        ctx.args = (dilation, layout, n)
-        return mean.to(weight.dtype), var.to(weight.dtype)
+        ctx.args = (dilation, layout)
+        return mean, var
 
     @staticmethod
     def backward(ctx, g_mean, g_var):
         x, weight, mean = ctx.saved_tensors
-        dilation, layout, n = ctx.args
-        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean.double()
-        g_var = torch.zeros_like(mean) if g_var is None else g_var.double()
-        a = 2.0 * g_var / n
-        b = g_mean / n - a * mean
-        coef = (a.to(x.dtype), b.to(x.dtype))
-        gx, gw, _ = backward(x, weight, None, None, _MODE_STATS, 0.0, coef, dilation, layout,
-                             ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return gx, None if gw is None else gw.to(weight.dtype), None, None
+        gx, gw = _stats_bwd(x, weight, mean, g_mean, g_var, *ctx.args, ctx.needs_input_grad[:2])
+        return gx, gw, None, None
+
+
+# Custom ops: what torch.compile traces instead of the autograd Functions above.
+@torch.library.custom_op("spikingjelly_mfpsn::cpp_charge", mutates_args=())
+def _charge_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int, layout: str,
+               kind: int, alpha: float) -> torch.Tensor:
+    return _charge_fwd(x, weight, bias, dilation, layout, kind)
+
+
+@_charge_op.register_fake
+def _(x, weight, bias, dilation, layout, kind, alpha):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::cpp_charge_backward", mutates_args=())
+def _charge_backward_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad: torch.Tensor,
+                        dilation: int, layout: str, kind: int, alpha: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gx, gw, gb = _charge_bwd(x, weight, bias, grad, dilation, layout, kind, alpha, (True, True, bias is not None))
+    return gx, gw, gb if gb is not None else weight.new_zeros(weight.shape[0])
+
+
+@_charge_backward_op.register_fake
+def _(x, weight, bias, grad, dilation, layout, kind, alpha):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0])
+
+
+def _charge_op_setup(ctx, inputs, output):
+    x, weight, bias, *args = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.args = args
+
+
+def _charge_op_backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb = _charge_backward_op(x, weight, bias, grad, *ctx.args)
+    return gx, gw, gb if bias is not None else None, None, None, None, None
+
+
+_charge_op.register_autograd(_charge_op_backward, setup_context=_charge_op_setup)
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::cpp_stats", mutates_args=())
+def _stats_op(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _stats_fwd(x, weight, dilation, layout)
+
+
+@_stats_op.register_fake
+def _(x, weight, dilation, layout):
+    return weight.new_empty(weight.shape[0]), weight.new_empty(weight.shape[0])
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::cpp_stats_backward", mutates_args=())
+def _stats_backward_op(x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, g_mean: torch.Tensor,
+                       g_var: torch.Tensor, dilation: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _stats_bwd(x, weight, mean, g_mean, g_var, dilation, layout, (True, True))
+
+
+@_stats_backward_op.register_fake
+def _(x, weight, mean, g_mean, g_var, dilation, layout):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _stats_op_setup(ctx, inputs, output):
+    x, weight, dilation, layout = inputs
+    ctx.save_for_backward(x, weight, output[0])
+    ctx.args = (dilation, layout)
+
+
+def _stats_op_backward(ctx, g_mean, g_var):
+    x, weight, mean = ctx.saved_tensors
+    g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
+    g_var = torch.zeros_like(mean) if g_var is None else g_var
+    gx, gw = _stats_backward_op(x, weight, mean, g_mean, g_var, *ctx.args)
+    return gx, gw, None, None
+
+
+_stats_op.register_autograd(_stats_op_backward, setup_context=_stats_op_setup)
 
 
 # ---------------------------------------------------------------- registry entries
+def _charge(x, weight, bias, dilation, layout, kind, alpha):
+    if torch.compiler.is_compiling():
+        return _charge_op(x, weight, bias, dilation, layout, kind, alpha)
+    return _CppCharge.apply(x, weight, bias, dilation, layout, kind, alpha)
+
+
 def charge(x, weight, bias, dilation, layout):
     """Registry contract: H, dense, differentiable w.r.t. x, weight and bias."""
-    return _CppCharge.apply(x, weight, bias, dilation, layout, 0, 0.0)
+    return _charge(x, weight, bias, dilation, layout, 0, 0.0)
 
 
 def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
@@ -250,10 +348,12 @@ def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torc
     kind = surrogate_kind(surrogate_function)
     if not kind:
         return None
-    return _CppCharge.apply(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha))
+    return _charge(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha))
 
 
 def stats(x, weight, dilation, layout):
+    if torch.compiler.is_compiling():
+        return _stats_op(x, weight, dilation, layout)
     return _CppStats.apply(x, weight, dilation, layout)
 
 

@@ -33,7 +33,7 @@ from . import _compat, ops
 CACHE_SCHEMA = 1
 # A candidate whose timed runs all took more than this many times the best time so far is no longer
 # timed (at least one timed run each: the first run may pay one-off costs).
-ABANDON = 1.5
+ABANDON = 2.0
 CACHE_ENV = "SPIKINGJELLY_MFPSN_CACHE"
 # Samples of the example batch on which a cached plan is checked again before it is applied.
 PROBE = 2

@@ -314,3 +314,160 @@ def test_compile_option_keeps_torch_compile_only_when_faster(tmp_path, compiled_
     r2 = mf.autoselect(net2, x, cache=path, measure_fn=lambda *a: pytest.fail("timed again"), progress=False,
                        compile="aot_eager")
     assert r2.compiled is compiled_faster and (net2._compiled_call_impl is not None) is compiled_faster
+
+
+# ------------------------------------------------------------------ the cached plan (warm path)
+def _stored_plan(path):
+    plans = json.loads(open(path).read())["plans"]
+    assert len(plans) == 1
+    return next(iter(plans.items()))
+
+
+def _no_timing(*args):
+    pytest.fail("a cached plan should have been applied without timing")
+
+
+def test_second_call_on_the_converted_net_applies_the_cached_plan(tmp_path):
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    r1 = mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
+    assert r1.layout == current_layout(net) == "time_last"
+    r2 = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert not r2.layouts and r2.timed == 0 and (r2.layout, r2.methods) == (r1.layout, r1.methods)
+    assert len(json.loads(open(path).read())["plans"]) == 1  # one key for either layout of the net
+
+
+def test_cached_plan_is_checked_on_a_few_samples(tmp_path):
+    path = str(tmp_path / "c.json")
+    x = example(n=9)
+    mf.autoselect(seq_net(), x, cache=path, measure_fn=FakeTimes(1), progress=False)
+    net = seq_net()
+    batches = []
+    net.register_forward_pre_hook(lambda mod, args: batches.append(args[0].shape[1]))
+    before = eval_out(net, x)
+    batches.clear()
+    report = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert not report.layouts and batches and max(batches) == tuner.PROBE < x.shape[1]
+    torch.testing.assert_close(eval_out(net, x), before)
+
+
+def test_cached_plan_is_checked_on_the_whole_batch_when_the_samples_disagree(tmp_path, monkeypatch):
+    path = str(tmp_path / "c.json")
+    x = example(n=9)
+    r1 = mf.autoselect(seq_net(), x, cache=path, measure_fn=FakeTimes(2), progress=False)
+    agree = tuner._agree
+    monkeypatch.setattr(tuner, "_agree", lambda a, b: a.shape[1] == x.shape[1] and agree(a, b))
+    net = seq_net()
+    batches = []
+    net.register_forward_pre_hook(lambda mod, args: batches.append(args[0].shape[1]))
+    report = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert not report.layouts and (report.layout, report.methods) == (r1.layout, r1.methods)
+    assert tuner.PROBE in batches and x.shape[1] in batches
+
+
+def _register_broken():
+    def broken(x, weight, bias, dilation, layout):
+        return torch.zeros(x.shape, dtype=x.dtype) + 0 * weight.sum()  # wrong, but runs
+    ops.register(ops.Implementation("broken", "torch", ("time_first",), broken, "a wrong implementation"))
+
+
+def test_cached_plan_that_does_not_reproduce_the_outputs_is_measured_again(tmp_path):
+    _register_broken()
+    try:
+        path = str(tmp_path / "c.json")
+        net, x = seq_net(), example()
+        ref = eval_out(net, x)
+        slow_broken = FakeTimes(3)
+
+        def fake(module, args, m):
+            return 1e3 if getattr(module, "method", None) == "broken" else slow_broken(module, args, m)
+        mf.autoselect(seq_net(), x, cache=path, measure_fn=fake, progress=False, layouts=("time_first",))
+        key, plan = _stored_plan(path)
+        neurons = [n for n, m in net.named_modules() if isinstance(m, MulFreeChannelwisePSN)]
+        assert all(plan["methods"][n] != "broken" for n in neurons)
+        plan["methods"].update(dict.fromkeys(neurons, "broken"))  # as if the stored choice had gone wrong
+        data = json.loads(open(path).read())
+        data["plans"][key] = plan
+        open(path, "w").write(json.dumps(data))
+        calls = slow_broken.calls
+        report = mf.autoselect(net, x, cache=path, measure_fn=fake, progress=False, layouts=("time_first",))
+        assert report.layouts and slow_broken.calls == calls  # measured again (from the per-layer cache)
+        assert not any(m.method == "broken" for m in net.modules() if isinstance(m, MulFreeChannelwisePSN))
+        torch.testing.assert_close(eval_out(net, x), ref)
+    finally:
+        ops.registry._REGISTRY.pop("broken")
+
+
+@pytest.mark.parametrize("damage", ["layout", "method", "plain_layer", "totals"])
+def test_damaged_cached_plan_is_measured_again(tmp_path, damage):
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    ref = eval_out(net, x)
+    mf.autoselect(seq_net(), x, cache=path, measure_fn=FakeTimes(4), progress=False)
+    key, plan = _stored_plan(path)
+    neuron_name = next(n for n, m in net.named_modules() if isinstance(m, MulFreeChannelwisePSN))
+    plain_name = next(n for n, m in net.named_modules() if isinstance(m, nn.Linear))
+    if damage == "layout":
+        plan["layout"] = "sideways"
+    elif damage == "method":
+        plan["methods"][neuron_name] = "no_such_method"
+    elif damage == "plain_layer":
+        plan["methods"][plain_name] = "conv1d"
+    else:
+        plan["totals"] = {"time_first": "fast"}
+    data = json.loads(open(path).read())
+    data["plans"][key] = plan
+    open(path, "w").write(json.dumps(data))
+    report = mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(4), progress=False)
+    assert report.layouts and report.layout in ("time_first", "time_last")
+    assert not hasattr(dict(net.named_modules())[plain_name], "method")
+    torch.testing.assert_close(eval_out(net, x), ref)
+
+
+def test_plan_stored_under_other_library_versions_is_not_used(tmp_path, monkeypatch):
+    path = str(tmp_path / "c.json")
+    mf.autoselect(seq_net(), example(), cache=path, measure_fn=FakeTimes(5), progress=False)
+    versions = tuner._versions()
+    monkeypatch.setattr(tuner, "_versions", lambda: {**versions, "torch": versions["torch"] + "+other"})
+    fake = FakeTimes(5)
+    report = mf.autoselect(seq_net(), example(), cache=path, measure_fn=fake, progress=False)
+    assert report.layouts and fake.calls > 0  # neither the plan nor the per-layer timings were reused
+
+
+# ------------------------------------------------------------------ measure
+class ScriptedClock:
+    """A timer under which run i of ``measure`` takes ``runs[i]`` seconds (all of it in the forward)."""
+
+    def __init__(self, runs):
+        self.runs, self.calls = runs, 0
+
+    def __call__(self):
+        run, phase = divmod(self.calls, 4)  # t0, t1 (forward), t2, t3 (backward) per run
+        self.calls += 1
+        return 1000.0 * run + (self.runs[run] if phase else 0.0)
+
+
+def test_measure_is_the_mean_of_the_last_m_and_ignores_a_single_slow_run():
+    clock = ScriptedClock([9.0, 1.0, 10.0, 1.0, 2.0])  # a warm-up, then one run slowed down by noise
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
+    assert t == pytest.approx(1.5) and clock.calls == 20
+
+
+def test_measure_abandons_a_candidate_whose_timed_runs_all_lose():
+    clock = ScriptedClock([9.0, 4.0, 5.0, 1.0, 1.0])
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
+    assert t == 4.0 and clock.calls == 8  # stopped after the first timed run
+    clock = ScriptedClock([9.0, 2.0, 5.0, 1.0, 1.0])
+    assert tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0) == 1.0
+
+
+def test_seed_gradient_runs_the_backward_of_an_explicit_gradient():
+    lin = nn.Linear(3, 2)
+    x = torch.rand(4, 3, requires_grad=True)
+    z = torch.randn(4, 2)
+    tuner._SeedGradient.apply(lin(x), z).backward()
+    got = (x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone())
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    lin(x).backward(z)
+    for a, b in zip(got, (x.grad, lin.weight.grad, lin.bias.grad)):
+        torch.testing.assert_close(a, b)

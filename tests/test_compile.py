@@ -18,7 +18,8 @@ def small_net():
     return net
 
 
-@pytest.mark.parametrize("method", ["auto", "conv1d", "vmap_mm"])
+# 'cpp' (where a compiler exists) runs its kernels as custom ops under torch.compile.
+@pytest.mark.parametrize("method", ["auto", "conv1d", "vmap_mm"] + (["cpp"] if "cpp" in ops.names() else []))
 @pytest.mark.parametrize("layout", ["time_first", "time_last"])
 @pytest.mark.parametrize("training", [True, False])
 def test_no_graph_break_inside_the_neuron(method, layout, training):

@@ -244,20 +244,6 @@ def test_autoselect_candidates_and_method_switch_backend():
     assert sn.backend == "torch"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("training", [True, False])
-def test_no_graph_break_under_torch_compile(layout, training):
-    """torch.compile sees the kernels as custom ops: no graph break inside a 'cpp' neuron."""
-    import torch._dynamo as dynamo
-    sn = neuron.MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m", layout=layout, backend="cpp")
-    sn.train(training)
-    x = torch.randn(6, 4, 8, 5) if layout == "time_first" else torch.randn(4, 8, 5, 6)
-    sn(x)
-    dynamo.reset()
-    explanation = dynamo.explain(sn)(x)
-    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
-
-
 def test_compiled_training_matches_eager():
     """A compiled (aot_eager) network of 'cpp' neurons: outputs, every gradient and the running
     statistics equal the eager torch implementation's."""

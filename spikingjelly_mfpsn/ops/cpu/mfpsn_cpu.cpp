@@ -28,6 +28,19 @@
 #include <omp.h>
 #endif
 
+// Steps x lanes of one tile, and the most lanes a tile has. Time-first tiles read long contiguous
+// rows in place (wide tiles prefetch well); time-last tiles are gathered into buffers that should
+// stay in the L1/L2 cache (benchmarked on an x86-64 CPU).
+#ifndef MFPSN_TILE_FIRST
+#define MFPSN_TILE_FIRST 16384
+#endif
+#ifndef MFPSN_TILE_LAST
+#define MFPSN_TILE_LAST 4096
+#endif
+#ifndef MFPSN_TILE_LANES
+#define MFPSN_TILE_LANES 512
+#endif
+
 namespace {
 
 struct Geometry {
@@ -36,8 +49,11 @@ struct Geometry {
     bool time_last;
     int64_t CF() const { return C * F; }
     int64_t lag(int i) const { return int64_t(K - 1 - i) * d; }
-    // Lanes per tile: the [T][L] buffers of a tile stay in the L1/L2 cache.
-    int64_t tile() const { return std::min<int64_t>(CF(), std::max<int64_t>(16, std::min<int64_t>(512, 16384 / std::max<int64_t>(T, 1)))); }
+    // Lanes per tile (see MFPSN_TILE_*).
+    int64_t tile() const {
+        const int64_t budget = (time_last ? MFPSN_TILE_LAST : MFPSN_TILE_FIRST) / std::max<int64_t>(T, 1);
+        return std::min<int64_t>(CF(), std::max<int64_t>(16, std::min<int64_t>(MFPSN_TILE_LANES, budget)));
+    }
     int64_t tiles_per_block() const { return (CF() + tile() - 1) / tile(); }
     // Offset of element (t, n, o).
     int64_t at(int64_t t, int64_t n, int64_t o) const {

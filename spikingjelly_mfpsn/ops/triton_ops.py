@@ -340,4 +340,6 @@ def requirements(x, weight, dilation, layout) -> list[str]:
 
 register(Implementation("triton", "triton", ("time_first", "time_last"), charge,
                         "Triton kernels on the strided layout: bias and (with ATan/Sigmoid) spike fused",
-                        requirements, fire, autoselect=not INTERPRETED))
+                        requirements, fire,
+                        # a candidate only where its kernels can run compiled: on a CUDA device
+                        autoselect=not INTERPRETED and torch.cuda.is_available()))

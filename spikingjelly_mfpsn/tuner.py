@@ -510,8 +510,23 @@ def _apply_cached_plan(net, x_example, plan, reference, snap, report) -> bool:
 
 
 def _compile(net: nn.Module, backend: str) -> None:
-    """``torch.compile`` the network's forward in place (``nn.Module.compile``)."""
-    net.compile(backend=backend)
+    """``torch.compile`` the whole network's call in place, as one frame dynamo traces.
+
+    Not ``net.compile()``: ``nn.Module.compile`` compiles ``net._call_impl``, and when ``net``'s
+    forward lives in ``torch.nn`` (``nn.Sequential``, the usual container) dynamo skips that frame
+    (pytorch/pytorch#150915). It then compiles each SpikingJelly layer's forward as a frame of its
+    own, so every neuron shares the code of ``MemoryModule.forward`` and its cache of 8 compiled
+    versions: neurons past the 8th distinct (dilation, shape, training, grad mode) run eager.
+    A wrapper outside ``torch.nn`` is traced instead, with the whole network inlined; it gets a
+    code object of its own so that each network has its own compile cache.
+    """
+    call_impl = net._call_impl
+
+    def call(*args, **kwargs):
+        return call_impl(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()  # a new code object: dynamo caches per code object
+    net._compiled_call_impl = torch.compile(call, backend=backend)
 
 
 def _uncompile(net: nn.Module) -> None:
@@ -574,8 +589,8 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     :param measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
     :param progress: show a progress bar
     :param compile: also time one whole training step of the chosen configuration under
-        ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place with
-        ``nn.Module.compile``, when it is faster and reproduces the outputs. The first compilation
+        ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
+        one graph, when it is faster and reproduces the outputs. The first compilation
         takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
     :return: an :class:`AutoselectReport`; ``print`` it for a table
 

@@ -88,9 +88,9 @@ def _method(m: nn.Module, method: str):
         m.method = old
 
 
-def _clone_args(args):
-    return tuple(a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-                 for a in args)
+def _clone_args(args, grad: bool = True):
+    return tuple(a.detach().clone().requires_grad_(grad and a.is_floating_point()) if isinstance(a, torch.Tensor)
+                 else a for a in args)
 
 
 def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple]:
@@ -117,16 +117,18 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter,
-            abandon_above: float = math.inf) -> float:
+            abandon_above: float = math.inf, input_grad: bool = True) -> float:
     """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs.
 
     A run slower than ``abandon_above`` (after the first, which may pay one-off costs) ends the
     measurement early and returns that run's time: the candidate is already known to lose.
+    ``input_grad``: the inputs require grad (a layer inside a network); ``False`` for a whole
+    network fed data.
     """
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     times = []
     for _ in range(2 * m + 1):
-        inputs = _clone_args(args)
+        inputs = _clone_args(args, input_grad)
         _compat.functional.reset_net(module)
         t0 = timer()
         out = module(*inputs)
@@ -537,11 +539,16 @@ def _time_compiled(net, x_example, m, measure_fn, backend, reference, snap, repo
     """Time a whole training step eager and compiled; keep ``torch.compile`` if faster and correct.
 
     The compiled step is timed after its first run (the compilation itself is not counted)."""
-    eager = float(measure_fn(net, (x_example,), m))
+    def step_time():  # fed data, no input gradient: the very graph training will run
+        if measure_fn is measure:
+            return measure(net, (x_example,), m, input_grad=False)
+        return float(measure_fn(net, (x_example,), m))
+
+    eager = step_time()
     _restore(net, snap)
     _compile(net, backend)
     try:
-        compiled = float(measure_fn(net, (x_example,), m))
+        compiled = step_time()
         _restore(net, snap)
         ok = _agree(_outputs(net, x_example), reference)
     except Exception as e:  # noqa: BLE001  (a backend that cannot compile this net: stay eager)

@@ -158,3 +158,23 @@ def test_each_compiled_network_has_its_own_compile_cache():
         tuner._compile(net, counter)
         net(torch.rand(4, 2, 3))
     assert counter.frame_count == 9
+
+
+def test_whole_network_timing_compiles_the_graph_training_runs():
+    """autoselect times the compiled network fed data (no input gradient), so the first real training
+    step reuses that graph instead of compiling another."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from spikingjelly_mfpsn import tuner
+
+    dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    net = small_net()
+    tuner._compile(net, counter)
+    x = torch.rand(5, 3, 6)
+    tuner.measure(net, (x,), 1, input_grad=False)
+    timed = counter.frame_count
+    net(x).sum().backward()
+    functional.reset_net(net)
+    assert timed == 1 and counter.frame_count == 1

@@ -95,9 +95,9 @@ def _method(m: nn.Module, method: str):
         m.method = old
 
 
-def _clone_args(args):
-    return tuple(a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-                 for a in args)
+def _clone_args(args, grad: bool = True):
+    return tuple(a.detach().clone().requires_grad_(grad and a.is_floating_point()) if isinstance(a, torch.Tensor)
+                 else a for a in args)
 
 
 def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple]:
@@ -140,18 +140,20 @@ class _SeedGradient(torch.autograd.Function):
 
 
 def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter,
-            abandon_above: float = math.inf) -> float:
+            abandon_above: float = math.inf, input_grad: bool = True) -> float:
     """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs.
 
     The backward gets a random gradient of the output's shape (drawn once, outside the timed region).
     Once every timed run so far (all but the first, which may pay one-off costs) was slower than
     ``abandon_above``, the measurement ends early and returns the fastest of them: the candidate is
     already known to lose. A single slow run (noise only ever slows a run down) does not end it.
+    ``input_grad``: the inputs require grad (a layer inside a network); ``False`` for a whole
+    network fed data.
     """
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     times, z = [], None
     for _ in range(2 * m + 1):
-        inputs = _clone_args(args)
+        inputs = _clone_args(args, input_grad)
         _compat.functional.reset_net(module)
         t0 = timer()
         out = module(*inputs)
@@ -564,8 +566,23 @@ def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, re
 
 
 def _compile(net: nn.Module, backend: str) -> None:
-    """``torch.compile`` the network's forward in place (``nn.Module.compile``)."""
-    net.compile(backend=backend)
+    """``torch.compile`` the whole network's call in place, as one frame dynamo traces.
+
+    Not ``net.compile()``: ``nn.Module.compile`` compiles ``net._call_impl``, and when ``net``'s
+    forward lives in ``torch.nn`` (``nn.Sequential``, the usual container) dynamo skips that frame
+    (pytorch/pytorch#150915). It then compiles each SpikingJelly layer's forward as a frame of its
+    own, so every neuron shares the code of ``MemoryModule.forward`` and its cache of 8 compiled
+    versions: neurons past the 8th distinct (dilation, shape, training, grad mode) run eager.
+    A wrapper outside ``torch.nn`` is traced instead, with the whole network inlined; it gets a
+    code object of its own so that each network has its own compile cache.
+    """
+    call_impl = net._call_impl
+
+    def call(*args, **kwargs):
+        return call_impl(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()  # a new code object: dynamo caches per code object
+    net._compiled_call_impl = torch.compile(call, backend=backend)
 
 
 def _uncompile(net: nn.Module) -> None:
@@ -576,11 +593,16 @@ def _time_compiled(net, x_example, m, measure_fn, backend, reference, snap, repo
     """Time a whole training step eager and compiled; keep ``torch.compile`` if faster and correct.
 
     The compiled step is timed after its first run (the compilation itself is not counted)."""
-    eager = float(measure_fn(net, (x_example,), m))
+    def step_time():  # fed data, no input gradient: the very graph training will run
+        if measure_fn is measure:
+            return measure(net, (x_example,), m, input_grad=False)
+        return float(measure_fn(net, (x_example,), m))
+
+    eager = step_time()
     _restore(net, snap)
     _compile(net, backend)
     try:
-        compiled = float(measure_fn(net, (x_example,), m))
+        compiled = step_time()
         _restore(net, snap)
         ok = _agree(_outputs(net, x_example), reference)
     except Exception as e:  # noqa: BLE001  (a backend that cannot compile this net: stay eager)
@@ -630,8 +652,8 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     :param measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
     :param progress: show a progress bar
     :param compile: also time one whole training step of the chosen configuration under
-        ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place with
-        ``nn.Module.compile``, when it is faster and reproduces the outputs. The first compilation
+        ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
+        one graph, when it is faster and reproduces the outputs. The first compilation
         takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
     :return: an :class:`AutoselectReport`; ``print`` it for a table
 

@@ -103,3 +103,83 @@ def test_bf16_autocast_training_tracks_fp32():
     for a, b in zip(losses["bf16"], losses["fp32"]):
         assert abs(a - b) <= 0.05 * abs(b), (losses["bf16"], losses["fp32"])
     assert losses["bf16"][-1] < losses["bf16"][0]
+
+
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+def test_autoselect_compile_traces_the_whole_network_once(layout):
+    """``autoselect(compile=...)`` compiles the network as one graph, and repeated training steps
+    (AdamW, ``reset_net`` between steps) never recompile it.
+
+    The sequential-CIFAR network in an ``nn.Sequential``: with ``nn.Module.compile`` dynamo skipped the
+    container's frame and compiled every layer as its own frame, all MF-PSN layers sharing one
+    code object whose cache (8 entries) the sawtooth dilations x shapes x train/eval overflowed.
+    """
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    import spikingjelly_mfpsn as mf
+    from spikingjelly_mfpsn import models
+
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = models.sequential_image_net(2, 8, 5, T=6, channels=8, hidden=8)  # 7 neurons, dilations 1,2,3,...
+    x, y = torch.rand(6, 4, 2, 8), torch.randint(0, 5, (4,))
+
+    def fake_times(module, args, m):  # every candidate ties; the whole compiled step "wins"
+        return 0.5 if getattr(module, "_compiled_call_impl", None) is not None else 1.0
+
+    counter = CompileCounterWithBackend("eager")
+    report = mf.autoselect(net, x, layouts=(layout,), cache=False, measure_fn=fake_times, progress=False,
+                           compile=counter)
+    assert report.compiled and report.layout == layout
+    checked = counter.frame_count  # autoselect checked the compiled network's outputs in eval mode
+    assert checked <= 1
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    graphs = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(net(x).mean(0), y).backward()
+        opt.step()
+        functional.reset_net(net)
+        graphs.append(counter.frame_count)
+    assert graphs == [checked + 1] * 4, graphs  # one training graph, compiled once
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_each_compiled_network_has_its_own_compile_cache():
+    """Networks compiled by autoselect do not share dynamo's per-code cache (8 versions): nine different
+    networks are each compiled, none falls back to eager."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from spikingjelly_mfpsn import tuner
+
+    dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    for width in range(2, 11):
+        net = nn.Sequential(layer.Linear(3, width, step_mode="m"), nn.ReLU(), layer.Linear(width, 2, step_mode="m"))
+        tuner._compile(net, counter)
+        net(torch.rand(4, 2, 3))
+    assert counter.frame_count == 9
+
+
+def test_whole_network_timing_compiles_the_graph_training_runs():
+    """autoselect times the compiled network fed data (no input gradient), so the first real training
+    step reuses that graph instead of compiling another."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from spikingjelly_mfpsn import tuner
+
+    dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    net = small_net()
+    tuner._compile(net, counter)
+    x = torch.rand(5, 3, 6)
+    tuner.measure(net, (x,), 1, input_grad=False)
+    timed = counter.frame_count
+    net(x).sum().backward()
+    functional.reset_net(net)
+    assert timed == 1 and counter.frame_count == 1

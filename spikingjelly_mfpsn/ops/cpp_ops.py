@@ -126,10 +126,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     geometry = [i64, i64, i64, i64, i32, i32, i32, i32]
     for suffix in DTYPES.values():
         fwd = getattr(lib, f"mfpsn_forward_{suffix}")
-        fwd.argtypes = [p, p, p, p, i32, p] + geometry
+        fwd.argtypes = [p, p, p, p, i32, p, p] + geometry
         fwd.restype = None
         bwd = getattr(lib, f"mfpsn_backward_{suffix}")
-        bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, p] + geometry
+        bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, p, p] + geometry
         bwd.restype = None
 
 
@@ -149,31 +149,34 @@ def _geometry(x: torch.Tensor, k: int, dilation: int, layout: str) -> tuple:
 
 
 def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
-    """Run the forward kernel: ``(out, sums)``; ``out`` is H (or S with ``spike``) unless ``stats``,
-    ``sums`` the float64 ``(2, C)`` per-channel sum and sum of squares of the bias-free charge."""
+    """Run the forward kernel on contiguous tensors: H (or S with ``spike``), or with ``stats`` the
+    per-channel ``(mean, biased var)`` of the bias-free charge (from float64 sums)."""
     lib = library()
     c = weight.shape[0]
     out = None if stats else torch.empty_like(x, memory_format=torch.contiguous_format)
-    sums = torch.zeros(2, c, dtype=torch.float64) if stats else None
+    new = weight.new_empty if x.numel() else weight.new_zeros  # the kernel writes every entry
+    mean, var = (new(c), new(c)) if stats else (None, None)
     if x.numel():
         getattr(lib, f"mfpsn_forward_{DTYPES[x.dtype]}")(
-            _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), int(spike), _ptr(sums),
+            _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), int(spike), _ptr(mean), _ptr(var),
             *_geometry(x, weight.shape[1], dilation, layout))
-    return out, sums
+    return (mean, var) if stats else out
 
 
-def backward(x, weight, bias, grad, mode, alpha, coef, dilation, layout, need_gx, need_sums):
-    """Run the backward kernel: ``(dL/dX or None, dL/dW float64 or None, dL/db float64 or None)``."""
+def backward(x, weight, bias, grad, mode, alpha, stats_grad, dilation, layout, need_gx, need_sums):
+    """Run the backward kernel on contiguous tensors: ``(dL/dX, dL/dW, dL/db)``, each None unless
+    asked for. ``stats_grad`` is ``(mean, dL/dmean, dL/dvar)`` for the statistics' backward (mode 3)."""
     lib = library()
     c, k = weight.shape
     gx = torch.empty_like(x) if need_gx else None
-    gw = torch.zeros(c, k, dtype=torch.float64) if need_sums else None
-    gb = torch.zeros(c, dtype=torch.float64) if need_sums else None
-    a, b = coef if coef is not None else (None, None)
+    new = weight.new_empty if x.numel() else weight.new_zeros  # the kernel writes every entry
+    gw = new(c, k) if need_sums else None
+    gb = new(c) if need_sums else None
+    mean, g_mean, g_var = stats_grad if stats_grad is not None else (None, None, None)
     if x.numel():
         getattr(lib, f"mfpsn_backward_{DTYPES[x.dtype]}")(
-            _ptr(x), _ptr(weight), _ptr(bias), _ptr(grad), mode, float(alpha), _ptr(a), _ptr(b),
-            _ptr(gx), _ptr(gw), _ptr(gb), *_geometry(x, k, dilation, layout))
+            _ptr(x), _ptr(weight), _ptr(bias), _ptr(grad), mode, float(alpha), _ptr(mean), _ptr(g_mean),
+            _ptr(g_var), _ptr(gx), _ptr(gw), _ptr(gb), *_geometry(x, k, dilation, layout))
     return gx, gw, gb
 
 
@@ -182,7 +185,7 @@ def backward(x, weight, bias, grad, mode, alpha, coef, dilation, layout, need_gx
 # torch.compile sees (an opaque op instead of a graph break at the ctypes call).
 def _charge_fwd(x, weight, bias, dilation, layout, kind):
     return forward(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-                   dilation, layout, spike=bool(kind))[0]
+                   dilation, layout, spike=bool(kind))
 
 
 def _charge_bwd(x, weight, bias, grad, dilation, layout, kind, alpha, needs):
@@ -191,31 +194,23 @@ def _charge_bwd(x, weight, bias, grad, dilation, layout, kind, alpha, needs):
     gx, gw, gb = backward(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
                           grad.to(x.dtype).contiguous(), kind or _MODE_CHARGE, alpha, None, dilation, layout,
                           needs[0], need_sums)
-    gw = gw.to(weight.dtype) if gw is not None and needs[1] else None
+    gw = gw if needs[1] else None
     gb = gb.to(bias.dtype) if gb is not None and bias is not None and needs[2] else None
     return gx, gw, gb
 
 
 def _stats_fwd(x, weight, dilation, layout):
     """(mean, biased var) in the weight's dtype, from float64 sums."""
-    x = x.contiguous()
-    _, sums = forward(x, weight.contiguous(), None, dilation, layout, stats=True)
-    n = max(x.numel() // weight.shape[0], 1)
-    mean = sums[0] / n
-    var = (sums[1] / n - mean * mean).clamp_min_(0.0)
-    return mean.to(weight.dtype), var.to(weight.dtype)
+    return forward(x.contiguous(), weight.contiguous(), None, dilation, layout, stats=True)
 
 
 def _stats_bwd(x, weight, mean, g_mean, g_var, dilation, layout, needs):
     """(dL/dX, dL/dW): ``dL/dY = a[c] * Y + b[c]`` pushed through the charge, Y recomputed."""
-    n = max(x.numel() // weight.shape[0], 1)
-    g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
-    g_var = torch.zeros_like(mean) if g_var is None else g_var
-    a = 2.0 * g_var.double() / n
-    b = g_mean.double() / n - a * mean.double()
+    g_mean = torch.zeros_like(mean) if g_mean is None else g_mean.to(mean.dtype).contiguous()
+    g_var = torch.zeros_like(mean) if g_var is None else g_var.to(mean.dtype).contiguous()
     gx, gw, _ = backward(x.contiguous(), weight.contiguous(), None, None, _MODE_STATS, 0.0,
-                         (a.to(x.dtype), b.to(x.dtype)), dilation, layout, needs[0], needs[1])
-    return gx, None if gw is None else gw.to(weight.dtype)
+                         (mean, g_mean, g_var), dilation, layout, needs[0], needs[1])
+    return gx, gw
 
 
 class _CppCharge(torch.autograd.Function):

@@ -13,12 +13,12 @@
 //
 //   charge:  H[t] = sum_i W[c, i] * X[t - (K-1-i) * d] + b[c]          (X[t < 0] = 0)
 //   fire:    S[t] = (H[t] >= 0)
-//   stats:   per-channel sum of Y and Y^2, Y = charge without bias (Y is not written)
+//   stats:   per-channel mean and biased variance of Y = charge without bias (Y is not written; float64 sums)
 //   backward, one pass per tile, dH formed on the fly (never stored):
 //     mode 0  dH = G                         (plain charge)
 //     mode 1  dH = G * atan'(H)              (fire with SpikingJelly's ATan surrogate)
 //     mode 2  dH = G * sigmoid'(H)           (fire with SpikingJelly's Sigmoid surrogate)
-//     mode 3  dH = A[c] * Y + B[c]           (backward of the batch statistics: G unused)
+//     mode 3  dH = A[c] * Y + B[c]           (backward of the batch statistics, from dL/dmean and dL/dvar)
 //     dX[t] = sum_i W[c, i] * dH[t + (K-1-i) * d];  dW[c, i] = sum dH[t] X[t - (K-1-i) * d];  db[c] = sum dH
 #include <algorithm>
 #include <cmath>
@@ -150,8 +150,9 @@ void reduce_lanes(const Geometry& g, const std::vector<double>& acc, int threads
 }
 
 template <typename S>
-void forward(const Geometry& g, const S* x, const S* w, const S* b, S* out, int spike, double* sums,
+void forward(const Geometry& g, const S* x, const S* w, const S* b, S* out, int spike, S* mean, S* var,
              int threads) {
+    const bool sums = mean != nullptr;
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per;
     const std::vector<S> wl = per_lane(g, w, g.K, g.K, 1), bl = per_lane(g, b, 1);
     std::vector<double> acc(sums ? size_t(threads) * 2 * cf : 0, 0.0);
@@ -189,7 +190,16 @@ void forward(const Geometry& g, const S* x, const S* w, const S* b, S* out, int 
             }
         }
     }
-    if (sums) reduce_lanes(g, acc, threads, 2, sums, 1, g.C);
+    if (sums) {  // per-channel mean and biased variance from the float64 sums
+        std::vector<double> total(2 * g.C);
+        reduce_lanes(g, acc, threads, 2, total.data(), 1, g.C);
+        const double n = double(std::max<int64_t>(g.T * g.N * g.F, 1));
+        for (int64_t c = 0; c < g.C; ++c) {
+            const double m = total[c] / n;
+            mean[c] = S(m);
+            var[c] = S(std::max(total[g.C + c] / n - m * m, 0.0));
+        }
+    }
 }
 
 template <typename S>
@@ -204,12 +214,23 @@ inline S surrogate_grad(int mode, S h, S alpha) {
 
 template <typename S>
 void backward(const Geometry& g, const S* x, const S* w, const S* b, const S* grad, int mode, S alpha,
-              const S* coef_a, const S* coef_b, S* gx, double* gw, double* gb, int threads) {
+              const S* mean, const S* g_mean, const S* g_var, S* gx, S* gw, S* gb, int threads) {
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per;
     const int K = g.K;
     const bool sums = gw || gb;
     const std::vector<S> wl = per_lane(g, w, K, K, 1), bl = per_lane(g, mode == 3 ? nullptr : b, 1);
-    const std::vector<S> al = per_lane(g, mode == 3 ? coef_a : nullptr, 1), cl = per_lane(g, mode == 3 ? coef_b : nullptr, 1);
+    // Mode 3: dL/dY = a[c] * Y + b[c] with a = 2 dL/dvar / n, b = dL/dmean / n - a * mean.
+    std::vector<S> coef_a(mode == 3 ? g.C : 0), coef_b(mode == 3 ? g.C : 0);
+    if (mode == 3) {
+        const double n = double(std::max<int64_t>(g.T * g.N * g.F, 1));
+        for (int64_t c = 0; c < g.C; ++c) {
+            const double a = 2.0 * double(g_var[c]) / n;
+            coef_a[c] = S(a);
+            coef_b[c] = S(double(g_mean[c]) / n - a * double(mean[c]));
+        }
+    }
+    const std::vector<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr, 1),
+                         cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr, 1);
     std::vector<double> acc(sums ? size_t(threads) * (K + 1) * cf : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
@@ -283,8 +304,9 @@ void backward(const Geometry& g, const S* x, const S* w, const S* b, const S* gr
         std::vector<double> total((K + 1) * g.C);
         reduce_lanes(g, acc, threads, K + 1, total.data(), K + 1, 1);
         for (int64_t c = 0; c < g.C; ++c) {
-            if (gw) std::copy(total.begin() + c * (K + 1), total.begin() + c * (K + 1) + K, gw + c * K);
-            if (gb) gb[c] = total[c * (K + 1) + K];
+            if (gw)
+                for (int i = 0; i < K; ++i) gw[c * K + i] = S(total[c * (K + 1) + i]);
+            if (gb) gb[c] = S(total[c * (K + 1) + K]);
         }
     }
 }
@@ -296,16 +318,16 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 }  // namespace
 
 #define MFPSN_EXPORT(S, suffix)                                                                              \
-    extern "C" void mfpsn_forward_##suffix(const S* x, const S* w, const S* b, S* out, int spike, double* sums,   \
-                                            int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,           \
+    extern "C" void mfpsn_forward_##suffix(const S* x, const S* w, const S* b, S* out, int spike, S* mean,       \
+                                            S* var, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,   \
                                             int time_last, int threads) {                                       \
-        forward<S>(geometry(T, N, C, F, K, d, time_last), x, w, b, out, spike, sums, threads);                 \
+        forward<S>(geometry(T, N, C, F, K, d, time_last), x, w, b, out, spike, mean, var, threads);            \
     }                                                                                                          \
     extern "C" void mfpsn_backward_##suffix(const S* x, const S* w, const S* b, const S* grad, int mode,        \
-                                             double alpha, const S* coef_a, const S* coef_b, S* gx, double* gw, \
-                                             double* gb, int64_t T, int64_t N, int64_t C, int64_t F, int K,     \
+                                             double alpha, const S* mean, const S* g_mean, const S* g_var,      \
+                                             S* gx, S* gw, S* gb, int64_t T, int64_t N, int64_t C, int64_t F, int K, \
                                              int d, int time_last, int threads) {                               \
-        backward<S>(geometry(T, N, C, F, K, d, time_last), x, w, b, grad, mode, S(alpha), coef_a, coef_b, gx,  \
+        backward<S>(geometry(T, N, C, F, K, d, time_last), x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, \
                     gw, gb, threads);                                                                          \
     }
 

@@ -227,11 +227,17 @@ def net_key(net: nn.Module, x, layouts) -> str:
 
 
 def _repr_without_method(module: nn.Module) -> str:
-    old = module.method
+    """The layer's description without its current choice (method, and backend where it has one:
+    autoselect's candidates span every backend, so a key must not change once one is chosen)."""
+    old, old_backend = module.method, getattr(module, "backend", None)
     try:
+        if old_backend is not None:
+            module.backend = "torch"
         module.method = "auto"
         return module.extra_repr()
     finally:
+        if old_backend is not None:
+            module.backend = old_backend
         module.method = old
 
 

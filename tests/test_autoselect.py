@@ -471,3 +471,28 @@ def test_seed_gradient_runs_the_backward_of_an_explicit_gradient():
     lin(x).backward(z)
     for a, b in zip(got, (x.grad, lin.weight.grad, lin.bias.grad)):
         torch.testing.assert_close(a, b)
+
+
+class PreferMethod(FakeTimes):
+    """FakeTimes where one method is ten times faster than anything else."""
+
+    def __init__(self, method):
+        super().__init__(0)
+        self.method = method
+
+    def __call__(self, module, args, m):
+        t = super().__call__(module, args, m)
+        return t / 10 if getattr(module, "method", None) == self.method else t
+
+
+@pytest.mark.skipif("cpp" not in ops.names(), reason="backend 'cpp' needs a C++ compiler")
+def test_second_call_after_another_backend_was_chosen_applies_the_cached_plan(tmp_path):
+    """Choosing a method of another backend ('cpp') changes the neurons' backend; the next call on the
+    same network still finds the stored plan."""
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    r1 = mf.autoselect(net, x, cache=path, measure_fn=PreferMethod("cpp"), progress=False)
+    neurons = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    assert neurons and all(m.method == "cpp" and m.backend == "cpp" for m in neurons)
+    r2 = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert r2.timed == 0 and (r2.layout, r2.methods) == (r1.layout, r1.methods)

@@ -446,11 +446,23 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             compile_backend: Optional[str] = None) -> AutoselectReport:
     report = AutoselectReport()
     start_layout = _layout_of(net)
+    start_methods = {name: m.method for name, m in net.named_modules() if is_tunable(m)}
     snap = None
     try:
         # Key and reference outputs come from the time-first form, so that a network an earlier call
         # already converted finds its plan as well. The first forward materialises lazy parameters.
         _convert(net, "time_first")
+        if not _has_lazy(net):
+            plan = cache.get_plan(net_key(net, x_example, layouts)
+                                  + (f"+compile:{compile_backend}" if compile_backend else ""))
+            if _is_applied(plan, start_layout, start_methods, layouts):
+                # This network already runs the stored plan (checked when it was applied): no forward.
+                _apply(net, plan["layout"], plan["methods"])
+                _report_plan(report, plan)
+                if compile_backend and report.compiled:
+                    _compile(net, compile_backend)
+                    report.compile_backend = compile_backend
+                return report
         probe = _probe(x_example)
         try:
             probe_reference = _outputs(net, probe)
@@ -539,6 +551,26 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         raise
 
 
+def _has_lazy(net: nn.Module) -> bool:
+    return any(isinstance(p, nn.parameter.UninitializedParameter) for p in net.parameters())
+
+
+def _is_applied(plan, layout: str, methods: dict[str, str], layouts) -> bool:
+    """Whether a network in ``layout`` with these tunable layers' ``methods`` runs ``plan`` already."""
+    try:
+        return (plan is not None and plan["layout"] == layout and plan["layout"] in layouts
+                and all(methods.get(name) == method for name, method in plan["methods"].items() if method != "-"))
+    except (KeyError, TypeError, AttributeError):  # a damaged plan: the checked path handles it
+        return False
+
+
+def _report_plan(report: AutoselectReport, plan: dict) -> None:
+    report.layout, report.methods = plan["layout"], dict(plan["methods"])
+    report.totals = {k: float(v) for k, v in plan["totals"].items()}
+    report.compiled = bool(plan.get("compiled", False))
+    report.cache_hits = len(plan["methods"])
+
+
 def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report) -> bool:
     """Apply a whole-network choice from the cache if it still reproduces the outputs.
 
@@ -558,10 +590,7 @@ def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, re
             _apply(net, plan["layout"], plan["methods"])
             ok = _agree(_outputs(net, x), reference)
             if ok:
-                report.layout, report.methods = plan["layout"], dict(plan["methods"])
-                report.totals = {k: float(v) for k, v in plan["totals"].items()}
-                report.compiled = bool(plan.get("compiled", False))
-                report.cache_hits = len(plan["methods"])
+                _report_plan(report, plan)
                 return True
         except Exception:  # noqa: BLE001  (a stale or damaged plan: measure again)
             ok = None

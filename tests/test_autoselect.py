@@ -496,3 +496,21 @@ def test_second_call_after_another_backend_was_chosen_applies_the_cached_plan(tm
     assert neurons and all(m.method == "cpp" and m.backend == "cpp" for m in neurons)
     r2 = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
     assert r2.timed == 0 and (r2.layout, r2.methods) == (r1.layout, r1.methods)
+
+
+def test_second_call_on_a_net_already_running_the_plan_runs_no_forward(tmp_path):
+    """The same network, already configured by the stored plan: applied again without any forward
+    pass; a copy of it left in another configuration is checked (forward passes) before it is trusted."""
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    r1 = mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
+    calls = []
+    for m in net.modules():
+        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    r2 = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert not calls and (r2.layout, r2.methods) == (r1.layout, r1.methods) and r2.cache_hits
+    other = seq_net()
+    for m in other.modules():
+        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    r3 = mf.autoselect(other, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert calls and (r3.layout, r3.methods) == (r1.layout, r1.methods)

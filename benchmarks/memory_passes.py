@@ -4,7 +4,7 @@ A pass is reading or writing one tensor of the size of the input X. PyTorch oper
 as they run (a ``TorchDispatchMode``: every non-view operator reads each tensor argument once and
 writes each result once, broadcast arguments counted by their storage); a Triton kernel is counted
 from its launch arguments (each tensor it loads is read once -- the k shifted loads of one tile hit
-the cache -- and each tensor it stores is written once). Tensors of parameter size are included
+the cache -- and each tensor it stores is written once), a C++ kernel (backend 'cpp') likewise. Tensors of parameter size are included
 but amount to a few hundredths of a pass.
 
 Run on the CPU through Triton's interpreter::
@@ -92,6 +92,33 @@ def count_triton(mode: Traffic):
             del tuner.run  # back to the class's method
 
 
+@contextlib.contextmanager
+def count_cpp(mode: Traffic):
+    """Count the C++ kernels (backend 'cpp') into ``mode``: a forward reads X once and writes its output
+    (none for the batch statistics); a backward reads X, and dL/dS or dL/dH unless it is the
+    statistics' backward, and writes dL/dX. Like a Triton tile, the k shifted reads of a tile hit the cache."""
+    from spikingjelly_mfpsn.ops import cpp_ops
+    real_fwd, real_bwd = cpp_ops.forward, cpp_ops.backward
+
+    def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
+        mode.read += _bytes(x)
+        out = real_fwd(x, weight, bias, dilation, layout, spike=spike, stats=stats)
+        mode.written += 0 if stats else _bytes(out)
+        return out
+
+    def backward(x, weight, bias, grad, *args):
+        mode.read += _bytes(x) + (_bytes(grad) if grad is not None else 0)
+        gx, gw, gb = real_bwd(x, weight, bias, grad, *args)
+        mode.written += _bytes(gx) if gx is not None else 0
+        return gx, gw, gb
+
+    cpp_ops.forward, cpp_ops.backward = forward, backward
+    try:
+        yield mode
+    finally:
+        cpp_ops.forward, cpp_ops.backward = real_fwd, real_bwd
+
+
 def step_passes(method: str, layout: str, threshold: str, shape) -> tuple[float, float]:
     """(forward, backward) passes of one training step of the neuron with ``method``."""
     torch.manual_seed(0)
@@ -103,7 +130,8 @@ def step_passes(method: str, layout: str, threshold: str, shape) -> tuple[float,
     sn(x)  # warm-up (lazy state, autotuning)
 
     def passes(fn):
-        with Traffic() as mode, (count_triton(mode) if backend == "triton" else contextlib.nullcontext()):
+        counter = {"triton": count_triton, "cpp": count_cpp}.get(backend)
+        with Traffic() as mode, (counter(mode) if counter else contextlib.nullcontext()):
             out = fn()
         return (mode.read + mode.written) / _bytes(x), out
 

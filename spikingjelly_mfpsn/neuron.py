@@ -103,7 +103,8 @@ class ChargeNeuronBase(MemoryModule):
 
     def _spikes(self, x: torch.Tensor, run_stats, run_fire) -> torch.Tensor:
         """Spikes of this forward in the weight's precision: ``run_stats(w)`` gives the per-channel batch
-        statistics ``(mean, biased var, count)`` of the bias-free charge, ``run_fire(w, b)`` the spikes (closures over the input).
+        statistics ``(mean, biased var, count)`` of the bias-free charge, ``run_fire(w, b)`` the spikes
+        (closures over the input).
 
         Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
         low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.

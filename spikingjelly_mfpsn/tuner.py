@@ -81,12 +81,16 @@ def _ordered(m: nn.Module, args: tuple) -> list[str]:
 
 
 @contextlib.contextmanager
-def _method(m: nn.Module, method: str):
+def _method(m: nn.Module, method: str, backend: Optional[str] = None):
+    """Run with ``m.method = method`` (after ``m.backend = backend`` if given), then restore both.
+    A method of another backend switches a neuron's backend, so the backend is always restored."""
     if method == "-":
         yield
         return
     old, old_backend = m.method, getattr(m, "backend", None)
-    m.method = method  # (a method of another backend switches the neuron's backend)
+    if backend is not None and old_backend is not None:
+        m.backend = backend
+    m.method = method
     try:
         yield
     finally:
@@ -229,16 +233,8 @@ def net_key(net: nn.Module, x, layouts) -> str:
 def _repr_without_method(module: nn.Module) -> str:
     """The layer's description without its current choice (method, and backend where it has one:
     autoselect's candidates span every backend, so a key must not change once one is chosen)."""
-    old, old_backend = module.method, getattr(module, "backend", None)
-    try:
-        if old_backend is not None:
-            module.backend = "torch"
-        module.method = "auto"
+    with _method(module, "auto", backend="torch"):
         return module.extra_repr()
-    finally:
-        if old_backend is not None:
-            module.backend = old_backend
-        module.method = old
 
 
 def default_cache_path() -> str:

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .registry import (Implementation, channel_dim, check_layout, note_unavailable, register, surrogate_kind,
+from .registry import (Implementation, channel_dim, note_unavailable, register, surrogate_kind,
                        time_dim)
 
 SOURCE_FILE = Path(__file__).with_name("cpu") / "mfpsn_cpu.cpp"
@@ -96,6 +96,8 @@ _LIB: Optional[ctypes.CDLL] = None
 def library() -> ctypes.CDLL:
     """The compiled kernels, built on first use."""
     global _LIB
+    if _LIB is not None:  # the hot path: no lock once built
+        return _LIB
     with _LOCK:
         if _LIB is None:
             cxx = compiler()
@@ -204,10 +206,13 @@ def _stats_fwd(x, weight, dilation, layout):
     return forward(x.contiguous(), weight.contiguous(), None, dilation, layout, stats=True)
 
 
+def _stats_grads(mean, g_mean, g_var):
+    """dL/dmean and dL/dvar as dense tensors like ``mean`` (autograd passes None for an unused output)."""
+    return tuple(torch.zeros_like(mean) if g is None else g.to(mean.dtype).contiguous() for g in (g_mean, g_var))
+
+
 def _stats_bwd(x, weight, mean, g_mean, g_var, dilation, layout, needs):
     """(dL/dX, dL/dW): ``dL/dY = a[c] * Y + b[c]`` pushed through the charge, Y recomputed."""
-    g_mean = torch.zeros_like(mean) if g_mean is None else g_mean.to(mean.dtype).contiguous()
-    g_var = torch.zeros_like(mean) if g_var is None else g_var.to(mean.dtype).contiguous()
     gx, gw, _ = backward(x.contiguous(), weight.contiguous(), None, None, _MODE_STATS, 0.0,
                          (mean, g_mean, g_var), dilation, layout, needs[0], needs[1])
     return gx, gw
@@ -243,7 +248,8 @@ class _CppStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_mean, g_var):
         x, weight, mean = ctx.saved_tensors
-        gx, gw = _stats_bwd(x, weight, mean, g_mean, g_var, *ctx.args, ctx.needs_input_grad[:2])
+        gx, gw = _stats_bwd(x, weight, mean, *_stats_grads(mean, g_mean, g_var), *ctx.args,
+                            ctx.needs_input_grad[:2])
         return gx, gw, None, None
 
 
@@ -317,9 +323,7 @@ def _stats_op_setup(ctx, inputs, output):
 
 def _stats_op_backward(ctx, g_mean, g_var):
     x, weight, mean = ctx.saved_tensors
-    g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
-    g_var = torch.zeros_like(mean) if g_var is None else g_var
-    gx, gw = _stats_backward_op(x, weight, mean, g_mean, g_var, *ctx.args)
+    gx, gw = _stats_backward_op(x, weight, mean, *_stats_grads(mean, g_mean, g_var), *ctx.args)
     return gx, gw, None, None
 
 
@@ -353,7 +357,6 @@ def stats(x, weight, dilation, layout):
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:
-    check_layout(layout)
     reasons = []
     if x.device.type != "cpu" or weight.device.type != "cpu":
         reasons.append(f"cpp kernels run on CPU tensors (x is on {x.device}, weight on {weight.device})")

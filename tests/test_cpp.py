@@ -58,7 +58,9 @@ SHAPES = [(9, 3, 5, ()), (7, 2, 4, (3,)), (6, 2, 3, (2, 3)), (5, 3, 40, (30,)), 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("t,n,c,feat", SHAPES)
-@pytest.mark.parametrize("k,dilation", [(1, 1), (2, 1), (3, 2), (5, 3)])
+# Orders of every kernel width: 1, 2 (unrolled), 3 and 5 (padded to 4 and 8), 11 (the generic
+# kernel), with lags that reach past the first step of the short sequences (those taps are dropped).
+@pytest.mark.parametrize("k,dilation", [(1, 1), (2, 1), (3, 2), (5, 3), (11, 1)])
 def test_batch_stats_match_reference(layout, t, n, c, feat, k, dilation):
     """Fused statistics == mean/biased var of the reference charge (values and grads of x and W)."""
     torch.manual_seed(t + k)
@@ -105,6 +107,31 @@ def test_fused_fire_matches_surrogate(layout, sg, dtype, t, n, c, feat):
     clear = h_ref.detach().abs() > 1e-4  # rounding may flip a spike where |H| ~ 0
     torch.testing.assert_close(s.double()[clear], s_ref.detach()[clear])
     check_grads(s, s_ref, args, args_ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k,dilation,t", [(4, 1, 9), (8, 1, 9), (8, 2, 5), (12, 1, 20), (12, 1, 7), (3, 4, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
+    """Plain charge and fused ATan fire on each order the kernels specialise (4, 8), the generic
+    kernel (12), and orders whose oldest taps never reach the sequence (their dW must be 0)."""
+    torch.manual_seed(k * 10 + t)
+    x = make_input(t, 3, 21, (), layout, dtype, False)  # 21 lanes: one vector of 16 and 5 single lanes
+    w, b = torch.randn(21, k, dtype=dtype), torch.randn(21, dtype=dtype) * 0.5
+    args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
+    h = ops.charge(*args, dilation, layout, "cpp")
+    h_ref = reference.charge(*args_ref, dilation, layout)
+    torch.testing.assert_close(h.double(), h_ref, **TOL[dtype])
+    check_grads(h, h_ref, args, args_ref, TOL[dtype])
+    args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
+    s = ops.fire(*args, dilation, layout, "cpp", surrogate.ATan())
+    s_ref = surrogate.ATan()(reference.charge(*args_ref, dilation, layout))
+    check_grads(s, s_ref, args, args_ref, TOL[dtype])
+    unreached = [i for i in range(k) if (k - 1 - i) * dilation >= t]
+    if unreached:
+        w_leaf = w.detach().clone().requires_grad_()
+        ops.charge(x, w_leaf, b, dilation, layout, "cpp").pow(2).sum().backward()
+        assert torch.equal(w_leaf.grad[:, unreached], torch.zeros_like(w_leaf.grad[:, unreached]))
 
 
 def test_fire_falls_back_for_other_surrogates():

@@ -4,17 +4,23 @@
 // dims), each lane a sequence of T steps. Lane o of a block has channel o / F. Element (t, n, o) is at
 //   time-first (T, N, C, ...) contiguous:  (t * N + n) * CF + o
 //   time-last  (N, C, ..., T) contiguous:  (n * CF + o) * T + t
-// Work is split into tiles of up to L lanes of one block x all T steps. Every inner loop runs over
-// the lanes of a tile, which are contiguous in time-first tensors (read and written in place) and
-// are gathered into a small [T][L] buffer for time-last ones, so the loops vectorise in both layouts.
+// Work is split into tiles of up to L lanes of one block x all T steps. A tile is a table of row
+// pointers, one row of L lanes per step, padded with a shared zero row before step 0 so that every
+// tap reads a row (X[t < 0] = 0) without a branch. Time-first rows are read and written in place;
+// time-last tiles are gathered into a small [T][L] buffer and scattered back.
+// Within a tile, a kernel that sums over steps (the batch statistics, dW, db) runs column-wise: a
+// vector of lanes goes down all T steps with the taps' weights and the sums in registers. A kernel
+// that only writes runs row-wise: one step across all lanes, so writes are long contiguous runs.
+// Orders up to 8 run kernels with the tap loop unrolled (the order rounded up to 1, 2, 4 or 8 with
+// zero-weight taps); taps whose lag reaches past the first step are dropped (they only read zeros).
 // Per-lane constants (weights, bias) are laid out once per call as [K][CF] arrays; per-lane sums go
-// to per-thread [.][CF] accumulators, reduced to channels in thread order at the end (no atomics:
-// the same result for the same thread count).
+// to per-thread [.][CF] float64 accumulators, reduced to channels in thread order at the end (no
+// atomics: the same result for the same thread count).
 //
 //   charge:  H[t] = sum_i W[c, i] * X[t - (K-1-i) * d] + b[c]          (X[t < 0] = 0)
 //   fire:    S[t] = (H[t] >= 0)
 //   stats:   per-channel mean and biased variance of Y = charge without bias (Y is not written; float64 sums)
-//   backward, one pass per tile, dH formed on the fly (never stored):
+//   backward, dH formed on the fly from a recomputed H (kept for the tile only):
 //     mode 0  dH = G                         (plain charge)
 //     mode 1  dH = G * atan'(H)              (fire with SpikingJelly's ATan surrogate)
 //     mode 2  dH = G * sigmoid'(H)           (fire with SpikingJelly's Sigmoid surrogate)
@@ -23,6 +29,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -49,6 +57,10 @@ struct Geometry {
     bool time_last;
     int64_t CF() const { return C * F; }
     int64_t lag(int i) const { return int64_t(K - 1 - i) * d; }
+    // Taps i < first_tap() only ever read X before step 0 (their lag is >= T): they add nothing.
+    int first_tap() const { return int(std::max<int64_t>(0, K - 1 - (T - 1) / d)); }
+    int taps() const { return K - first_tap(); }
+    int64_t max_lag() const { return lag(first_tap()); }
     // Lanes per tile (see MFPSN_TILE_*).
     int64_t tile() const {
         const int64_t budget = (time_last ? MFPSN_TILE_LAST : MFPSN_TILE_FIRST) / std::max<int64_t>(T, 1);
@@ -69,59 +81,58 @@ int thread_id() {
 #endif
 }
 
-// Rows t = 0..T-1 of a tile: row t at p + t * stride.
+// One thread's view of a tile of a global tensor: row(t) is step t's L lanes, zeros for t outside
+// [0, T) within the padding. Time-first rows point into the tensor; time-last rows into a buffer.
 template <typename S>
-struct Rows {
-    S* p;
-    int64_t stride;
-    S* row(int64_t t) const { return p + t * stride; }
+class Tile {
+  public:
+    Tile(const Geometry& g, int64_t L, int64_t pad) : g_(g), pad_(pad), ptr_(g.T + 2 * pad), zero_(L, S(0)),
+        buf_(g.time_last ? g.T * L : 0) {
+        for (int64_t t = 0; t < pad_; ++t) ptr_[t] = ptr_[pad_ + g.T + t] = zero_.data();
+    }
+    // Point the rows at tile (n, o0 .. o0+m) of src (read: gathered for time-last).
+    void read(const S* src, int64_t n, int64_t o0, int64_t m) {
+        if (!g_.time_last) {
+            for (int64_t t = 0; t < g_.T; ++t) ptr_[pad_ + t] = const_cast<S*>(src) + g_.at(t, n, o0);
+            return;
+        }
+        S* __restrict buf = buf_.data();
+        const int64_t T = g_.T;
+        for (int64_t l = 0; l < m; ++l) {
+            const S* __restrict s = src + g_.at(0, n, o0 + l);
+            for (int64_t t = 0; t < T; ++t) buf[t * m + l] = s[t];
+        }
+        point_at_buffer(m);
+    }
+    // Point the rows at tile (n, o0 .. o0+m) of dst for writing (a buffer for time-last: see flush).
+    void write(S* dst, int64_t n, int64_t o0, int64_t m) {
+        if (!g_.time_last) {
+            for (int64_t t = 0; t < g_.T; ++t) ptr_[pad_ + t] = dst + g_.at(t, n, o0);
+            return;
+        }
+        point_at_buffer(m);
+    }
+    // Scatter a time-last buffer written through the rows to tile (n, o0 .. o0+m) of dst.
+    void flush(S* dst, int64_t n, int64_t o0, int64_t m) const {
+        if (!g_.time_last) return;
+        const S* __restrict buf = buf_.data();
+        const int64_t T = g_.T;
+        for (int64_t l = 0; l < m; ++l) {
+            S* __restrict o = dst + g_.at(0, n, o0 + l);
+            for (int64_t t = 0; t < T; ++t) o[t] = buf[t * m + l];
+        }
+    }
+    S* row(int64_t t) const { return ptr_[pad_ + t]; }
+
+  private:
+    void point_at_buffer(int64_t m) {
+        for (int64_t t = 0; t < g_.T; ++t) ptr_[pad_ + t] = buf_.data() + t * m;
+    }
+    const Geometry& g_;
+    int64_t pad_;
+    std::vector<S*> ptr_;
+    std::vector<S> zero_, buf_;
 };
-
-// The tile (n, o0 .. o0+L) of a global tensor as rows: in place for time-first, else gathered into buf.
-template <typename S>
-Rows<const S> rows_of(const Geometry& g, const S* src, int64_t n, int64_t o0, int64_t L, S* buf) {
-    if (!g.time_last) return {src + g.at(0, n, o0), g.N * g.CF()};
-    for (int64_t l = 0; l < L; ++l) {
-        const S* s = src + g.at(0, n, o0 + l);
-        for (int64_t t = 0; t < g.T; ++t) buf[t * L + l] = s[t];
-    }
-    return {buf, L};
-}
-
-// Write a [T][L] buffer to the tile (n, o0 .. o0+L) of a global tensor, applying f to each value.
-template <typename S, typename Fn>
-void write_tile(const Geometry& g, const S* buf, int64_t n, int64_t o0, int64_t L, S* dst, Fn f) {
-    if (!g.time_last) {
-        for (int64_t t = 0; t < g.T; ++t) {
-            S* o = dst + g.at(t, n, o0);
-            const S* s = buf + t * L;
-            for (int64_t l = 0; l < L; ++l) o[l] = f(s[l]);
-        }
-    } else {
-        for (int64_t l = 0; l < L; ++l) {
-            S* o = dst + g.at(0, n, o0 + l);
-            for (int64_t t = 0; t < g.T; ++t) o[t] = f(buf[t * L + l]);
-        }
-    }
-}
-
-// h[t][l] = sum_i w[i][l] * x[t - lag_i][l] + b[l]; w rows are CF apart (per-lane constants).
-template <typename S>
-void charge_tile(const Geometry& g, Rows<const S> x, const S* __restrict w, const S* __restrict b, int64_t L,
-                 S* __restrict h) {
-    const int64_t cf = g.CF();
-    for (int64_t t = 0; t < g.T; ++t) {
-        S* __restrict hr = h + t * L;
-        for (int64_t l = 0; l < L; ++l) hr[l] = b[l];
-        for (int i = 0; i < g.K; ++i) {
-            const int64_t lag = g.lag(i);
-            if (t < lag) continue;
-            const S* __restrict xr = x.row(t - lag);
-            const S* __restrict wr = w + i * cf;
-            for (int64_t l = 0; l < L; ++l) hr[l] += wr[l] * xr[l];
-        }
-    }
-}
 
 // Per-lane copy of a per-channel vector: out[o] = v[o / F] (zeros for a null v), for count vectors
 // v, v + C, ... written to out, out + CF, ...
@@ -149,45 +160,256 @@ void reduce_lanes(const Geometry& g, const std::vector<double>& acc, int threads
         }
 }
 
+// Add a tile's per-lane partial sums (count rows of m, in S) to double accumulators (rows cf apart).
 template <typename S>
-void forward(const Geometry& g, const S* x, const S* w, const S* b, S* out, int spike, S* mean, S* var,
+void add_partials(const S* part, int count, int64_t m, double* acc, int64_t cf) {
+    for (int j = 0; j < count; ++j)
+        for (int64_t l = 0; l < m; ++l) acc[j * cf + l] += part[j * m + l];
+}
+
+// The taps a kernel runs: the g.taps() that matter (see Geometry::first_tap), preceded by
+// zero-weight padding taps (lag 0) up to KP when the count is rounded up to an unrolled width.
+template <typename S>
+struct Taps {
+    int KP;
+    std::vector<int64_t> lag;  // [KP]
+    std::vector<S> w;          // [KP][CF] per-lane weights
+    Taps(const Geometry& g, const S* weight, int kp) : KP(kp), lag(kp, 0), w(size_t(kp) * g.CF(), S(0)) {
+        const int pad = KP - g.taps(), first = g.first_tap();
+        for (int j = pad; j < KP; ++j) {
+            const int i = first + j - pad;
+            lag[j] = g.lag(i);
+            for (int64_t o = 0; o < g.CF(); ++o) w[j * g.CF() + o] = weight[(o / g.F) * g.K + i];
+        }
+    }
+};
+
+// W lanes at a time: V is a GCC/Clang vector of 64 bytes of S (the compiler splits it into the
+// machine's vector registers), or S itself for the last lanes of a row.
+template <typename S>
+struct VecOf;
+template <>
+struct VecOf<float> {
+    typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct VecOf<double> {
+    typedef double type __attribute__((vector_size(64)));
+};
+template <typename S>
+using Vec = typename VecOf<S>::type;
+
+template <typename V>
+inline V load(const void* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+}
+template <typename V>
+inline void store(void* p, V v) {
+    std::memcpy(p, &v, sizeof(V));
+}
+
+// Theta(h) as 0/1 in h's type (a vector or a scalar of S).
+template <typename S, typename V>
+inline V heaviside(V h) {
+    if constexpr (std::is_same_v<V, S>)
+        return h >= S(0) ? S(1) : S(0);
+    else
+        return __builtin_convertvector(-(h >= S(0)), V);
+}
+
+// The surrogate's derivative at h: mode 1 ATan alpha / 2 / (1 + (pi / 2 * alpha * h)^2),
+// mode 2 Sigmoid alpha * s * (1 - s) with s = sigmoid(alpha * h) (lane by lane: no vector exp).
+template <typename S, typename V>
+inline V surrogate_grad(int mode, V h, S alpha) {
+    if (mode == 1) {
+        const V a = S(M_PI / 2) * alpha * h;
+        return S(0.5) * alpha / (S(1) + a * a);
+    }
+    if constexpr (std::is_same_v<V, S>) {
+        const S s = S(1) / (S(1) + std::exp(-alpha * h));
+        return alpha * s * (S(1) - s);
+    } else {
+        V r;
+        for (size_t i = 0; i < sizeof(V) / sizeof(S); ++i) r[i] = surrogate_grad<S, S>(mode, S(h[i]), alpha);
+        return r;
+    }
+}
+
+// What one tile's kernels read and write, rows as in Tile; per-lane constants start at the tile's
+// first lane. K taps (KT of them when KT > 0, so that the tap loops unroll and the per-tap values
+// stay in registers).
+template <typename S>
+struct TileArgs {
+    const Tile<S>* x;      // input rows (zero-padded before step 0)
+    const Tile<S>* grad;   // dL/dout rows (backward modes 1, 2, 0)
+    Tile<S>* out;          // output rows (forward H or S; backward dL/dX), or null
+    const S* const* w;     // [K] per-lane weights
+    const int64_t* lag;    // [K]
+    const S *b, *a, *c;    // per-lane bias; mode-3 coefficients
+    S* dh;                 // [T + max lag][m] scratch (backward)
+    S* part;               // [count][m] per-lane partial sums of this tile
+    Vec<S>* vec;           // [3][K] column-wise scratch for KT == 0, vectors and single lanes
+    S* one;
+    int64_t T, m;
+    int K, mode;
+    bool spike, sums;
+    S alpha;
+};
+
+// Row-wise: out[l] = b[l] + sum_j w_j[l] * x_j[l] over the m lanes of one step (b may be null), then
+// Theta with spike. KT > 0: KT taps unrolled in one vectorised sweep; KT == 0: one sweep per tap.
+template <typename S, int KT>
+inline void charge_row(int K, const S* const* xj, const S* const* wj, const S* __restrict b, int64_t m,
+                       S* __restrict out, bool spike) {
+    if constexpr (KT > 0) {
+        const S* xr[KT];
+        const S* wr[KT];
+        for (int j = 0; j < KT; ++j) {
+            xr[j] = xj[j];
+            wr[j] = wj[j];
+        }
+        if (b) {
+#pragma omp simd
+            for (int64_t l = 0; l < m; ++l) {
+                S v = b[l];
+                for (int j = 0; j < KT; ++j) v += wr[j][l] * xr[j][l];
+                out[l] = v;
+            }
+        } else {
+#pragma omp simd
+            for (int64_t l = 0; l < m; ++l) {
+                S v = S(0);
+                for (int j = 0; j < KT; ++j) v += wr[j][l] * xr[j][l];
+                out[l] = v;
+            }
+        }
+    } else {
+        for (int64_t l = 0; l < m; ++l) out[l] = b ? b[l] : S(0);
+        for (int j = 0; j < K; ++j) {
+            const S* __restrict x = xj[j];
+            const S* __restrict w = wj[j];
+#pragma omp simd
+            for (int64_t l = 0; l < m; ++l) out[l] += w[l] * x[l];
+        }
+    }
+    if (spike) {
+#pragma omp simd
+        for (int64_t l = 0; l < m; ++l) out[l] = out[l] >= S(0) ? S(1) : S(0);
+    }
+}
+
+// Column-wise kernels: lanes l .. l+W (V a vector of W lanes, or S for one lane) over all steps,
+// with the per-tap values and the sums in registers (KT > 0), or in the tile's scratch (KT == 0).
+template <typename S, typename V>
+inline V* scratch(const TileArgs<S>& p, int which) {
+    if constexpr (std::is_same_v<V, S>)
+        return p.one + which * p.K;
+    else
+        return p.vec + which * p.K;
+}
+
+// Forward: sum H and sum H^2 added to part (and H or S written to out, if any).
+template <typename S, typename V, int KT>
+void sums_lanes(const TileArgs<S>& p, int64_t l) {
+    const int K = KT > 0 ? KT : p.K;
+    V w_[KT > 0 ? KT : 1];
+    V* w = KT > 0 ? w_ : scratch<S, V>(p, 0);
+    for (int j = 0; j < K; ++j) w[j] = load<V>(p.w[j] + l);
+    const V b = load<V>(p.b + l);
+    V s1 = V{} * S(0), s2 = s1;
+    for (int64_t t = 0; t < p.T; ++t) {
+        V h = b;
+        for (int j = 0; j < K; ++j) h += w[j] * load<V>(p.x->row(t - p.lag[j]) + l);
+        if (p.out) store(p.out->row(t) + l, p.spike ? heaviside<S, V>(h) : h);
+        s1 += h;
+        s2 += h * h;
+    }
+    store(p.part + l, load<V>(p.part + l) + s1);
+    store(p.part + p.m + l, load<V>(p.part + p.m + l) + s2);
+}
+
+// Backward, sweep 1: dH per step into the scratch rows (m lanes apart), and the dW and db sums to part.
+template <typename S, typename V, int KT>
+void grad_charge_lanes(const TileArgs<S>& p, int64_t l) {
+    const int K = KT > 0 ? KT : p.K;
+    V w_[KT > 0 ? KT : 1], sw_[KT > 0 ? KT : 1], xv_[KT > 0 ? KT : 1];
+    V* w = KT > 0 ? w_ : scratch<S, V>(p, 0);
+    V* sw = KT > 0 ? sw_ : scratch<S, V>(p, 1);
+    V* xv = KT > 0 ? xv_ : scratch<S, V>(p, 2);
+    const V zero = V{} * S(0);
+    for (int j = 0; j < K; ++j) {
+        w[j] = load<V>(p.w[j] + l);
+        sw[j] = zero;
+    }
+    const V b = load<V>(p.b + l), a = load<V>(p.a + l), c = load<V>(p.c + l);
+    V sb = zero;
+    for (int64_t t = 0; t < p.T; ++t) {
+        for (int j = 0; j < K; ++j) xv[j] = load<V>(p.x->row(t - p.lag[j]) + l);
+        V d;
+        if (p.mode == 0) {
+            d = load<V>(p.grad->row(t) + l);
+        } else {
+            V h = b;
+            for (int j = 0; j < K; ++j) h += w[j] * xv[j];
+            d = p.mode == 3 ? a * h + c : load<V>(p.grad->row(t) + l) * surrogate_grad<S, V>(p.mode, h, p.alpha);
+        }
+        store(p.dh + t * p.m + l, d);
+        sb += d;
+        for (int j = 0; j < K; ++j) sw[j] += d * xv[j];
+    }
+    if (!p.sums) return;
+    store(p.part + l, load<V>(p.part + l) + sb);
+    for (int j = 0; j < K; ++j) store(p.part + (j + 1) * p.m + l, load<V>(p.part + (j + 1) * p.m + l) + sw[j]);
+}
+
+// Run a column-wise kernel over the m lanes of a tile: whole vectors, then the last lanes one by one.
+template <typename S, int KT, void (*Vector)(const TileArgs<S>&, int64_t), void (*One)(const TileArgs<S>&, int64_t)>
+void columns(const TileArgs<S>& p) {
+    constexpr int64_t W = sizeof(Vec<S>) / sizeof(S);
+    int64_t l = 0;
+    for (; l + W <= p.m; l += W) Vector(p, l);
+    for (; l < p.m; ++l) One(p, l);
+}
+
+template <typename S, int KT>
+void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* out, int spike, S* mean, S* var,
              int threads) {
     const bool sums = mean != nullptr;
-    const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per;
-    const std::vector<S> wl = per_lane(g, w, g.K, g.K, 1), bl = per_lane(g, b, 1);
+    const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
+    const Taps<S> taps(g, w, KP);
+    const std::vector<S> bl = per_lane(g, b, 1);
     std::vector<double> acc(sums ? size_t(threads) * 2 * cf : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<S> xt(g.time_last ? g.T * L : 0), h(g.T * L), part(2 * L);
-        double* s1 = sums ? acc.data() + size_t(thread_id()) * 2 * cf : nullptr;
-        double* s2 = s1 ? s1 + cf : nullptr;
+        Tile<S> xs(g, L, pad), os(g, L, 0);
+        std::vector<S> part(2 * L);
+        std::vector<Vec<S>> vec(3 * KP);
+        std::vector<S> one(3 * KP);
+        std::vector<const S*> wj(KP), xj(KP);
+        double* mine = sums ? acc.data() + size_t(thread_id()) * 2 * cf : nullptr;
+        TileArgs<S> p{&xs, nullptr, out ? &os : nullptr, wj.data(), taps.lag.data(), nullptr, nullptr, nullptr,
+                      nullptr, part.data(), vec.data(), one.data(), g.T, 0, KP, 0, spike != 0, sums, S(0)};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             const int64_t n = tile / per, o0 = (tile % per) * L, m = std::min(L, cf - o0);
-            Rows<const S> xr = rows_of(g, x, n, o0, m, xt.data());
-            charge_tile(g, xr, wl.data() + o0, bl.data() + o0, m, h.data());
-            if (out) {
-                if (spike)
-                    write_tile(g, h.data(), n, o0, m, out, [](S v) { return v >= S(0) ? S(1) : S(0); });
-                else
-                    write_tile(g, h.data(), n, o0, m, out, [](S v) { return v; });
-            }
-            if (s1) {  // per-lane sums over this tile's steps in S, then added to the double accumulators
-                S* p1 = part.data();
-                S* p2 = p1 + m;
-                std::fill(p1, p1 + 2 * m, S(0));
+            xs.read(x, n, o0, m);
+            if (out) os.write(out, n, o0, m);
+            std::fill(part.begin(), part.begin() + 2 * m, S(0));
+            for (int j = 0; j < KP; ++j) wj[j] = taps.w.data() + j * cf + o0;
+            p.b = bl.data() + o0;
+            p.m = m;
+            if (sums) {
+                columns<S, KT, sums_lanes<S, Vec<S>, KT>, sums_lanes<S, S, KT>>(p);
+            } else {
                 for (int64_t t = 0; t < g.T; ++t) {
-                    const S* hr = h.data() + t * m;
-                    for (int64_t l = 0; l < m; ++l) {
-                        p1[l] += hr[l];
-                        p2[l] += hr[l] * hr[l];
-                    }
-                }
-                for (int64_t l = 0; l < m; ++l) {
-                    s1[o0 + l] += p1[l];
-                    s2[o0 + l] += p2[l];
+                    for (int j = 0; j < KP; ++j) xj[j] = xs.row(t - taps.lag[j]);
+                    charge_row<S, KT>(KP, xj.data(), wj.data(), p.b, m, os.row(t), spike != 0);
                 }
             }
+            if (out) os.flush(out, n, o0, m);
+            if (mine) add_partials(part.data(), 2, m, mine + o0, cf);
         }
     }
     if (sums) {  // per-channel mean and biased variance from the float64 sums
@@ -202,23 +424,13 @@ void forward(const Geometry& g, const S* x, const S* w, const S* b, S* out, int 
     }
 }
 
-template <typename S>
-inline S surrogate_grad(int mode, S h, S alpha) {
-    if (mode == 1) {  // ATan: alpha / 2 / (1 + (pi / 2 * alpha * h)^2)
-        const S a = S(M_PI / 2) * alpha * h;
-        return S(0.5) * alpha / (S(1) + a * a);
-    }
-    const S s = S(1) / (S(1) + std::exp(-alpha * h));  // Sigmoid: alpha * s * (1 - s)
-    return alpha * s * (S(1) - s);
-}
-
-template <typename S>
-void backward(const Geometry& g, const S* x, const S* w, const S* b, const S* grad, int mode, S alpha,
+template <typename S, int KT>
+void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, const S* grad, int mode, S alpha,
               const S* mean, const S* g_mean, const S* g_var, S* gx, S* gw, S* gb, int threads) {
-    const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per;
-    const int K = g.K;
+    const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const bool sums = gw || gb;
-    const std::vector<S> wl = per_lane(g, w, K, K, 1), bl = per_lane(g, mode == 3 ? nullptr : b, 1);
+    const Taps<S> taps(g, w, KP);
+    const std::vector<S> bl = per_lane(g, mode == 3 ? nullptr : b, 1);
     // Mode 3: dL/dY = a[c] * Y + b[c] with a = 2 dL/dvar / n, b = dL/dmean / n - a * mean.
     std::vector<S> coef_a(mode == 3 ? g.C : 0), coef_b(mode == 3 ? g.C : 0);
     if (mode == 3) {
@@ -231,82 +443,49 @@ void backward(const Geometry& g, const S* x, const S* w, const S* b, const S* gr
     }
     const std::vector<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr, 1),
                          cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr, 1);
-    std::vector<double> acc(sums ? size_t(threads) * (K + 1) * cf : 0, 0.0);
+    std::vector<double> acc(sums ? size_t(threads) * (KP + 1) * cf : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<S> xt(g.time_last ? g.T * L : 0), gt(g.time_last ? g.T * L : 0), dh(g.T * L), gxt(g.T * L),
-            part((K + 1) * L);
-        double* mine = sums ? acc.data() + size_t(thread_id()) * (K + 1) * cf : nullptr;
+        Tile<S> xs(g, L, pad), gs(g, L, 0), os(g, L, 0);
+        std::vector<S> dh((g.T + pad) * L), part((KP + 1) * L);  // dH = 0 after step T-1
+        std::vector<Vec<S>> vec(3 * KP);
+        std::vector<S> one(3 * KP);
+        std::vector<const S*> wj(KP), dj(KP);
+        double* mine = sums ? acc.data() + size_t(thread_id()) * (KP + 1) * cf : nullptr;
+        TileArgs<S> p{&xs, &gs, nullptr, wj.data(), taps.lag.data(), nullptr, nullptr, nullptr,
+                      dh.data(), part.data(), vec.data(), one.data(), g.T, 0, KP, mode, false, sums, alpha};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             const int64_t n = tile / per, o0 = (tile % per) * L, m = std::min(L, cf - o0);
-            Rows<const S> xr = rows_of(g, x, n, o0, m, xt.data());
-            S* d = dh.data();
-            if (mode == 0) {
-                Rows<const S> gr = rows_of(g, grad, n, o0, m, gt.data());
-                for (int64_t t = 0; t < g.T; ++t) std::copy(gr.row(t), gr.row(t) + m, d + t * m);
-            } else if (mode == 3) {
-                charge_tile(g, xr, wl.data() + o0, bl.data() + o0, m, d);
-                const S* a = al.data() + o0;
-                const S* c = cl.data() + o0;
-                for (int64_t t = 0; t < g.T; ++t)
-                    for (int64_t l = 0; l < m; ++l) d[t * m + l] = a[l] * d[t * m + l] + c[l];
-            } else {
-                charge_tile(g, xr, wl.data() + o0, bl.data() + o0, m, d);
-                Rows<const S> gr = rows_of(g, grad, n, o0, m, gt.data());
+            xs.read(x, n, o0, m);
+            if (mode != 3) gs.read(grad, n, o0, m);
+            if (gx) os.write(gx, n, o0, m);
+            std::fill(part.begin(), part.begin() + (KP + 1) * m, S(0));
+            std::fill(dh.begin() + g.T * m, dh.begin() + (g.T + pad) * m, S(0));  // dH = 0 after step T-1
+            for (int j = 0; j < KP; ++j) wj[j] = taps.w.data() + j * cf + o0;
+            p.b = bl.data() + o0;
+            p.a = al.data() + o0;
+            p.c = cl.data() + o0;
+            p.m = m;
+            columns<S, KT, grad_charge_lanes<S, Vec<S>, KT>, grad_charge_lanes<S, S, KT>>(p);
+            if (gx) {  // sweep 2: dL/dX[t] = sum_j W[j] * dH[t + lag_j] (dH is zero past the last step)
                 for (int64_t t = 0; t < g.T; ++t) {
-                    const S* gg = gr.row(t);
-                    S* dd = d + t * m;
-                    for (int64_t l = 0; l < m; ++l) dd[l] = gg[l] * surrogate_grad(mode, dd[l], alpha);
+                    for (int j = 0; j < KP; ++j) dj[j] = dh.data() + (t + taps.lag[j]) * m;
+                    charge_row<S, KT>(KP, dj.data(), wj.data(), nullptr, m, os.row(t), false);
                 }
+                os.flush(gx, n, o0, m);
             }
-            if (mine) {  // per-lane sums over this tile's steps in S, then added to the double accumulators
-                S* pb = part.data();
-                S* pw = pb + m;
-                std::fill(pb, pb + (K + 1) * m, S(0));
-                for (int64_t t = 0; t < g.T; ++t) {
-                    const S* dd = d + t * m;
-                    for (int64_t l = 0; l < m; ++l) pb[l] += dd[l];
-                    for (int i = 0; i < K; ++i) {
-                        const int64_t lag = g.lag(i);
-                        if (t < lag) continue;
-                        const S* xx = xr.row(t - lag);
-                        S* pwi = pw + i * m;
-                        for (int64_t l = 0; l < m; ++l) pwi[l] += dd[l] * xx[l];
-                    }
-                }
-                double* sb = mine + K * cf + o0;
-                for (int64_t l = 0; l < m; ++l) sb[l] += pb[l];
-                for (int i = 0; i < K; ++i) {
-                    double* sw = mine + i * cf + o0;
-                    const S* pwi = pw + i * m;
-                    for (int64_t l = 0; l < m; ++l) sw[l] += pwi[l];
-                }
-            }
-            if (gx) {
-                S* o = gxt.data();
-                for (int64_t t = 0; t < g.T; ++t) {
-                    S* orow = o + t * m;
-                    for (int64_t l = 0; l < m; ++l) orow[l] = S(0);
-                    for (int i = 0; i < K; ++i) {
-                        const int64_t lag = g.lag(i);
-                        if (t + lag >= g.T) continue;
-                        const S* dd = d + (t + lag) * m;
-                        const S* wr = wl.data() + i * cf + o0;
-                        for (int64_t l = 0; l < m; ++l) orow[l] += wr[l] * dd[l];
-                    }
-                }
-                write_tile(g, o, n, o0, m, gx, [](S v) { return v; });
-            }
+            if (mine) add_partials(part.data(), KP + 1, m, mine + o0, cf);
         }
     }
-    if (sums) {
-        std::vector<double> total((K + 1) * g.C);
-        reduce_lanes(g, acc, threads, K + 1, total.data(), K + 1, 1);
+    if (sums) {  // per-channel sums of the real taps (the padding taps are dropped)
+        std::vector<double> total((KP + 1) * g.C);
+        reduce_lanes(g, acc, threads, KP + 1, total.data(), KP + 1, 1);
+        const int first = g.first_tap(), skip = KP - g.taps() - first;  // tap i sums in row 1 + skip + i
         for (int64_t c = 0; c < g.C; ++c) {
             if (gw)
-                for (int i = 0; i < K; ++i) gw[c * K + i] = S(total[c * (K + 1) + i]);
-            if (gb) gb[c] = S(total[c * (K + 1) + K]);
+                for (int i = 0; i < g.K; ++i) gw[c * g.K + i] = i < first ? S(0) : S(total[c * (KP + 1) + 1 + skip + i]);
+            if (gb) gb[c] = S(total[c * (KP + 1)]);
         }
     }
 }
@@ -315,20 +494,36 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
     return Geometry{T, N, C, F, K, d, time_last != 0};
 }
 
+// Run CALL(KT, KP) with the order K rounded up to an unrolled width KT = KP in {1, 2, 4, 8}, or with
+// the generic kernel (KT = 0, KP = K) above that.
+#define MFPSN_DISPATCH_K(K, CALL)             \
+    if (K <= 1) CALL(1, 1);                   \
+    else if (K <= 2) CALL(2, 2);              \
+    else if (K <= 4) CALL(4, 4);              \
+    else if (K <= 8) CALL(8, 8);              \
+    else CALL(0, K);
+
 }  // namespace
 
-#define MFPSN_EXPORT(S, suffix)                                                                              \
-    extern "C" void mfpsn_forward_##suffix(const S* x, const S* w, const S* b, S* out, int spike, S* mean,       \
-                                            S* var, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,   \
-                                            int time_last, int threads) {                                       \
-        forward<S>(geometry(T, N, C, F, K, d, time_last), x, w, b, out, spike, mean, var, threads);            \
+#define MFPSN_FWD(KT, KP) forward<S, KT>(g, KP, x, w, b, out, spike, mean, var, threads)
+#define MFPSN_BWD(KT, KP) \
+    backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, gw, gb, threads)
+
+#define MFPSN_EXPORT(T_, suffix)                                                                              \
+    extern "C" void mfpsn_forward_##suffix(const T_* x, const T_* w, const T_* b, T_* out, int spike, T_* mean,   \
+                                            T_* var, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,  \
+                                            int time_last, int threads) {                                      \
+        using S = T_;                                                                                          \
+        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
+        MFPSN_DISPATCH_K(g.taps(), MFPSN_FWD)                                                                         \
     }                                                                                                          \
-    extern "C" void mfpsn_backward_##suffix(const S* x, const S* w, const S* b, const S* grad, int mode,        \
-                                             double alpha, const S* mean, const S* g_mean, const S* g_var,      \
-                                             S* gx, S* gw, S* gb, int64_t T, int64_t N, int64_t C, int64_t F, int K, \
-                                             int d, int time_last, int threads) {                               \
-        backward<S>(geometry(T, N, C, F, K, d, time_last), x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, \
-                    gw, gb, threads);                                                                          \
+    extern "C" void mfpsn_backward_##suffix(const T_* x, const T_* w, const T_* b, const T_* grad, int mode,    \
+                                             double alpha, const T_* mean, const T_* g_mean, const T_* g_var,   \
+                                             T_* gx, T_* gw, T_* gb, int64_t T, int64_t N, int64_t C, int64_t F, \
+                                             int K, int d, int time_last, int threads) {                        \
+        using S = T_;                                                                                          \
+        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
+        MFPSN_DISPATCH_K(g.taps(), MFPSN_BWD)                                                                         \
     }
 
 MFPSN_EXPORT(float, f32)

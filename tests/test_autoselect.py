@@ -514,3 +514,18 @@ def test_second_call_on_a_net_already_running_the_plan_runs_no_forward(tmp_path)
         m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
     r3 = mf.autoselect(other, x, cache=path, measure_fn=_no_timing, progress=False)
     assert calls and (r3.layout, r3.methods) == (r1.layout, r1.methods)
+
+
+def test_fused_kernels_are_timed_first_then_the_layers_default():
+    """The order candidates are timed in: a fast first time lets the slow ones be abandoned early."""
+    x = torch.rand(6, 3, 4)
+    sn = MulFreeChannelwisePSN(4, k=2, step_mode="m")
+    order = tuner._ordered(sn, (x,))
+    assert sorted(order) == sorted(sn.candidate_methods)
+    fused = [c for c in order if ops.get(c).backend != "torch"]
+    assert order[:len(fused)] == fused  # every non-torch backend's kernel first ('cpp' here when built)
+    assert order[len(fused)] == sn.resolve_method(x)  # then the layer's own default ('shift_add')
+    if "cpp" in ops.names():
+        assert order[0] == "cpp"
+    lin = nn.Linear(3, 2)
+    assert tuner._ordered(lin, (torch.rand(2, 3),)) == ["-"]

@@ -81,6 +81,58 @@ int thread_id() {
 #endif
 }
 
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols: the gather (lanes x steps
+// -> steps x lanes) and scatter of time-last tiles. Blocks of 8 x 8 are transposed in registers
+// (three rounds of two-vector shuffles) where the compiler has __builtin_shufflevector; the edges,
+// and everything elsewhere, element by element.
+template <typename S>
+struct Eight {
+    typedef S type __attribute__((vector_size(8 * sizeof(S))));
+};
+
+template <typename S>
+void transpose(const S* __restrict src, int64_t src_stride, S* __restrict dst, int64_t dst_stride, int64_t rows,
+               int64_t cols) {
+    int64_t r0 = 0, c0 = 0;
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+    using V = typename Eight<S>::type;
+    const int64_t rows8 = rows - rows % 8, cols8 = cols - cols % 8;
+    for (int64_t r = 0; r < rows8; r += 8)
+        for (int64_t c = 0; c < cols8; c += 8) {
+            V a[8], b[8];
+            for (int i = 0; i < 8; ++i) std::memcpy(&a[i], src + (r + i) * src_stride + c, sizeof(V));
+            for (int i = 0; i < 8; i += 2) {  // interleave pairs of rows
+                b[i] = __builtin_shufflevector(a[i], a[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+                b[i + 1] = __builtin_shufflevector(a[i], a[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+            }
+            for (int i = 0; i < 8; i += 4) {  // then pairs of pairs
+                a[i] = __builtin_shufflevector(b[i], b[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+                a[i + 1] = __builtin_shufflevector(b[i], b[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+                a[i + 2] = __builtin_shufflevector(b[i + 1], b[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+                a[i + 3] = __builtin_shufflevector(b[i + 1], b[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+            }
+            for (int i = 0; i < 4; ++i) {  // then halves: column i and i + 4 of the block
+                b[i] = __builtin_shufflevector(a[i], a[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+                b[i + 4] = __builtin_shufflevector(a[i], a[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+            }
+            for (int i = 0; i < 8; ++i) std::memcpy(dst + (c + i) * dst_stride + r, &b[i], sizeof(V));
+        }
+    r0 = rows8;
+    c0 = cols8;
+    for (int64_t r = 0; r < rows8; ++r)  // the columns past the last whole block
+        for (int64_t c = c0; c < cols; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
+#endif
+    // The rows past the last whole block (or every row), the outer loop over the longer side: runs
+    // of the shorter side are written (or read) with a stride, whole rows of the longer one are not.
+    if (rows - r0 >= cols) {
+        for (int64_t r = r0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
+    } else {
+        for (int64_t c = 0; c < cols; ++c)
+            for (int64_t r = r0; r < rows; ++r) dst[c * dst_stride + r] = src[r * src_stride + c];
+    }
+}
+
 // One thread's view of a tile of a global tensor: row(t) is step t's L lanes, zeros for t outside
 // [0, T) within the padding. Time-first rows point into the tensor; time-last rows into a buffer.
 template <typename S>
@@ -96,12 +148,7 @@ class Tile {
             for (int64_t t = 0; t < g_.T; ++t) ptr_[pad_ + t] = const_cast<S*>(src) + g_.at(t, n, o0);
             return;
         }
-        S* __restrict buf = buf_.data();
-        const int64_t T = g_.T;
-        for (int64_t l = 0; l < m; ++l) {
-            const S* __restrict s = src + g_.at(0, n, o0 + l);
-            for (int64_t t = 0; t < T; ++t) buf[t * m + l] = s[t];
-        }
+        transpose(src + g_.at(0, n, o0), g_.T, buf_.data(), m, m, g_.T);  // lanes x steps -> steps x lanes
         point_at_buffer(m);
     }
     // Point the rows at tile (n, o0 .. o0+m) of dst for writing (a buffer for time-last: see flush).
@@ -115,12 +162,7 @@ class Tile {
     // Scatter a time-last buffer written through the rows to tile (n, o0 .. o0+m) of dst.
     void flush(S* dst, int64_t n, int64_t o0, int64_t m) const {
         if (!g_.time_last) return;
-        const S* __restrict buf = buf_.data();
-        const int64_t T = g_.T;
-        for (int64_t l = 0; l < m; ++l) {
-            S* __restrict o = dst + g_.at(0, n, o0 + l);
-            for (int64_t t = 0; t < T; ++t) o[t] = buf[t * m + l];
-        }
+        transpose(buf_.data(), m, dst + g_.at(0, n, o0), g_.T, g_.T, m);
     }
     S* row(int64_t t) const { return ptr_[pad_ + t]; }
 

@@ -221,19 +221,22 @@ def part_overhead(args, out):
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(task.train_set, ex.batch_size, shuffle=True)
     net = task.net
-    fresh = copy.deepcopy(net)  # the same network in a later run: time-first, nothing chosen yet
+    # The same network in later runs of a script: time-first, nothing chosen yet.
+    fresh = [copy.deepcopy(net) for _ in range(args.repeats)]
     x_example = task.to_input(next(iter(loader))[0])
+
+    def seconds(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as d:
         cache = os.path.join(d, "c.json")
-        t0 = time.perf_counter()
-        mf.autoselect(net, x_example, cache=cache, progress=False)
-        cold = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        mf.autoselect(net, x_example, cache=cache, progress=False)
-        warm = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        mf.autoselect(fresh, x_example, cache=cache, progress=False)
-        warm_fresh = time.perf_counter() - t0
+        cold = seconds(lambda: mf.autoselect(net, x_example, cache=cache, progress=False))
+        # Warm calls: medians over repeats (each fast enough for one noisy sample to mislead).
+        warm = median([seconds(lambda: mf.autoselect(net, x_example, cache=cache, progress=False))
+                       for _ in range(args.repeats)])
+        warm_fresh = median([seconds(lambda f=f: mf.autoselect(f, x_example, cache=cache, progress=False))
+                             for f in fresh])
     opt = torch.optim.AdamW(net.parameters(), lr=ex.lr)
     t0 = time.perf_counter()
     for x, y in loader:
@@ -248,7 +251,7 @@ def part_overhead(args, out):
     text = ["## 3. Autoselect overhead vs one epoch of the digits example", "",
             f"One training epoch of `examples/train_sequential.py` with its defaults ({len(loader)} steps of "
             f"{ex.batch_size}, {torch.get_num_threads()} torch thread(s)): {epoch:.2f} s. The cold call is the "
-            "first autoselect of the process.", "",
+            f"first autoselect of the process; warm times are medians of {args.repeats} calls.", "",
             markdown_table(["autoselect", "time", "percent of an epoch"], rows), ""]
     for r in rows:
         print(" | ".join(r), flush=True)

@@ -454,9 +454,11 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         # Key and reference outputs come from the time-first form, so that a network an earlier call
         # already converted finds its plan as well. The first forward materialises lazy parameters.
         _convert(net, "time_first")
+        suffix = f"+compile:{compile_backend}" if compile_backend else ""
+        whole_key = None
         if not _has_lazy(net):
-            plan = cache.get_plan(net_key(net, x_example, layouts)
-                                  + (f"+compile:{compile_backend}" if compile_backend else ""))
+            whole_key = net_key(net, x_example, layouts) + suffix
+            plan = cache.get_plan(whole_key)
             if _is_applied(plan, start_layout, start_methods, layouts):
                 # This network already runs the stored plan (checked when it was applied): no forward.
                 _apply(net, plan["layout"], plan["methods"])
@@ -471,7 +473,8 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         except Exception:  # noqa: BLE001  (the network needs its whole batch: check on that)
             probe = x_example
             probe_reference = _outputs(net, probe)
-        whole_key = net_key(net, x_example, layouts) + (f"+compile:{compile_backend}" if compile_backend else "")
+        if whole_key is None:  # lazy parameters, materialised by the forward above
+            whole_key = net_key(net, x_example, layouts) + suffix
         if _apply_cached_plan(net, x_example, cache.get_plan(whole_key), layouts, probe, probe_reference, report):
             if compile_backend and report.compiled:
                 _compile(net, compile_backend)

@@ -96,7 +96,7 @@ def count_triton(mode: Traffic):
 def count_cpp(mode: Traffic):
     """Count the C++ kernels (backend 'cpp') into ``mode``: a forward reads X once and writes its output
     (none for the batch statistics); a backward reads X, and dL/dS or dL/dH unless it is the
-    statistics' backward, and writes dL/dX. Like a Triton tile, the k shifted reads of a tile hit the cache."""
+    statistics' backward, and writes dL/dX (reading it too when it adds to it). Like a Triton tile, the k shifted reads of a tile hit the cache."""
     from spikingjelly_mfpsn.ops import cpp_ops
     real_fwd, real_bwd = cpp_ops.forward, cpp_ops.backward
 
@@ -106,9 +106,10 @@ def count_cpp(mode: Traffic):
         mode.written += 0 if stats else _bytes(out)
         return out
 
-    def backward(x, weight, bias, grad, *args):
+    def backward(x, weight, bias, grad, *args, add_to=None):
         mode.read += _bytes(x) + (_bytes(grad) if grad is not None else 0)
-        gx, gw, gb = real_bwd(x, weight, bias, grad, *args)
+        mode.read += _bytes(add_to) if add_to is not None else 0  # dL/dX added to what it holds
+        gx, gw, gb = real_bwd(x, weight, bias, grad, *args, add_to=add_to)
         mode.written += _bytes(gx) if gx is not None else 0
         return gx, gw, gb
 

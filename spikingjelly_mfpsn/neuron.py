@@ -126,6 +126,9 @@ class ChargeNeuronBase(MemoryModule):
         layout = self._layout
         method = self.resolve_method(x_seq, layout)
         xp = self._promoted(x_seq)
+        fused = self._fused_spikes(xp, method)
+        if fused is not None:
+            return fused if fused.dtype == x_seq.dtype else fused.to(x_seq.dtype)
 
         def run_stats(w):
             mean, var = ops.batch_stats(xp, w, self.dilation, layout, method)
@@ -135,6 +138,10 @@ class ChargeNeuronBase(MemoryModule):
             return ops.fire(xp, w, b, self.dilation, layout, method, self.surrogate_function)
 
         return self._spikes(x_seq, run_stats, run_fire)
+
+    def _fused_spikes(self, xp: torch.Tensor, method: str) -> Optional[torch.Tensor]:
+        """Spikes from an implementation's fused whole training forward (``ops.bn_fire``), or None."""
+        return None
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -377,6 +384,21 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             if shift.abs().max() > 127:
                 raise ValueError("a shift amount does not fit in int8; the weights span too many octaves")
             return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
+
+    def _fused_spikes(self, xp: torch.Tensor, method: str) -> Optional[torch.Tensor]:
+        """BN-threshold training through the implementation's fused forward where it has one (same
+        math as :meth:`_weight_bias_for` and ``ops.fire``; not under autocast, which takes the general
+        path and its fp32 promotion)."""
+        if not (self.threshold == "bn" and self.training) or torch.is_autocast_enabled(xp.device.type):
+            return None
+        out = ops.bn_fire(xp, self.weight, self.gamma, self.beta, self.eps, self.ste if self.quantize else None,
+                          self.dilation, self._layout, method, self.surrogate_function)
+        if out is None:
+            return None
+        self._check_finite(self.weight)  # before any state changes: NaN weights give an error, not spikes
+        spikes, mean, var = out
+        self._update_running_stats(mean, var, xp.numel() // max(self.channels, 1))
+        return spikes
 
     def _weight_bias_for(self, run_stats):
         """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""

@@ -189,6 +189,65 @@ def test_neuron_backend_cpp(layout, threshold):
     torch.testing.assert_close(fast(x), ref(x))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("quantize,ste", [(True, "whole"), (True, "round"), (False, "whole")])
+@pytest.mark.parametrize("sg", [surrogate.ATan(), surrogate.Sigmoid(alpha=1.5)], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, dtype, monkeypatch):
+    """BN-threshold training on 'cpp' runs as one autograd node (statistics, folding, quantiser and
+    spikes; the statistics' dL/dX added in place) and equals a graph autograd builds op by op: in
+    float64 the torch neuron's, in float32 the general path of 'cpp' itself (the same kernels, so no
+    spike flips where float32 rounding differs). Spikes, dL/dX, every parameter's gradient and the
+    running statistics, over two steps."""
+    torch.manual_seed(11)
+    ref = neuron.MulFreeChannelwisePSN(6, k=5, dilation=2, step_mode="m", layout=layout, quantize=quantize,
+                                       ste=ste, surrogate_function=sg, exp_init=False, method="shift_add").to(dtype)
+    with torch.no_grad():
+        ref.gamma.uniform_(0.5, 1.5)
+        ref.beta.uniform_(-1.0, 0.5)
+    fast = copy.deepcopy(ref)
+    fast.method = "cpp"
+    if dtype == torch.float32:
+        ref.method = "cpp"
+        monkeypatch.setattr(ref, "_fused_spikes", lambda xp, method: None)
+    shape = (11, 3, 6, 5) if layout == "time_first" else (3, 6, 5, 11)
+    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for _ in range(2):
+        x = torch.randn(shape, dtype=dtype) * 2
+        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        sr, sf = ref(xr), fast(xf)
+        assert type(sf.grad_fn).__name__ == "_CppBNFireBackward"
+        assert type(sr.grad_fn).__name__ != "_CppBNFireBackward"
+        torch.testing.assert_close(sf, sr)
+        g = torch.randn_like(sr)
+        (sr * g).sum().backward()
+        (sf * g).sum().backward()
+        torch.testing.assert_close(xf.grad, xr.grad, **tol)
+        for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"grad {name}: {m}")
+        for a, b in zip(ref.buffers(), fast.buffers()):
+            torch.testing.assert_close(a, b, **tol)
+
+
+def test_fused_bn_training_falls_back_where_it_does_not_apply():
+    """Other surrogates, eval mode and autocast take the general path (two kernels, autograd between)."""
+    x = torch.randn(7, 2, 4, requires_grad=True)
+    sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="m", method="cpp", surrogate_function=surrogate.PiecewiseQuadratic())
+    assert type(sn(x).grad_fn).__name__ != "_CppBNFireBackward"
+    sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="m", method="cpp")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(sn(x).grad_fn).__name__ != "_CppBNFireBackward"
+    assert type(sn(x).grad_fn).__name__ == "_CppBNFireBackward"
+    sn.eval()
+    assert type(sn(x).grad_fn).__name__ != "_CppBNFireBackward"
+    x_nan = torch.randn(7, 2, 4)
+    with torch.no_grad():
+        sn.weight[0, 0] = float("nan")
+    sn.train()
+    with pytest.raises(ValueError, match="NaN or inf"):
+        sn(x_nan)
+
+
 def test_requirements_name_the_problem():
     impl = ops.get("cpp")
     x = torch.randn(4, 2, 3)

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..quantize import quantize_grad, quantize_pow2_
+from .reduce import fold_bn, fold_bn_backward
 from .registry import (Implementation, channel_dim, note_unavailable, register, surrogate_kind,
                        time_dim)
 
@@ -131,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fwd.argtypes = [p, p, p, p, i32, p, p] + geometry
         fwd.restype = None
         bwd = getattr(lib, f"mfpsn_backward_{suffix}")
-        bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, p, p] + geometry
+        bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, i32, p, p] + geometry
         bwd.restype = None
 
 
@@ -165,12 +167,13 @@ def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
     return (mean, var) if stats else out
 
 
-def backward(x, weight, bias, grad, mode, alpha, stats_grad, dilation, layout, need_gx, need_sums):
+def backward(x, weight, bias, grad, mode, alpha, stats_grad, dilation, layout, need_gx, need_sums, add_to=None):
     """Run the backward kernel on contiguous tensors: ``(dL/dX, dL/dW, dL/db)``, each None unless
-    asked for. ``stats_grad`` is ``(mean, dL/dmean, dL/dvar)`` for the statistics' backward (mode 3)."""
+    asked for. ``stats_grad`` is ``(mean, dL/dmean, dL/dvar)`` for the statistics' backward (mode 3).
+    ``add_to``: a contiguous tensor like ``x`` that dL/dX is added to (and returned as dL/dX)."""
     lib = library()
     c, k = weight.shape
-    gx = torch.empty_like(x) if need_gx else None
+    gx = add_to if add_to is not None else torch.empty_like(x) if need_gx else None
     new = weight.new_empty if x.numel() else weight.new_zeros  # the kernel writes every entry
     gw = new(c, k) if need_sums else None
     gb = new(c) if need_sums else None
@@ -178,7 +181,7 @@ def backward(x, weight, bias, grad, mode, alpha, stats_grad, dilation, layout, n
     if x.numel():
         getattr(lib, f"mfpsn_backward_{DTYPES[x.dtype]}")(
             _ptr(x), _ptr(weight), _ptr(bias), _ptr(grad), mode, float(alpha), _ptr(mean), _ptr(g_mean),
-            _ptr(g_var), _ptr(gx), _ptr(gw), _ptr(gb), *_geometry(x, k, dilation, layout))
+            _ptr(g_var), _ptr(gx), int(add_to is not None), _ptr(gw), _ptr(gb), *_geometry(x, k, dilation, layout))
     return gx, gw, gb
 
 
@@ -251,6 +254,40 @@ class _CppStats(torch.autograd.Function):
         gx, gw = _stats_bwd(x, weight, mean, *_stats_grads(mean, g_mean, g_var), *ctx.args,
                             ctx.needs_input_grad[:2])
         return gx, gw, None, None
+
+
+class _CppBNFire(torch.autograd.Function):
+    """The training forward of a BN-threshold neuron as one autograd node: the batch statistics of
+    charge(X, W), W and b folded from them (``reduce.fold_bn``) and quantised, then the spikes.
+
+    The backward runs the spike kernel (dL/dX, dL/dWq, dL/db), the folding's and the quantiser's
+    gradients in closed form, then the statistics' kernel, which adds its dL/dX to the spike kernel's
+    in place: no second X-sized gradient, no autograd sum, no per-channel autograd nodes. Only X and
+    per-channel tensors are saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha):
+        x = x.contiguous()
+        mean, var = _stats_fwd(x, weight, dilation, layout)
+        wf, b = fold_bn(weight, gamma, beta, mean, var, eps)
+        wq = quantize_pow2_(wf) if ste else wf
+        s = _charge_fwd(x, wq, b, dilation, layout, kind)
+        ctx.save_for_backward(x, weight, gamma, mean, var, wf, wq, b)
+        ctx.args = (eps, ste, dilation, layout, kind, alpha)
+        ctx.mark_non_differentiable(mean, var)
+        return s, mean, var
+
+    @staticmethod
+    def backward(ctx, grad, _g_mean, _g_var):
+        x, weight, gamma, mean, var, wf, wq, b = ctx.saved_tensors
+        eps, ste, dilation, layout, kind, alpha = ctx.args
+        need_x = ctx.needs_input_grad[0]
+        gx, g_wq, g_b = _charge_bwd(x, wq, b, grad, dilation, layout, kind, alpha, (need_x, True, True))
+        g_wf = quantize_grad(wf, wq, g_wq, ste) if ste else g_wq
+        g_weight, g_gamma, g_beta, g_mean, g_var = fold_bn_backward(g_wf, g_b, weight, gamma, mean, var, eps)
+        gx, g_w_stats, _ = backward(x, weight.contiguous(), None, None, _MODE_STATS, 0.0, (mean, g_mean, g_var),
+                                    dilation, layout, need_x, True, add_to=gx)
+        return gx, g_weight + g_w_stats, g_gamma, g_beta, None, None, None, None, None, None
 
 
 # Custom ops: what torch.compile traces instead of the autograd Functions above.
@@ -356,6 +393,16 @@ def stats(x, weight, dilation, layout):
     return _CppStats.apply(x, weight, dilation, layout)
 
 
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function):
+    """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
+    surrogate the kernel does not know or under torch.compile (which traces the separate custom ops)."""
+    kind = surrogate_kind(surrogate_function)
+    if not kind or torch.compiler.is_compiling():
+        return None
+    return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,
+                            float(surrogate_function.alpha))
+
+
 def requirements(x, weight, dilation, layout) -> list[str]:
     reasons = []
     if x.device.type != "cpu" or weight.device.type != "cpu":
@@ -368,7 +415,7 @@ def requirements(x, weight, dilation, layout) -> list[str]:
 
 IMPLEMENTATION = Implementation("cpp", "cpp", ("time_first", "time_last"), charge,
                                 "fused C++/OpenMP CPU kernels: charge, spike and batch statistics",
-                                requirements, fire, stats)
+                                requirements, fire, stats, bn_fire)
 
 
 def register_if_available() -> Optional[str]:

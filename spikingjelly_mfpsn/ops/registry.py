@@ -97,8 +97,9 @@ class Implementation:
 
     ``fn(x, weight, bias, dilation, layout) -> h`` does the work; ``layouts`` lists the layouts it
     accepts; ``requirements`` is an optional function returning extra reasons it cannot run a call
-    (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike and ``stats`` an
-    optional fused charge + batch statistics (see the module docstring).
+    (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike, ``stats`` an
+    optional fused charge + batch statistics, and ``bn_fire`` an optional whole training forward of a
+    BN-threshold neuron (see :func:`bn_fire`).
     """
 
     name: str
@@ -109,6 +110,7 @@ class Implementation:
     requirements: Optional[Callable[..., list[str]]] = field(default=None, compare=False)
     fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
     stats: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = field(default=None, compare=False)
+    bn_fire: Optional[Callable[..., Optional[tuple]]] = field(default=None, compare=False)
     autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
@@ -222,6 +224,19 @@ def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: st
     if impl.stats is not None:
         return impl.stats(x, weight, dilation, layout)
     return reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
+
+
+def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
+            ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function) -> Optional[tuple]:
+    """The training forward of a BN-threshold neuron as one fused step, or None where the implementation
+    has none (or not for this surrogate): ``(spikes, mean, var)`` with ``spikes`` differentiable w.r.t.
+    x, weight, gamma and beta and the batch statistics ``mean, var`` (biased) of the bias-free charge,
+    for the running statistics. The same math as ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with
+    ``ste`` (None: no quantisation), then ``fire``."""
+    impl = _checked(x, weight, None, dilation, layout, method)
+    if impl.bn_fire is None:
+        return None
+    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function)
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

@@ -25,7 +25,8 @@
 //     mode 1  dH = G * atan'(H)              (fire with SpikingJelly's ATan surrogate)
 //     mode 2  dH = G * sigmoid'(H)           (fire with SpikingJelly's Sigmoid surrogate)
 //     mode 3  dH = A[c] * Y + B[c]           (backward of the batch statistics, from dL/dmean and dL/dvar)
-//     dX[t] = sum_i W[c, i] * dH[t + (K-1-i) * d];  dW[c, i] = sum dH[t] X[t - (K-1-i) * d];  db[c] = sum dH
+//     dX[t] = sum_i W[c, i] * dH[t + (K-1-i) * d]  (written, or added to what dX holds: accumulate)
+//     dW[c, i] = sum dH[t] X[t - (K-1-i) * d];  db[c] = sum dH
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -300,11 +301,11 @@ struct TileArgs {
     S alpha;
 };
 
-// Row-wise: out[l] = b[l] + sum_j w_j[l] * x_j[l] over the m lanes of one step (b may be null), then
-// Theta with spike. KT > 0: KT taps unrolled in one vectorised sweep; KT == 0: one sweep per tap.
+// Row-wise: out[l] = b[l] + sum_j w_j[l] * x_j[l] over the m lanes of one step (b may be null, or out
+// itself to add to it), then Theta with spike. KT > 0: KT taps unrolled in one vectorised sweep;
+// KT == 0: one sweep per tap.
 template <typename S, int KT>
-inline void charge_row(int K, const S* const* xj, const S* const* wj, const S* __restrict b, int64_t m,
-                       S* __restrict out, bool spike) {
+inline void charge_row(int K, const S* const* xj, const S* const* wj, const S* b, int64_t m, S* out, bool spike) {
     if constexpr (KT > 0) {
         const S* xr[KT];
         const S* wr[KT];
@@ -328,7 +329,8 @@ inline void charge_row(int K, const S* const* xj, const S* const* wj, const S* _
             }
         }
     } else {
-        for (int64_t l = 0; l < m; ++l) out[l] = b ? b[l] : S(0);
+        if (b != out)
+            for (int64_t l = 0; l < m; ++l) out[l] = b ? b[l] : S(0);
         for (int j = 0; j < K; ++j) {
             const S* __restrict x = xj[j];
             const S* __restrict w = wj[j];
@@ -468,7 +470,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
 
 template <typename S, int KT>
 void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, const S* grad, int mode, S alpha,
-              const S* mean, const S* g_mean, const S* g_var, S* gx, S* gw, S* gb, int threads) {
+              const S* mean, const S* g_mean, const S* g_var, S* gx, int accumulate, S* gw, S* gb, int threads) {
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const bool sums = gw || gb;
     const Taps<S> taps(g, w, KP);
@@ -501,7 +503,10 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             const int64_t n = tile / per, o0 = (tile % per) * L, m = std::min(L, cf - o0);
             xs.read(x, n, o0, m);
             if (mode != 3) gs.read(grad, n, o0, m);
-            if (gx) os.write(gx, n, o0, m);
+            if (gx && accumulate)
+                os.read(gx, n, o0, m);  // dL/dX is added to what gx holds
+            else if (gx)
+                os.write(gx, n, o0, m);
             std::fill(part.begin(), part.begin() + (KP + 1) * m, S(0));
             std::fill(dh.begin() + g.T * m, dh.begin() + (g.T + pad) * m, S(0));  // dH = 0 after step T-1
             for (int j = 0; j < KP; ++j) wj[j] = taps.w.data() + j * cf + o0;
@@ -513,7 +518,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             if (gx) {  // sweep 2: dL/dX[t] = sum_j W[j] * dH[t + lag_j] (dH is zero past the last step)
                 for (int64_t t = 0; t < g.T; ++t) {
                     for (int j = 0; j < KP; ++j) dj[j] = dh.data() + (t + taps.lag[j]) * m;
-                    charge_row<S, KT>(KP, dj.data(), wj.data(), nullptr, m, os.row(t), false);
+                    charge_row<S, KT>(KP, dj.data(), wj.data(), accumulate ? os.row(t) : nullptr, m, os.row(t), false);
                 }
                 os.flush(gx, n, o0, m);
             }
@@ -549,7 +554,7 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 
 #define MFPSN_FWD(KT, KP) forward<S, KT>(g, KP, x, w, b, out, spike, mean, var, threads)
 #define MFPSN_BWD(KT, KP) \
-    backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, gw, gb, threads)
+    backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
 
 #define MFPSN_EXPORT(T_, suffix)                                                                              \
     extern "C" void mfpsn_forward_##suffix(const T_* x, const T_* w, const T_* b, T_* out, int spike, T_* mean,   \
@@ -561,8 +566,8 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
     }                                                                                                          \
     extern "C" void mfpsn_backward_##suffix(const T_* x, const T_* w, const T_* b, const T_* grad, int mode,    \
                                              double alpha, const T_* mean, const T_* g_mean, const T_* g_var,   \
-                                             T_* gx, T_* gw, T_* gb, int64_t T, int64_t N, int64_t C, int64_t F, \
-                                             int K, int d, int time_last, int threads) {                        \
+                                             T_* gx, int accumulate, T_* gw, T_* gb, int64_t T, int64_t N,      \
+                                             int64_t C, int64_t F, int K, int d, int time_last, int threads) {  \
         using S = T_;                                                                                          \
         const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BWD)                                                                         \

@@ -23,7 +23,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import ops
 from ._compat import MemoryModule, default_surrogate
-from .ops.reduce import batch_stats
+from .ops.reduce import batch_stats, fold_bn
 from .quantize import STE_MODES, quantize, shift_amounts
 
 THRESHOLDS = ("bn", "param")
@@ -357,8 +357,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
                 self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
 
     def _fuse(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = self.gamma * torch.rsqrt(var + self.eps)
-        return self.weight * scale.unsqueeze(1), self.beta - mean * scale
+        return fold_bn(self.weight, self.gamma, self.beta, mean, var, self.eps)
 
     def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-mode ``(Wq, b)``: the (quantised) weight and the bias the neuron runs with, so that

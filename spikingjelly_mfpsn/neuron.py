@@ -348,7 +348,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         return quantize(w, self.ste) if self.quantize else w
 
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
-        if self.training:
+        if self.training and n > 0:  # an empty batch has no statistics to average in
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum

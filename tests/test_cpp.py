@@ -362,3 +362,4 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(cpp_ops._charge_op, (x, w, b, 1, "time_first", 1, 2.0))
     torch.library.opcheck(cpp_ops._charge_op, (x, w, None, 2, "time_first", 0, 0.0))
     torch.library.opcheck(cpp_ops._stats_op, (x, w, 1, "time_first"))
+

@@ -349,3 +349,18 @@ def test_nan_weights_are_refused():
         sn.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         sn(torch.randn(3, 2, 2))
+
+
+@pytest.mark.parametrize("method", ["shift_add"] + (["cpp"] if "cpp" in ops.names() else []))
+def test_an_empty_batch_leaves_the_running_statistics_alone(method):
+    """Training on an empty batch: empty spikes, finite (zero) gradients, running statistics unchanged."""
+    sn = MulFreeChannelwisePSN(4, k=2, step_mode="m", method=method)
+    before = [b.clone() for b in sn.buffers()]
+    x = torch.randn(5, 0, 4, requires_grad=True)
+    s = sn(x)
+    s.sum().backward()
+    assert s.shape == x.shape and x.grad.shape == x.shape
+    for p in sn.parameters():
+        assert torch.isfinite(p.grad).all()
+    for a, b in zip(before, sn.buffers()):
+        assert torch.equal(a, b)

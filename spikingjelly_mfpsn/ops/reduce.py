@@ -35,7 +35,8 @@ def channel_dot(a: torch.Tensor, b: torch.Tensor, channel_axis: int) -> torch.Te
 
 
 class BatchStats(torch.autograd.Function):
-    """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis``.
+    """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis`` (0 and 0 for
+    an empty batch, as the C++ kernels give).
 
     Two-pass (mean, then the squared norm of ``y - mean``) so large means do not cancel; the backward
     is one fused pass, ``dy = a[c] * y + b[c]``. Much faster on CPUs than ``torch.var_mean`` over
@@ -46,7 +47,7 @@ class BatchStats(torch.autograd.Function):
     def forward(ctx, y, channel_axis):
         shape = [1] * y.dim()
         shape[channel_axis] = -1
-        n = y.numel() // y.shape[channel_axis]
+        n = max(y.numel() // max(y.shape[channel_axis], 1), 1)  # an empty batch: mean 0, var 0, not NaN
         mean = channel_sum(y, channel_axis) / n
         z = y - mean.view(shape)
         var = channel_dot(z, z, channel_axis) / n

@@ -233,9 +233,9 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
     x, weight, gamma and beta and the batch statistics ``mean, var`` (biased) of the bias-free charge,
     for the running statistics. The same math as ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with
     ``ste`` (None: no quantisation), then ``fire``."""
-    impl = _checked(x, weight, None, dilation, layout, method)
-    if impl.bn_fire is None:
+    if get(method).bn_fire is None:  # nothing to check: the caller takes the general path
         return None
+    impl = _checked(x, weight, None, dilation, layout, method)
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function)
 
 

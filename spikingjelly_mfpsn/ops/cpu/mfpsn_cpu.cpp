@@ -287,14 +287,14 @@ template <typename S>
 struct TileArgs {
     const Tile<S>* x;      // input rows (zero-padded before step 0)
     const Tile<S>* grad;   // dL/dout rows (backward modes 1, 2, 0)
-    Tile<S>* out;          // output rows (forward H or S; backward dL/dX), or null
+    Tile<S>* out;          // output rows of the column-wise forward (H or S), or null
     const S* const* w;     // [K] per-lane weights
     const int64_t* lag;    // [K]
     const S *b, *a, *c;    // per-lane bias; mode-3 coefficients
     S* dh;                 // [T + max lag][m] scratch (backward)
     S* part;               // [count][m] per-lane partial sums of this tile
-    Vec<S>* vec;           // [3][K] column-wise scratch for KT == 0, vectors and single lanes
-    S* one;
+    Vec<S>* vec;           // [3][K] column-wise scratch for KT == 0: vectors of lanes
+    S* one;                // [3][K] the same for single lanes
     int64_t T, m;
     int K, mode;
     bool spike, sums;

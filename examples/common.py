@@ -138,22 +138,27 @@ def seed_all(seed: int, *salt: int) -> None:
 
 
 def teardown(env: Env) -> None:
+    """Leave the process group once every rank is done: the barrier keeps a rank from destroying it
+    while another still has collectives in flight (gloo then aborts that rank at exit)."""
     if env.world > 1:
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
-    """A script's ``main``: parse, set up, ``build_task(args, env)``, :func:`fit`, tear down."""
+    """A script's ``main``: parse, set up, ``build_task(args, env)``, :func:`fit`, tear down.
+
+    After a failure the process group is not torn down collectively: the other ranks may never reach
+    the barrier, and the launcher stops them anyway."""
     args = parse_args(argv)
     env = setup(args)
     try:
-        try:
-            task = build_task(args, env)
-        except FileNotFoundError as e:  # missing data: the message says what to put where
-            raise SystemExit(str(e))
-        return fit(task, args, env)
-    finally:
-        teardown(env)
+        task = build_task(args, env)
+    except FileNotFoundError as e:  # missing data: the message says what to put where
+        raise SystemExit(str(e))
+    result = fit(task, args, env)
+    teardown(env)
+    return result
 
 
 # ------------------------------------------------------------------------------------------- method

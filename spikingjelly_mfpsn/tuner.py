@@ -462,10 +462,7 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             if _is_applied(plan, start_layout, start_methods, layouts):
                 # This network already runs the stored plan (checked when it was applied): no forward.
                 _apply(net, plan["layout"], plan["methods"])
-                _report_plan(report, plan)
-                if compile_backend and report.compiled:
-                    _compile(net, compile_backend)
-                    report.compile_backend = compile_backend
+                _report_plan(report, plan, net, compile_backend)
                 return report
         probe = _probe(x_example)
         try:
@@ -475,10 +472,8 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             probe_reference = _outputs(net, probe)
         if whole_key is None:  # lazy parameters, materialised by the forward above
             whole_key = net_key(net, x_example, layouts) + suffix
-        if _apply_cached_plan(net, x_example, cache.get_plan(whole_key), layouts, probe, probe_reference, report):
-            if compile_backend and report.compiled:
-                _compile(net, compile_backend)
-                report.compile_backend = compile_backend
+        if _apply_cached_plan(net, x_example, cache.get_plan(whole_key), layouts, probe, probe_reference, report,
+                              compile_backend):
             return report
         reference = probe_reference if probe is x_example else _outputs(net, x_example)
         snap = _state_snapshot(net)
@@ -569,14 +564,19 @@ def _is_applied(plan, layout: str, methods: dict[str, str], layouts) -> bool:
         return False
 
 
-def _report_plan(report: AutoselectReport, plan: dict) -> None:
+def _report_plan(report: AutoselectReport, plan: dict, net: nn.Module, compile_backend: Optional[str]) -> None:
+    """Report a stored plan that was just applied, and compile the network if the plan was compiled."""
     report.layout, report.methods = plan["layout"], dict(plan["methods"])
     report.totals = {k: float(v) for k, v in plan["totals"].items()}
     report.compiled = bool(plan.get("compiled", False))
     report.cache_hits = len(plan["methods"])
+    if compile_backend and report.compiled:
+        _compile(net, compile_backend)
+        report.compile_backend = compile_backend
 
 
-def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report) -> bool:
+def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report,
+                       compile_backend: Optional[str] = None) -> bool:
     """Apply a whole-network choice from the cache if it still reproduces the outputs.
 
     A plan is stored only after it reproduced the outputs on the whole example batch, under a key of
@@ -594,11 +594,11 @@ def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, re
                 reference = _outputs(net, x)
             _apply(net, plan["layout"], plan["methods"])
             ok = _agree(_outputs(net, x), reference)
-            if ok:
-                _report_plan(report, plan)
-                return True
         except Exception:  # noqa: BLE001  (a stale or damaged plan: measure again)
             ok = None
+        if ok:
+            _report_plan(report, plan, net, compile_backend)
+            return True
         _apply(net, "time_first", before)  # back to the configuration the references come from
         if ok is None:
             return False

@@ -462,7 +462,8 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             if _is_applied(plan, start_layout, start_methods, layouts):
                 # This network already runs the stored plan (checked when it was applied): no forward.
                 _apply(net, plan["layout"], plan["methods"])
-                _report_plan(report, plan, net, compile_backend)
+                _report_plan(report, plan)
+                _compile_as_planned(net, report, compile_backend)
                 return report
         probe = _probe(x_example)
         try:
@@ -564,12 +565,15 @@ def _is_applied(plan, layout: str, methods: dict[str, str], layouts) -> bool:
         return False
 
 
-def _report_plan(report: AutoselectReport, plan: dict, net: nn.Module, compile_backend: Optional[str]) -> None:
-    """Report a stored plan that was just applied, and compile the network if the plan was compiled."""
+def _report_plan(report: AutoselectReport, plan: dict) -> None:
     report.layout, report.methods = plan["layout"], dict(plan["methods"])
     report.totals = {k: float(v) for k, v in plan["totals"].items()}
     report.compiled = bool(plan.get("compiled", False))
     report.cache_hits = len(plan["methods"])
+
+
+def _compile_as_planned(net: nn.Module, report: AutoselectReport, compile_backend: Optional[str]) -> None:
+    """Compile a network a stored plan was just applied to, if that plan ran compiled."""
     if compile_backend and report.compiled:
         _compile(net, compile_backend)
         report.compile_backend = compile_backend
@@ -594,10 +598,12 @@ def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, re
                 reference = _outputs(net, x)
             _apply(net, plan["layout"], plan["methods"])
             ok = _agree(_outputs(net, x), reference)
+            if ok:
+                _report_plan(report, plan)
         except Exception:  # noqa: BLE001  (a stale or damaged plan: measure again)
             ok = None
         if ok:
-            _report_plan(report, plan, net, compile_backend)
+            _compile_as_planned(net, report, compile_backend)
             return True
         _apply(net, "time_first", before)  # back to the configuration the references come from
         if ok is None:

@@ -17,6 +17,8 @@ returns ``surrogate_function(H)`` (same values and gradients) or ``None`` when i
 An implementation may also fuse the batch statistics of the bias-free charge: ``stats(x, weight,
 dilation, layout)`` returns the per-channel ``(mean, biased variance)`` of ``H`` without writing ``H``
 (same values and gradients as :func:`~spikingjelly_mfpsn.ops.reduce.batch_stats` of the charge).
+And it may run a BN-threshold neuron's whole training forward in one step, ``bn_fire`` (see
+:func:`bn_fire`), or return ``None`` to leave it to the general path.
 
 An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
 returns human-readable reasons (empty when it supports the call).

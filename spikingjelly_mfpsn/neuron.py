@@ -352,9 +352,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
-                unbiased = var.detach() * (n / max(n - 1, 1))
-                self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+                self.running_mean.lerp_(mean.detach(), factor)
+                self.running_var.lerp_(var.detach() * (n / max(n - 1, 1)), factor)  # the unbiased variance
 
     def _fuse(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fold_bn(self.weight, self.gamma, self.beta, mean, var, self.eps)
@@ -392,9 +391,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             return None
         out = ops.bn_fire(xp, self.weight, self.gamma, self.beta, self.eps, self.ste if self.quantize else None,
                           self.dilation, self._layout, method, self.surrogate_function)
-        if out is None:
+        if out is None:  # includes NaN/inf weights, which the general path reports
             return None
-        self._check_finite(self.weight)  # before any state changes: NaN weights give an error, not spikes
         spikes, mean, var = out
         self._update_running_stats(mean, var, xp.numel() // max(self.channels, 1))
         return spikes

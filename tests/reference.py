@@ -30,18 +30,21 @@ def charge(x, weight, bias, dilation, layout):
     return charge_time_first(x.movedim(-1, 0), weight, bias, dilation).movedim(0, -1)
 
 
-def pow2(w):
-    """Q(w) = sign(w) * 2**round(log2|w|), written element by element in float64."""
+def pow2(w, max_exponent=1023):
+    """Q(w) = sign(w) * 2**round(log2|w|), element by element in float64, the rounding decided exactly
+    with rationals: |w| = m * 2**e (m in [1/2, 1)) rounds up to 2**e iff m**2 >= 1/2. Exponents above
+    ``max_exponent`` are clamped."""
     import math
-    out = torch.empty_like(w)
-    flat_in, flat_out = w.reshape(-1).tolist(), []
-    for v in flat_in:
+    from fractions import Fraction
+
+    def q(v):
         if v == 0:
-            flat_out.append(0.0)
-        else:
-            flat_out.append(math.copysign(2.0 ** round(math.log2(abs(v))), v))
-    out.copy_(torch.tensor(flat_out, dtype=torch.float64).reshape(w.shape))
-    return out
+            return 0.0
+        m, e = math.frexp(abs(v))
+        e = min(e if Fraction(m) ** 2 >= Fraction(1, 2) else e - 1, max_exponent)
+        return math.copysign(math.ldexp(1.0, e), v)
+    flat = [q(v) for v in w.reshape(-1).tolist()]
+    return torch.tensor(flat, dtype=torch.float64).reshape(w.shape).to(w.dtype)
 
 
 class Pow2WholeSTE(torch.autograd.Function):

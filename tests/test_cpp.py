@@ -4,6 +4,7 @@ the neuron with backend='cpp', the build cache, and what happens without a compi
 The plain charge of 'cpp' is also held to the reference on the full grid of tests/test_ops.py.
 """
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -227,6 +228,36 @@ def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, d
             torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"grad {name}: {m}")
         for a, b in zip(ref.buffers(), fast.buffers()):
             torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype):
+    """The fused node quantises in C++ (exponent and mantissa, no log2): it must give Q's powers of two,
+    including next to the rounding point 2**(e + 1/2), for zero, subnormal and huge (clamped) weights,
+    and a folded weight that overflows to inf. With X = 0 and eps = 0.25 the folding scale is exactly
+    2 * gamma, so the node's quantised weight is Q(2 * gamma * weight). The reference rounds exactly
+    (a float log2 cannot always: float64's sqrt(2) * 2**-100 has log2 -99.5 after rounding, though it
+    lies above the rounding point)."""
+    info = torch.finfo(dtype)
+    top = math.frexp(info.max)[1] - 1
+    subnormal = info.tiny * info.eps  # the smallest positive value
+    values = [0.0, 1.0, -1.0, 0.75, -1.5, 3.0, 1e-3, -7e4, info.tiny / 8, subnormal, -3 * subnormal, info.max,
+              -info.max / 3, 2.0 ** -100 * 2.0 ** 0.5]
+    mid = torch.tensor(2.0 ** 0.5, dtype=dtype)  # the rounding point between 2**0 and 2**1, and either side
+    below, above = torch.nextafter(mid, mid.new_tensor(0.0)), torch.nextafter(mid, mid.new_tensor(2.0))
+    w = torch.cat([torch.tensor(values, dtype=dtype), below.view(1), above.view(1), -above.view(1) * 8])
+    w = torch.cat([w, w[-6:-4]]).view(-1, 1).contiguous()  # the last two: +-max and -max/3 scaled by 2
+    c = w.shape[0]
+    gamma = torch.full((c,), 0.5, dtype=dtype)
+    gamma[-2:] = 1.0
+    x = torch.zeros(3, 2, c, dtype=dtype, requires_grad=True)
+    spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, torch.zeros(c, dtype=dtype), 0.25, "whole", 1, "time_first",
+                                        surrogate.ATan())
+    assert torch.equal(var, torch.zeros_like(var))
+    wq = spikes.grad_fn.saved_tensors[5]
+    torch.testing.assert_close(wq[:-2], reference.pow2(w[:-2], top), rtol=0, atol=0)
+    assert wq[-5].item() == 1.0 and wq[-4].item() == 2.0 and wq[-3].item() == -16.0  # either side of 2**(1/2)
+    assert wq[-2].item() == 2.0 ** top and wq[-1].item() == -(2.0 ** top)  # inf (clamped), then -2/3 max
 
 
 def test_fused_bn_training_falls_back_where_it_does_not_apply():

@@ -12,7 +12,9 @@ What it fuses, so that the X-sized tensors of a BN-threshold training step are r
   read of X); backward recomputes the charge tile by tile (one read of X, one write of dL/dX);
 * ``fire``: charge + bias + spike for SpikingJelly's ATan/Sigmoid surrogates (one read of X, one
   write of S; nothing else saved); backward recomputes H and forms ``dL/dH`` on the fly;
-* ``charge``: H = charge + bias, for everything else (e.g. a custom surrogate).
+* ``charge``: H = charge + bias, for everything else (e.g. a custom surrogate);
+* ``bn_fire``: a BN-threshold neuron's whole training step, one kernel call each way (statistics,
+  folding, quantiser and spikes; their gradients, the per-channel ones in closed form).
 
 Float32 and float64; per-channel sums are accumulated in float64.
 """
@@ -31,8 +33,6 @@ from typing import Optional
 
 import torch
 
-from ..quantize import quantize_grad, quantize_pow2_
-from .reduce import fold_bn, fold_bn_backward
 from .registry import (Implementation, channel_dim, note_unavailable, register, surrogate_kind,
                        time_dim)
 
@@ -135,6 +135,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         bwd = getattr(lib, f"mfpsn_backward_{suffix}")
         bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, i32, p, p] + geometry
         bwd.restype = None
+        bn_fwd = getattr(lib, f"mfpsn_bn_forward_{suffix}")
+        bn_fwd.argtypes = [p, p, p, p, f64, i32, p, p, p, p, p] + geometry
+        bn_fwd.restype = i32
+        bn_bwd = getattr(lib, f"mfpsn_bn_backward_{suffix}")
+        bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, p, p, p, p] + geometry
+        bn_bwd.restype = None
 
 
 # ---------------------------------------------------------------- calling the kernels
@@ -256,38 +262,52 @@ class _CppStats(torch.autograd.Function):
         return gx, gw, None, None
 
 
-class _CppBNFire(torch.autograd.Function):
-    """The training forward of a BN-threshold neuron as one autograd node: the batch statistics of
-    charge(X, W), W and b folded from them (``reduce.fold_bn``) and quantised, then the spikes.
+class _NonFiniteWeight(Exception):
+    """The fused kernel refused weights with NaN or inf (the general path reports them)."""
 
-    The backward runs the spike kernel (dL/dX, dL/dWq, dL/db), the folding's and the quantiser's
-    gradients in closed form, then the statistics' kernel, which adds its dL/dX to the spike kernel's
-    in place: no second X-sized gradient, no autograd sum, no per-channel autograd nodes. Only X and
-    per-channel tensors are saved."""
+
+_STE_CODES = {None: 0, "whole": 1, "round": 2}
+
+
+class _CppBNFire(torch.autograd.Function):
+    """The training forward of a BN-threshold neuron as one autograd node and one kernel call each way:
+    the batch statistics of charge(X, W), W and b folded from them (as ``reduce.fold_bn``) and quantised
+    (as ``quantize.quantize_pow2_``), then the spikes.
+
+    The backward call runs the spike kernel (dL/dX, dL/dWq, dL/db), the quantiser's and the folding's
+    gradients in closed form, then the statistics' kernel, which adds its dL/dX to the spike kernel's in
+    place: no second X-sized gradient, no per-channel autograd nodes. Only X and per-channel tensors are
+    saved."""
 
     @staticmethod
     def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha):
-        x = x.contiguous()
-        mean, var = _stats_fwd(x, weight, dilation, layout)
-        wf, b = fold_bn(weight, gamma, beta, mean, var, eps)
-        wq = quantize_pow2_(wf) if ste else wf
-        s = _charge_fwd(x, wq, b, dilation, layout, kind)
-        ctx.save_for_backward(x, weight, gamma, mean, var, wf, wq, b)
-        ctx.args = (eps, ste, dilation, layout, kind, alpha)
+        x, weight = x.contiguous(), weight.contiguous()
+        gamma, beta = gamma.contiguous(), beta.contiguous()
+        c = weight.shape[0]
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        mean, var, b = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c)
+        wq = torch.empty_like(weight)
+        if getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
+                _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(ste is not None), _ptr(out),
+                _ptr(mean), _ptr(var), _ptr(wq), _ptr(b), *_geometry(x, weight.shape[1], dilation, layout)):
+            raise _NonFiniteWeight()
+        ctx.save_for_backward(x, weight, gamma, mean, var, wq, b)
+        ctx.args = (eps, _STE_CODES[ste], dilation, layout, kind, alpha)
         ctx.mark_non_differentiable(mean, var)
-        return s, mean, var
+        return out, mean, var
 
     @staticmethod
     def backward(ctx, grad, _g_mean, _g_var):
-        x, weight, gamma, mean, var, wf, wq, b = ctx.saved_tensors
+        x, weight, gamma, mean, var, wq, b = ctx.saved_tensors
         eps, ste, dilation, layout, kind, alpha = ctx.args
-        need_x = ctx.needs_input_grad[0]
-        gx, g_wq, g_b = _charge_bwd(x, wq, b, grad, dilation, layout, kind, alpha, (need_x, True, True))
-        g_wf = quantize_grad(wf, wq, g_wq, ste) if ste else g_wq
-        g_weight, g_gamma, g_beta, g_mean, g_var = fold_bn_backward(g_wf, g_b, weight, gamma, mean, var, eps)
-        gx, g_w_stats, _ = backward(x, weight.contiguous(), None, None, _MODE_STATS, 0.0, (mean, g_mean, g_var),
-                                    dilation, layout, need_x, True, add_to=gx)
-        return gx, g_weight + g_w_stats, g_gamma, g_beta, None, None, None, None, None, None
+        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        g_weight, g_gamma, g_beta = torch.empty_like(weight), torch.empty_like(gamma), torch.empty_like(gamma)
+        grad = grad.to(x.dtype).contiguous()  # held here: the kernel reads it through a raw pointer
+        getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
+            _ptr(x), _ptr(weight), _ptr(gamma), _ptr(mean), _ptr(var), _ptr(wq), _ptr(b),
+            _ptr(grad), kind, float(alpha), float(eps), ste, _ptr(gx), _ptr(g_weight),
+            _ptr(g_gamma), _ptr(g_beta), *_geometry(x, weight.shape[1], dilation, layout))
+        return gx, g_weight, g_gamma, g_beta, None, None, None, None, None, None
 
 
 # Custom ops: what torch.compile traces instead of the autograd Functions above.
@@ -395,12 +415,16 @@ def stats(x, weight, dilation, layout):
 
 def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function):
     """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
-    surrogate the kernel does not know or under torch.compile (which traces the separate custom ops)."""
+    surrogate the kernel does not know, an empty batch, weights with NaN or inf (the general path
+    reports them) or under torch.compile (which traces the separate custom ops)."""
     kind = surrogate_kind(surrogate_function)
-    if not kind or torch.compiler.is_compiling():
+    if not kind or torch.compiler.is_compiling() or not x.numel():
         return None
-    return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,
-                            float(surrogate_function.alpha))
+    try:
+        return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,
+                                float(surrogate_function.alpha))
+    except _NonFiniteWeight:
+        return None
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:

@@ -77,13 +77,3 @@ def fold_bn(weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, mean:
     ``(gamma / sqrt(var + eps) * W, beta - gamma * mean / sqrt(var + eps))``."""
     scale = gamma * torch.rsqrt(var + eps)
     return weight * scale.unsqueeze(1), beta - mean * scale
-
-
-def fold_bn_backward(g_wf: torch.Tensor, g_b: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor,
-                     mean: torch.Tensor, var: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
-    """Gradients of :func:`fold_bn` from those of its outputs: dL/d(weight, gamma, beta, mean, var)."""
-    rstd = torch.rsqrt(var + eps)
-    scale = gamma * rstd
-    g_scale = (g_wf * weight).sum(1) - g_b * mean
-    return (g_wf * scale.unsqueeze(1), g_scale * rstd, g_b, -g_b * scale,
-            g_scale * gamma * rstd.pow(3) * -0.5)

@@ -231,7 +231,8 @@ def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: st
 def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
             ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function) -> Optional[tuple]:
     """The training forward of a BN-threshold neuron as one fused step, or None where the implementation
-    has none (or not for this surrogate): ``(spikes, mean, var)`` with ``spikes`` differentiable w.r.t.
+    has none (or not for this surrogate), and for weights with NaN or inf, which the caller's general
+    path reports: ``(spikes, mean, var)`` with ``spikes`` differentiable w.r.t.
     x, weight, gamma and beta and the batch statistics ``mean, var`` (biased) of the bias-free charge,
     for the running statistics. The same math as ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with
     ``ste`` (None: no quantisation), then ``fire``."""

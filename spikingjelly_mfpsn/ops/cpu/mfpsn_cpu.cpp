@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #ifdef _OPENMP
@@ -177,14 +178,12 @@ class Tile {
     std::vector<S> zero_, buf_;
 };
 
-// Per-lane copy of a per-channel vector: out[o] = v[o / F] (zeros for a null v), for count vectors
-// v, v + C, ... written to out, out + CF, ...
+// Per-lane copy of a per-channel vector: out[o] = v[o / F] (zeros for a null v).
 template <typename S>
-std::vector<S> per_lane(const Geometry& g, const S* v, int count, int64_t stride_c = 1, int64_t stride_v = 0) {
-    std::vector<S> out(size_t(count) * g.CF(), S(0));
-    if (!v) return out;
-    for (int j = 0; j < count; ++j)
-        for (int64_t o = 0; o < g.CF(); ++o) out[j * g.CF() + o] = v[(o / g.F) * stride_c + j * stride_v];
+std::vector<S> per_lane(const Geometry& g, const S* v) {
+    std::vector<S> out(g.CF(), S(0));
+    if (v)
+        for (int64_t c = 0; c < g.C; ++c) std::fill_n(out.begin() + c * g.F, g.F, v[c]);
     return out;
 }
 
@@ -222,7 +221,7 @@ struct Taps {
         for (int j = pad; j < KP; ++j) {
             const int i = first + j - pad;
             lag[j] = g.lag(i);
-            for (int64_t o = 0; o < g.CF(); ++o) w[j * g.CF() + o] = weight[(o / g.F) * g.K + i];
+            for (int64_t c = 0; c < g.C; ++c) std::fill_n(w.begin() + j * g.CF() + c * g.F, g.F, weight[c * g.K + i]);
         }
     }
 };
@@ -423,7 +422,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
     const bool sums = mean != nullptr;
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const Taps<S> taps(g, w, KP);
-    const std::vector<S> bl = per_lane(g, b, 1);
+    const std::vector<S> bl = per_lane(g, b);
     std::vector<double> acc(sums ? size_t(threads) * 2 * cf : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
@@ -474,7 +473,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const bool sums = gw || gb;
     const Taps<S> taps(g, w, KP);
-    const std::vector<S> bl = per_lane(g, mode == 3 ? nullptr : b, 1);
+    const std::vector<S> bl = per_lane(g, mode == 3 ? nullptr : b);
     // Mode 3: dL/dY = a[c] * Y + b[c] with a = 2 dL/dvar / n, b = dL/dmean / n - a * mean.
     std::vector<S> coef_a(mode == 3 ? g.C : 0), coef_b(mode == 3 ? g.C : 0);
     if (mode == 3) {
@@ -485,8 +484,8 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             coef_b[c] = S(double(g_mean[c]) / n - a * double(mean[c]));
         }
     }
-    const std::vector<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr, 1),
-                         cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr, 1);
+    const std::vector<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr),
+                         cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr);
     std::vector<double> acc(sums ? size_t(threads) * (KP + 1) * cf : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
@@ -537,6 +536,75 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     }
 }
 
+// Q(w) = sign(w) * 2^round(log2 |w|), the rounding decided exactly: |w| = m * 2^e with m in [0.5, 1)
+// rounds to 2^e when m >= 1/sqrt(2) (never a tie: 1/sqrt(2) is irrational; M_SQRT1_2 is the double just
+// above it) and to 2^(e-1) below. (The torch path's float log2 agrees except within an ulp or so of
+// 2^(e+1/2), where a float log2 itself can round across the midpoint.) Exponents are clamped to the
+// largest finite power of two (inf too), too small ones underflow to zero, NaN stays NaN.
+template <typename S>
+S quantize_pow2(S w) {
+    constexpr int top = std::numeric_limits<S>::max_exponent - 1;
+    if (w == S(0) || std::isnan(w)) return w == S(0) ? S(0) : w;
+    if (std::isinf(w)) return std::copysign(std::ldexp(S(1), top), w);
+    int e;
+    const S m = std::frexp(std::abs(w), &e);
+    if (double(m) < M_SQRT1_2) --e;
+    return std::copysign(std::ldexp(S(1), std::min(e, top)), w);
+}
+
+// BN-threshold training, forward (the whole step of the autograd node): the batch statistics of the
+// bias-free charge, the BN folded into the weight and a bias, Wf = gamma / sqrt(var + eps) * W and
+// b = beta - gamma * mean / sqrt(var + eps) (in S, as the reference computes them), Wq = Q(Wf) when
+// quantising, then S = Theta(charge(X, Wq) + b) into out.
+template <typename S, int KT>
+void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* beta, double eps,
+                int quantize, S* out, S* mean, S* var, S* wq, S* b, int threads) {
+    forward<S, KT>(g, KP, x, w, nullptr, nullptr, 0, mean, var, threads);
+    for (int64_t c = 0; c < g.C; ++c) {
+        const S scale = gamma[c] * (S(1) / std::sqrt(var[c] + S(eps)));
+        for (int i = 0; i < g.K; ++i) {
+            const S wf = w[c * g.K + i] * scale;
+            wq[c * g.K + i] = quantize ? quantize_pow2(wf) : wf;
+        }
+        b[c] = beta[c] - mean[c] * scale;
+    }
+    forward<S, KT>(g, KP, x, wq, b, out, 1, nullptr, nullptr, threads);
+}
+
+// Its backward: the spike kernel's dL/dX, dL/dWq, dL/db; dL/dWf through the quantiser (ste 1 whole:
+// identity, 2 round: |Wq| / |Wf|, 0 at Wf = 0); the folding's gradients in closed form (in double),
+// dL/dgamma, dL/dbeta, the weight's direct part and dL/dmean, dL/dvar; then the statistics' kernel
+// adds its dL/dX to gx in place and its dL/dW to dL/dweight.
+template <typename S, int KT>
+void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* mean, const S* var,
+                 const S* wq, const S* b, const S* grad, int mode, S alpha, double eps, int ste, S* gx, S* g_w,
+                 S* g_gamma, S* g_beta, int threads) {
+    const int64_t C = g.C, K = g.K;
+    std::vector<S> g_wq(C * K), g_b(C), g_mean(C), g_var(C), g_w_stats(C * K);
+    backward<S, KT>(g, KP, x, wq, b, grad, mode, alpha, nullptr, nullptr, nullptr, gx, 0, g_wq.data(), g_b.data(),
+                    threads);
+    for (int64_t c = 0; c < C; ++c) {
+        const double rstd = 1.0 / std::sqrt(double(var[c]) + eps), scale = double(gamma[c]) * rstd;
+        double g_scale = -double(g_b[c]) * double(mean[c]);
+        for (int64_t i = 0; i < K; ++i) {
+            double gf = g_wq[c * K + i];
+            if (ste == 2) {
+                const double wf = double(w[c * K + i]) * scale;
+                gf = wf == 0.0 ? 0.0 : gf * std::abs(double(wq[c * K + i])) / std::abs(wf);
+            }
+            g_scale += gf * double(w[c * K + i]);
+            g_w[c * K + i] = S(gf * scale);
+        }
+        g_gamma[c] = S(g_scale * rstd);
+        g_beta[c] = g_b[c];
+        g_mean[c] = S(-double(g_b[c]) * scale);
+        g_var[c] = S(-0.5 * g_scale * double(gamma[c]) * rstd * rstd * rstd);
+    }
+    backward<S, KT>(g, KP, x, w, nullptr, nullptr, 3, S(0), mean, g_mean.data(), g_var.data(), gx, 1,
+                    g_w_stats.data(), nullptr, threads);
+    for (int64_t j = 0; j < C * K; ++j) g_w[j] += g_w_stats[j];
+}
+
 Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int time_last) {
     return Geometry{T, N, C, F, K, d, time_last != 0};
 }
@@ -556,6 +624,11 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 #define MFPSN_BWD(KT, KP) \
     backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
 
+#define MFPSN_BN_FWD(KT, KP) bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, out, mean, var, wq, b, threads)
+#define MFPSN_BN_BWD(KT, KP)                                                                                  \
+    bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, S(alpha), eps, ste, gx, g_w, g_gamma, \
+                       g_beta, threads)
+
 #define MFPSN_EXPORT(T_, suffix)                                                                              \
     extern "C" void mfpsn_forward_##suffix(const T_* x, const T_* w, const T_* b, T_* out, int spike, T_* mean,   \
                                             T_* var, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,  \
@@ -571,6 +644,26 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         using S = T_;                                                                                          \
         const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BWD)                                                                         \
+    }                                                                                                          \
+    extern "C" int mfpsn_bn_forward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* beta,         \
+                                              double eps, int quantize, T_* out, T_* mean, T_* var, T_* wq,     \
+                                              T_* b, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,  \
+                                              int time_last, int threads) {                                     \
+        using S = T_;                                                                                          \
+        for (int64_t j = 0; j < C * K; ++j)                                                                    \
+            if (!std::isfinite(w[j])) return 1; /* nothing computed: the caller reports the weights */         \
+        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
+        MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_FWD)                                                               \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    extern "C" void mfpsn_bn_backward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* mean,       \
+                                                const T_* var, const T_* wq, const T_* b, const T_* grad,       \
+                                                int mode, double alpha, double eps, int ste, T_* gx, T_* g_w,   \
+                                                T_* g_gamma, T_* g_beta, int64_t T, int64_t N, int64_t C,       \
+                                                int64_t F, int K, int d, int time_last, int threads) {          \
+        using S = T_;                                                                                          \
+        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
+        MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_BWD)                                                               \
     }
 
 MFPSN_EXPORT(float, f32)

@@ -113,11 +113,31 @@ def count_cpp(mode: Traffic):
         mode.written += _bytes(gx) if gx is not None else 0
         return gx, gw, gb
 
+    # The BN-threshold training node: forward, the statistics' sweep and the spikes' (reads X twice,
+    # writes S); backward, the spikes' backward (reads X and dL/dS, writes dL/dX), then the statistics'
+    # (reads X, adds to dL/dX: reads and writes it).
+    real_bn_fwd, real_bn_bwd = cpp_ops.bn_forward, cpp_ops.bn_backward
+
+    def bn_forward(x, *args):
+        out = real_bn_fwd(x, *args)
+        mode.read += 2 * _bytes(x)
+        mode.written += _bytes(out[0])
+        return out
+
+    def bn_backward(x, *args):
+        gx, *rest = real_bn_bwd(x, *args)
+        grad = args[6]
+        mode.read += 2 * _bytes(x) + _bytes(grad) + (_bytes(gx) if gx is not None else 0)
+        mode.written += 2 * _bytes(gx) if gx is not None else 0
+        return (gx, *rest)
+
     cpp_ops.forward, cpp_ops.backward = forward, backward
+    cpp_ops.bn_forward, cpp_ops.bn_backward = bn_forward, bn_backward
     try:
         yield mode
     finally:
         cpp_ops.forward, cpp_ops.backward = real_fwd, real_bwd
+        cpp_ops.bn_forward, cpp_ops.bn_backward = real_bn_fwd, real_bn_bwd
 
 
 def step_passes(method: str, layout: str, threshold: str, shape) -> tuple[float, float]:

@@ -262,6 +262,30 @@ class _CppStats(torch.autograd.Function):
         return gx, gw, None, None
 
 
+def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout):
+    """Run the BN-threshold training forward on contiguous tensors (see :class:`_CppBNFire`):
+    ``(spikes, mean, var, Wq, b)``, or None when the weight has NaN or inf (nothing computed)."""
+    c = weight.shape[0]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    mean, var, b, wq = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c), torch.empty_like(weight)
+    refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
+        _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(quantize), _ptr(out), _ptr(mean),
+        _ptr(var), _ptr(wq), _ptr(b), *_geometry(x, weight.shape[1], dilation, layout))
+    return None if refused else (out, mean, var, wq, b)
+
+
+def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste, dilation, layout, need_gx):
+    """Its backward on contiguous tensors: ``(dL/dX or None, dL/dweight, dL/dgamma, dL/dbeta)``; ``ste``
+    0 (no quantiser), 1 (whole) or 2 (round)."""
+    gx = torch.empty_like(x) if need_gx else None
+    g_weight, g_gamma, g_beta = torch.empty_like(weight), torch.empty_like(gamma), torch.empty_like(gamma)
+    getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
+        _ptr(x), _ptr(weight), _ptr(gamma), _ptr(mean), _ptr(var), _ptr(wq), _ptr(b), _ptr(grad), kind,
+        float(alpha), float(eps), ste, _ptr(gx), _ptr(g_weight), _ptr(g_gamma), _ptr(g_beta),
+        *_geometry(x, weight.shape[1], dilation, layout))
+    return gx, g_weight, g_gamma, g_beta
+
+
 class _NonFiniteWeight(Exception):
     """The fused kernel refused weights with NaN or inf (the general path reports them)."""
 
@@ -281,32 +305,21 @@ class _CppBNFire(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha):
-        x, weight = x.contiguous(), weight.contiguous()
-        gamma, beta = gamma.contiguous(), beta.contiguous()
-        c = weight.shape[0]
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        mean, var, b = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c)
-        wq = torch.empty_like(weight)
-        if getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
-                _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(ste is not None), _ptr(out),
-                _ptr(mean), _ptr(var), _ptr(wq), _ptr(b), *_geometry(x, weight.shape[1], dilation, layout)):
+        x, weight, gamma, beta = x.contiguous(), weight.contiguous(), gamma.contiguous(), beta.contiguous()
+        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout)
+        if result is None:
             raise _NonFiniteWeight()
+        out, mean, var, wq, b = result
         ctx.save_for_backward(x, weight, gamma, mean, var, wq, b)
-        ctx.args = (eps, _STE_CODES[ste], dilation, layout, kind, alpha)
+        ctx.args = (kind, alpha, eps, _STE_CODES[ste], dilation, layout)
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
 
     @staticmethod
     def backward(ctx, grad, _g_mean, _g_var):
-        x, weight, gamma, mean, var, wq, b = ctx.saved_tensors
-        eps, ste, dilation, layout, kind, alpha = ctx.args
-        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        g_weight, g_gamma, g_beta = torch.empty_like(weight), torch.empty_like(gamma), torch.empty_like(gamma)
-        grad = grad.to(x.dtype).contiguous()  # held here: the kernel reads it through a raw pointer
-        getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
-            _ptr(x), _ptr(weight), _ptr(gamma), _ptr(mean), _ptr(var), _ptr(wq), _ptr(b),
-            _ptr(grad), kind, float(alpha), float(eps), ste, _ptr(gx), _ptr(g_weight),
-            _ptr(g_gamma), _ptr(g_beta), *_geometry(x, weight.shape[1], dilation, layout))
+        saved = ctx.saved_tensors
+        gx, g_weight, g_gamma, g_beta = bn_backward(*saved, grad.to(saved[0].dtype).contiguous(), *ctx.args,
+                                                    ctx.needs_input_grad[0])
         return gx, g_weight, g_gamma, g_beta, None, None, None, None, None, None
 
 

@@ -394,3 +394,20 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(cpp_ops._charge_op, (x, w, None, 2, "time_first", 0, 0.0))
     torch.library.opcheck(cpp_ops._stats_op, (x, w, 1, "time_first"))
 
+
+
+@pytest.mark.parametrize("threshold,expected", [("param", (2.0, 3.0)), ("bn", (3.0, 6.0))])
+def test_memory_pass_count_sees_every_cpp_kernel(threshold, expected):
+    """benchmarks/memory_passes.py counts the C++ kernels from their Python entry points; a kernel call
+    it does not see (e.g. after a refactor) would make the count drop below what the kernels do:
+    param, spikes forward (read X, write S) and backward (read X and dL/dS, write dL/dX); bn, the fused
+    node (statistics and spikes forward, both backwards, the second adding to dL/dX)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import memory_passes
+    finally:
+        sys.path.pop(0)
+    for layout, shape in (("time_first", (8, 4, 16, 64)), ("time_last", (4, 16, 64, 8))):
+        fwd, bwd = memory_passes.step_passes("cpp", layout, threshold, shape)
+        # parameter-sized tensors add a few hundredths of a pass
+        assert fwd == pytest.approx(expected[0], abs=0.1) and bwd == pytest.approx(expected[1], abs=0.1)

@@ -212,6 +212,7 @@ void reduce_lanes(const Geometry& g, const std::vector<double>& acc, int threads
             double s = 0.0;
             for (int th = 0; th < threads; ++th) {
                 const double* a = acc.data() + (size_t(th) * count + j) * cf + c * g.F;
+#pragma omp simd reduction(+ : s)  // vector partial sums: a fixed order for a given build
                 for (int64_t f = 0; f < g.F; ++f) s += a[f];
             }
             out[c * c_stride + j * j_stride] = s;

@@ -271,6 +271,11 @@ def test_fused_bn_training_falls_back_where_it_does_not_apply():
     assert type(sn(x).grad_fn).__name__ == "_CppBNFireBackward"
     sn.eval()
     assert type(sn(x).grad_fn).__name__ != "_CppBNFireBackward"
+    sn.train()
+    sn.gamma.data = sn.gamma.data.double()  # a BN parameter of another dtype: not read as float32 by the
+    with pytest.raises(ValueError, match="same dtype"):  # fused kernel; the general path names the problem
+        sn(x)
+    sn.gamma.data = sn.gamma.data.float()
     x_nan = torch.randn(7, 2, 4)
     with torch.no_grad():
         sn.weight[0, 0] = float("nan")

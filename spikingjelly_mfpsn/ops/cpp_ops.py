@@ -428,10 +428,13 @@ def stats(x, weight, dilation, layout):
 
 def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function):
     """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
-    surrogate the kernel does not know, an empty batch, weights with NaN or inf (the general path
-    reports them) or under torch.compile (which traces the separate custom ops)."""
+    surrogate the kernel does not know, an empty batch, gamma or beta of another dtype or device than
+    x, weights with NaN or inf (the general path reports them) or under torch.compile (which traces the
+    separate custom ops)."""
     kind = surrogate_kind(surrogate_function)
     if not kind or torch.compiler.is_compiling() or not x.numel():
+        return None
+    if any(t.dtype != x.dtype or t.device != x.device for t in (gamma, beta)):  # the kernel reads them raw
         return None
     try:
         return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,

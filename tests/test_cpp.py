@@ -416,3 +416,24 @@ def test_memory_pass_count_sees_every_cpp_kernel(threshold, expected):
         fwd, bwd = memory_passes.step_passes("cpp", layout, threshold, shape)
         # parameter-sized tensors add a few hundredths of a pass
         assert fwd == pytest.approx(expected[0], abs=0.1) and bwd == pytest.approx(expected[1], abs=0.1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_bn_training_without_input_gradient(layout):
+    """A first layer fed data that needs no gradient: the fused node's backward skips dL/dX (the spike
+    and the statistics' backward both) and still gives every parameter's gradient of the torch path."""
+    torch.manual_seed(5)
+    fast = neuron.MulFreeChannelwisePSN(6, k=3, dilation=2, step_mode="m", layout=layout, method="cpp").double()
+    with torch.no_grad():
+        fast.weight.uniform_(-1.0, 1.0)
+        fast.gamma.uniform_(0.5, 1.5)
+    ref = copy.deepcopy(fast)
+    ref.method = "shift_add"
+    x = torch.randn((9, 3, 6, 5) if layout == "time_first" else (3, 6, 5, 9), dtype=torch.float64) * 2
+    sf, sr = fast(x), ref(x)
+    assert type(sf.grad_fn).__name__ == "_CppBNFireBackward"
+    g = torch.randn_like(sf)
+    (sf * g).sum().backward()
+    (sr * g).sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL[torch.float64], msg=lambda m: f"grad {name}: {m}")

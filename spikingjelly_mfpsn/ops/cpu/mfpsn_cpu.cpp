@@ -360,7 +360,7 @@ struct TileArgs {
     Vec<S>* vec;           // [3][K] column-wise scratch for KT == 0: vectors of lanes
     S* one;                // [3][K] the same for single lanes
     int64_t T, m;
-    int K, mode;
+    int K;
     bool spike, sums;
     S alpha;
 };
@@ -501,7 +501,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
         std::vector<S> one(3 * KP);
         std::vector<const S*> wj(KP), xj(KP);
         TileArgs<S> p{&xs, nullptr, out ? &os : nullptr, wj.data(), taps.lag.data(), nullptr, nullptr, nullptr,
-                      nullptr, nullptr, vec.data(), one.data(), g.T, 0, KP, 0, spike != 0, sums, S(0)};
+                      nullptr, nullptr, vec.data(), one.data(), g.T, 0, KP, spike != 0, sums, S(0)};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             int64_t n, o0;
@@ -566,7 +566,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
         std::vector<S> one(3 * KP);
         std::vector<const S*> wj(KP), dj(KP);
         TileArgs<S> p{&xs, &gs, nullptr, wj.data(), taps.lag.data(), nullptr, nullptr, nullptr,
-                      dh.data(), nullptr, vec.data(), one.data(), g.T, 0, KP, mode, false, sums, alpha};
+                      dh.data(), nullptr, vec.data(), one.data(), g.T, 0, KP, false, sums, alpha};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             int64_t n, o0;

@@ -437,3 +437,35 @@ def test_fused_bn_training_without_input_gradient(layout):
     (sr * g).sum().backward()
     for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **TOL[torch.float64], msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("momentum", [0.3, None], ids=["momentum0.3", "cumulative"])
+@pytest.mark.parametrize("buffers", ["same_dtype", "float64"])
+def test_fused_bn_training_updates_running_statistics(momentum, buffers):
+    """The fused node blends the batch mean and unbiased variance into the running statistics (in the
+    kernel call, or after it for buffers of another dtype) as the torch path does, with a momentum or a
+    cumulative average, over three steps; num_batches_tracked counts them; eval then uses them.
+    (Before, buffers of another dtype made the general path's lerp_ fail.)"""
+    torch.manual_seed(3)
+    ref = neuron.MulFreeChannelwisePSN(5, k=2, dilation=1, step_mode="m", momentum=momentum, exp_init=False,
+                                       method="shift_add")
+    fast = copy.deepcopy(ref)
+    fast.method = "cpp"
+    if buffers == "float64":
+        for m in (ref, fast):
+            m.running_mean.data, m.running_var.data = m.running_mean.double(), m.running_var.double()
+    for step in range(3):
+        x = torch.randn(7, 4, 5) * 2 + step
+        xf = x.clone().requires_grad_()
+        assert type(fast(xf).grad_fn).__name__ == "_CppBNFireBackward"
+        ref(x)
+        version = fast.running_mean._version
+        torch.testing.assert_close(fast.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fast.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+        assert int(fast.num_batches_tracked) == int(ref.num_batches_tracked) == step + 1
+        assert version > 0  # written in place: autograd sees a new version
+    if buffers == "same_dtype":  # (float64 statistics would make float64 eval weights, which 'cpp' refuses)
+        ref.eval()
+        fast.eval()
+        x = torch.randn(7, 4, 5)
+        torch.testing.assert_close(fast(x), ref(x))

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .registry import (Implementation, channel_dim, note_unavailable, register, surrogate_kind,
                        time_dim)
@@ -136,7 +137,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, i32, p, p] + geometry
         bwd.restype = None
         bn_fwd = getattr(lib, f"mfpsn_bn_forward_{suffix}")
-        bn_fwd.argtypes = [p, p, p, p, f64, i32, p, p, p, p, p] + geometry
+        bn_fwd.argtypes = [p, p, p, p, f64, i32, p, p, p, p, p, p, p, f64] + geometry
         bn_fwd.restype = i32
         bn_bwd = getattr(lib, f"mfpsn_bn_backward_{suffix}")
         bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, p, p, p, p] + geometry
@@ -262,16 +263,32 @@ class _CppStats(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout):
+def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=None):
     """Run the BN-threshold training forward on contiguous tensors (see :class:`_CppBNFire`):
-    ``(spikes, mean, var, Wq, b)``, or None when the weight has NaN or inf (nothing computed)."""
+    ``(spikes, mean, var, Wq, b)``, or None when the weight has NaN or inf (nothing computed, nothing
+    updated). ``running``: ``(running_mean, running_var, factor)`` to blend the batch mean and
+    unbiased variance into, in place (``lerp_`` by ``factor``)."""
     c = weight.shape[0]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     mean, var, b, wq = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c), torch.empty_like(weight)
+    in_kernel = running is not None and all(r.is_contiguous() and r.dtype == x.dtype and r.device == x.device
+                                            for r in running[:2])
+    rm, rv, factor = running if in_kernel else (None, None, 0.0)
     refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
         _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(quantize), _ptr(out), _ptr(mean),
-        _ptr(var), _ptr(wq), _ptr(b), *_geometry(x, weight.shape[1], dilation, layout))
-    return None if refused else (out, mean, var, wq, b)
+        _ptr(var), _ptr(wq), _ptr(b), _ptr(rm), _ptr(rv), float(factor),
+        *_geometry(x, weight.shape[1], dilation, layout))
+    if refused:
+        return None
+    if in_kernel:  # written through raw pointers: let autograd know, as an in-place op would
+        increment_version(rm)
+        increment_version(rv)
+    elif running is not None:
+        with torch.no_grad():
+            n = x.numel() // max(c, 1)
+            running[0].lerp_(mean.to(running[0]), running[2])
+            running[1].lerp_((var * (n / max(n - 1, 1))).to(running[1]), running[2])
+    return out, mean, var, wq, b
 
 
 def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste, dilation, layout, need_gx):
@@ -304,9 +321,9 @@ class _CppBNFire(torch.autograd.Function):
     saved."""
 
     @staticmethod
-    def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha):
+    def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha, running):
         x, weight, gamma, beta = x.contiguous(), weight.contiguous(), gamma.contiguous(), beta.contiguous()
-        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout)
+        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running)
         if result is None:
             raise _NonFiniteWeight()
         out, mean, var, wq, b = result
@@ -320,7 +337,7 @@ class _CppBNFire(torch.autograd.Function):
         saved = ctx.saved_tensors
         gx, g_weight, g_gamma, g_beta = bn_backward(*saved, grad.to(saved[0].dtype).contiguous(), *ctx.args,
                                                     ctx.needs_input_grad[0])
-        return gx, g_weight, g_gamma, g_beta, None, None, None, None, None, None
+        return gx, g_weight, g_gamma, g_beta, None, None, None, None, None, None, None
 
 
 # Custom ops: what torch.compile traces instead of the autograd Functions above.
@@ -426,7 +443,7 @@ def stats(x, weight, dilation, layout):
     return _CppStats.apply(x, weight, dilation, layout)
 
 
-def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function):
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None):
     """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
     surrogate the kernel does not know, an empty batch, gamma or beta of another dtype or device than
     x, weights with NaN or inf (the general path reports them) or under torch.compile (which traces the
@@ -438,7 +455,7 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
         return None
     try:
         return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,
-                                float(surrogate_function.alpha))
+                                float(surrogate_function.alpha), running)
     except _NonFiniteWeight:
         return None
 

@@ -229,17 +229,20 @@ def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: st
 
 
 def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
-            ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function) -> Optional[tuple]:
+            ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function,
+            running: Optional[tuple] = None) -> Optional[tuple]:
     """The training forward of a BN-threshold neuron as one fused step, or None where the implementation
     has none (or not for this surrogate), and for weights with NaN or inf, which the caller's general
     path reports: ``(spikes, mean, var)`` with ``spikes`` differentiable w.r.t.
-    x, weight, gamma and beta and the batch statistics ``mean, var`` (biased) of the bias-free charge,
-    for the running statistics. The same math as ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with
-    ``ste`` (None: no quantisation), then ``fire``."""
+    x, weight, gamma and beta and the batch statistics ``mean, var`` (biased) of the bias-free charge.
+    The same math as ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with ``ste`` (None: no
+    quantisation), then ``fire``. ``running``: ``(running_mean, running_var, factor)``; when the step
+    runs (not when it returns None), the batch mean and unbiased variance are blended into them in
+    place, as ``r.lerp_(stat, factor)``."""
     if get(method).bn_fire is None:  # nothing to check: the caller takes the general path
         return None
     impl = _checked(x, weight, None, dilation, layout, method)
-    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function)
+    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running)
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

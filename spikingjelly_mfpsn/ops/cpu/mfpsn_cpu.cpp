@@ -632,12 +632,20 @@ S quantize_pow2(S w) {
 // BN-threshold training, forward (the whole step of the autograd node): the batch statistics of the
 // bias-free charge, the BN folded into the weight and a bias, Wf = gamma / sqrt(var + eps) * W and
 // b = beta - gamma * mean / sqrt(var + eps) (in S, as the reference computes them), Wq = Q(Wf) when
-// quantising, then S = Theta(charge(X, Wq) + b) into out.
+// quantising, then S = Theta(charge(X, Wq) + b) into out. With running_mean (and running_var), the
+// batch mean and unbiased variance are blended into them: r += factor * (stat - r).
 template <typename S, int KT>
 void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* beta, double eps,
-                int quantize, S* out, S* mean, S* var, S* wq, S* b, int threads) {
+                int quantize, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var, double factor,
+                int threads) {
     forward<S, KT>(g, KP, x, w, nullptr, nullptr, 0, mean, var, threads);
+    const int64_t n = g.T * g.N * g.F;
+    const S f = S(factor), unbias = S(double(n) / double(std::max<int64_t>(n - 1, 1)));
     for (int64_t c = 0; c < g.C; ++c) {
+        if (running_mean) {
+            running_mean[c] += f * (mean[c] - running_mean[c]);
+            running_var[c] += f * (var[c] * unbias - running_var[c]);
+        }
         const S scale = gamma[c] * (S(1) / std::sqrt(var[c] + S(eps)));
         for (int i = 0; i < g.K; ++i) {
             const S wf = w[c * g.K + i] * scale;
@@ -701,7 +709,8 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 #define MFPSN_BWD(KT, KP) \
     backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
 
-#define MFPSN_BN_FWD(KT, KP) bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, out, mean, var, wq, b, threads)
+#define MFPSN_BN_FWD(KT, KP) \
+    bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, out, mean, var, wq, b, running_mean, running_var, factor, threads)
 #define MFPSN_BN_BWD(KT, KP)                                                                                  \
     bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, S(alpha), eps, ste, gx, g_w, g_gamma, \
                        g_beta, threads)
@@ -724,7 +733,8 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
     }                                                                                                          \
     extern "C" int mfpsn_bn_forward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* beta,         \
                                               double eps, int quantize, T_* out, T_* mean, T_* var, T_* wq,     \
-                                              T_* b, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,  \
+                                              T_* b, T_* running_mean, T_* running_var, double factor,          \
+                                              int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,         \
                                               int time_last, int threads) {                                     \
         using S = T_;                                                                                          \
         for (int64_t j = 0; j < C * K; ++j)                                                                    \

@@ -347,16 +347,18 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
     def _maybe_quantize(self, w: torch.Tensor) -> torch.Tensor:
         return quantize(w, self.ste) if self.quantize else w
 
-    def _running_factor(self, batches) -> float:
-        """How much of a batch's statistics the running ones take in: the momentum, or 1 / batches
-        for a cumulative average (``batches`` counting this one)."""
-        return self.momentum if self.momentum is not None else 1.0 / float(batches)
+    def _running_factor(self, uncounted: int = 0) -> float:
+        """How much of a batch's statistics the running ones take in: the momentum, or 1 / batches for
+        a cumulative average (``uncounted``: 1 while num_batches_tracked does not count this batch yet)."""
+        if self.momentum is not None:
+            return self.momentum
+        return 1.0 / (float(self.num_batches_tracked) + uncounted)
 
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
         if self.training and n > 0:  # an empty batch has no statistics to average in
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                factor = self._running_factor(self.num_batches_tracked)
+                factor = self._running_factor()
                 self.running_mean.lerp_(mean.detach().to(self.running_mean), factor)
                 unbiased = var.detach() * (n / max(n - 1, 1))
                 self.running_var.lerp_(unbiased.to(self.running_var), factor)
@@ -395,7 +397,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         path and its fp32 promotion)."""
         if not (self.threshold == "bn" and self.training) or torch.is_autocast_enabled(xp.device.type):
             return None
-        running = (self.running_mean, self.running_var, self._running_factor(self.num_batches_tracked + 1))
+        running = (self.running_mean, self.running_var, self._running_factor(uncounted=1))
         out = ops.bn_fire(xp, self.weight, self.gamma, self.beta, self.eps, self.ste if self.quantize else None,
                           self.dilation, self._layout, method, self.surrogate_function, running)
         if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports

@@ -266,28 +266,21 @@ class _CppStats(torch.autograd.Function):
 def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=None):
     """Run the BN-threshold training forward on contiguous tensors (see :class:`_CppBNFire`):
     ``(spikes, mean, var, Wq, b)``, or None when the weight has NaN or inf (nothing computed, nothing
-    updated). ``running``: ``(running_mean, running_var, factor)`` to blend the batch mean and
-    unbiased variance into, in place (``lerp_`` by ``factor``)."""
+    updated). ``running``: ``(running_mean, running_var, factor)``, contiguous tensors like ``x``'s, to
+    blend the batch mean and unbiased variance into, in place (as ``lerp_`` by ``factor``)."""
     c = weight.shape[0]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     mean, var, b, wq = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c), torch.empty_like(weight)
-    in_kernel = running is not None and all(r.is_contiguous() and r.dtype == x.dtype and r.device == x.device
-                                            for r in running[:2])
-    rm, rv, factor = running if in_kernel else (None, None, 0.0)
+    rm, rv, factor = running if running is not None else (None, None, 0.0)
     refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
         _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(quantize), _ptr(out), _ptr(mean),
         _ptr(var), _ptr(wq), _ptr(b), _ptr(rm), _ptr(rv), float(factor),
         *_geometry(x, weight.shape[1], dilation, layout))
     if refused:
         return None
-    if in_kernel:  # written through raw pointers: let autograd know, as an in-place op would
+    if running is not None:  # written through raw pointers: let autograd know, as an in-place op would
         increment_version(rm)
         increment_version(rv)
-    elif running is not None:
-        with torch.no_grad():
-            n = x.numel() // max(c, 1)
-            running[0].lerp_(mean.to(running[0]), running[2])
-            running[1].lerp_((var * (n / max(n - 1, 1))).to(running[1]), running[2])
     return out, mean, var, wq, b
 
 
@@ -445,13 +438,14 @@ def stats(x, weight, dilation, layout):
 
 def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None):
     """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
-    surrogate the kernel does not know, an empty batch, gamma or beta of another dtype or device than
-    x, weights with NaN or inf (the general path reports them) or under torch.compile (which traces the
-    separate custom ops)."""
+    surrogate the kernel does not know, an empty batch, BN parameters or running statistics of another
+    dtype or device than x (or not contiguous), weights with NaN or inf (the general path reports them)
+    or under torch.compile (which traces the separate custom ops)."""
     kind = surrogate_kind(surrogate_function)
     if not kind or torch.compiler.is_compiling() or not x.numel():
         return None
-    if any(t.dtype != x.dtype or t.device != x.device for t in (gamma, beta)):  # the kernel reads them raw
+    raw = (gamma, beta) + (tuple(running[:2]) if running is not None else ())  # what the kernel reads raw
+    if any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in raw):
         return None
     try:
         return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,

@@ -62,16 +62,9 @@ class _PowerOfTwoRoundSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         w, q = ctx.saved_tensors
-        return quantize_grad(w, q, grad, "round")
-
-
-def quantize_grad(w: torch.Tensor, q: torch.Tensor, grad: torch.Tensor, ste: str = "whole") -> torch.Tensor:
-    """dL/dw of ``q = Q(w)`` given ``grad`` = dL/dq, for the straight-through estimator ``ste``."""
-    if ste == "whole":
-        return grad
-    absw = w.abs()
-    safe = torch.where(absw > 0, absw, torch.ones_like(absw))
-    return grad * torch.where(absw > 0, q.abs() / safe, torch.zeros_like(absw))
+        absw = w.abs()
+        safe = torch.where(absw > 0, absw, torch.ones_like(absw))
+        return grad * torch.where(absw > 0, q.abs() / safe, torch.zeros_like(absw))
 
 
 def quantize(w: torch.Tensor, ste: str = "whole") -> torch.Tensor:

@@ -315,7 +315,7 @@ class _CppBNFire(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha, running):
-        x, weight, gamma, beta = x.contiguous(), weight.contiguous(), gamma.contiguous(), beta.contiguous()
+        x, weight = x.contiguous(), weight.contiguous()  # (bn_fire lets only contiguous gamma, beta in)
         result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running)
         if result is None:
             raise _NonFiniteWeight()

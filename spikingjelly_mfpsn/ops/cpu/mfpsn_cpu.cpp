@@ -13,8 +13,8 @@
 // that only writes runs row-wise: one step across all lanes, so writes are long contiguous runs.
 // Orders up to 8 run kernels with the tap loop unrolled (the order rounded up to 1, 2, 4 or 8 with
 // zero-weight taps); taps whose lag reaches past the first step are dropped (they only read zeros).
-// Per-lane constants (weights, bias) are laid out once per call as [K][CF] arrays; per-lane sums go
-// to per-thread [.][CF] float64 accumulators, reduced to channels in thread order at the end (no
+// Per-lane constants (weights, bias) are laid out once per call as [K][CF] arrays; per-lane sums go,
+// channel by channel, to per-thread [.][C] float64 accumulators, added in thread order at the end (no
 // atomics: the same result for the same thread count).
 //
 //   charge:  H[t] = sum_i W[c, i] * X[t - (K-1-i) * d] + b[c]          (X[t < 0] = 0)
@@ -203,39 +203,49 @@ std::vector<S> per_lane(const Geometry& g, const S* v) {
     return out;
 }
 
-// Add per-thread per-lane sums [count][CF] into per-channel doubles out[c * count_stride + j].
-void reduce_lanes(const Geometry& g, const std::vector<double>& acc, int threads, int count, double* out,
-                  int64_t c_stride, int64_t j_stride) {
-    const int64_t cf = g.CF();
+// Add per-thread per-channel sums [threads][count][C] into out[c * c_stride + j * j_stride], in thread order.
+void reduce_threads(const Geometry& g, const std::vector<double>& acc, int threads, int count, double* out,
+                    int64_t c_stride, int64_t j_stride) {
     for (int j = 0; j < count; ++j)
         for (int64_t c = 0; c < g.C; ++c) {
             double s = 0.0;
-            for (int th = 0; th < threads; ++th) {
-                const double* a = acc.data() + (size_t(th) * count + j) * cf + c * g.F;
-#pragma omp simd reduction(+ : s)  // vector partial sums: a fixed order for a given build
-                for (int64_t f = 0; f < g.F; ++f) s += a[f];
-            }
+            for (int th = 0; th < threads; ++th) s += acc[(size_t(th) * count + j) * g.C + c];
             out[c * c_stride + j * j_stride] = s;
         }
 }
 
-// Add a tile's per-lane partial sums (count rows of m, in S) to double accumulators (rows cf apart).
+// Add a tile's per-lane partial sums (count rows of m lanes from lane o0, in S) to per-channel float64
+// accumulators acc[j * C + c]: each channel's run of lanes is summed in float64, then added.
 template <typename S>
-void add_partials(const S* part, int count, int64_t m, double* acc, int64_t cf) {
-    for (int j = 0; j < count; ++j)
-        for (int64_t l = 0; l < m; ++l) acc[j * cf + l] += part[j * m + l];
+void add_partials(const Geometry& g, const S* part, int count, int64_t o0, int64_t m, double* acc) {
+    for (int j = 0; j < count; ++j) {
+        const S* row = part + j * m;
+        if (g.F == 1) {  // a lane per channel
+            double* a = acc + j * g.C + o0;
+#pragma omp simd
+            for (int64_t l = 0; l < m; ++l) a[l] += row[l];
+            continue;
+        }
+        int64_t c = o0 / g.F, l = 0;
+        for (int64_t end = std::min(m, (c + 1) * g.F - o0); l < m; l = end, end = std::min(m, end + g.F), ++c) {
+            double s = 0.0;
+#pragma omp simd reduction(+ : s)  // vector partial sums: a fixed order for a given build
+            for (int64_t i = l; i < end; ++i) s += row[i];
+            acc[j * g.C + c] += s;
+        }
+    }
 }
 
 // A thread's per-lane partial sums of the current tile's lanes (count rows of m, in S). Tiles are
 // numbered lanes-major, so a thread's consecutive tiles are mostly the same lanes of consecutive
 // blocks: they keep adding to the same partial sums, which go to the thread's float64 accumulators
-// (acc, rows cf apart) only when the lanes change or after MFPSN_PARTIAL_STEPS steps (short float
+// (acc, [count][C]) only when the lanes change or after MFPSN_PARTIAL_STEPS steps (short float
 // sums). At small T that saves most of the float64 passes, which would otherwise cost as much as the
 // sweep itself.
 template <typename S>
 class Partials {
   public:
-    Partials(int count, int64_t L, double* acc, int64_t cf) : count_(count), cf_(cf), acc_(acc), part_(count * L, S(0)) {}
+    Partials(const Geometry& g, int count, int64_t L, double* acc) : g_(g), count_(count), acc_(acc), part_(count * L, S(0)) {}
     // The sums a tile of m lanes from o0 over T steps adds to.
     S* take(int64_t o0, int64_t m, int64_t T) {
         if (o0 != o0_ || steps_ + T > MFPSN_PARTIAL_STEPS) {
@@ -248,14 +258,15 @@ class Partials {
     }
     void flush() {
         if (steps_ == 0) return;
-        add_partials(part_.data(), count_, m_, acc_ + o0_, cf_);
+        add_partials(g_, part_.data(), count_, o0_, m_, acc_);
         std::fill(part_.begin(), part_.begin() + count_ * m_, S(0));
         steps_ = 0;
     }
 
   private:
+    const Geometry& g_;
     int count_;
-    int64_t cf_, o0_ = -1, m_ = 0, steps_ = 0;
+    int64_t o0_ = -1, m_ = 0, steps_ = 0;
     double* acc_;
     std::vector<S> part_;
 };
@@ -492,11 +503,11 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const Taps<S> taps(g, w, KP);
     const std::vector<S> bl = per_lane(g, b);
-    std::vector<double> acc(sums ? size_t(threads) * 2 * cf : 0, 0.0);
+    std::vector<double> acc(sums ? size_t(threads) * 2 * g.C : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
         Tile<S> xs(g, L, pad), os(g, L, 0);
-        Partials<S> part(2, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * 2 * cf : nullptr, cf);
+        Partials<S> part(g, 2, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * 2 * g.C : nullptr);
         std::vector<Vec<S>> vec(3 * KP);
         std::vector<S> one(3 * KP);
         std::vector<const S*> wj(KP), xj(KP);
@@ -527,7 +538,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
     }
     if (sums) {  // per-channel mean and biased variance from the float64 sums
         std::vector<double> total(2 * g.C);
-        reduce_lanes(g, acc, threads, 2, total.data(), 1, g.C);
+        reduce_threads(g, acc, threads, 2, total.data(), 1, g.C);
         const double n = double(std::max<int64_t>(g.T * g.N * g.F, 1));
         for (int64_t c = 0; c < g.C; ++c) {
             const double m = total[c] / n;
@@ -556,12 +567,12 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     }
     const std::vector<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr),
                          cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr);
-    std::vector<double> acc(sums ? size_t(threads) * (KP + 1) * cf : 0, 0.0);
+    std::vector<double> acc(sums ? size_t(threads) * (KP + 1) * g.C : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
         Tile<S> xs(g, L, pad), gs(g, L, 0), os(g, L, 0);
         std::vector<S> dh((g.T + pad) * L);  // dH = 0 after step T-1
-        Partials<S> part(KP + 1, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * (KP + 1) * cf : nullptr, cf);
+        Partials<S> part(g, KP + 1, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * (KP + 1) * g.C : nullptr);
         std::vector<Vec<S>> vec(3 * KP);
         std::vector<S> one(3 * KP);
         std::vector<const S*> wj(KP), dj(KP);
@@ -603,7 +614,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     }
     if (sums) {  // per-channel sums of the real taps (the padding taps are dropped)
         std::vector<double> total((KP + 1) * g.C);
-        reduce_lanes(g, acc, threads, KP + 1, total.data(), KP + 1, 1);
+        reduce_threads(g, acc, threads, KP + 1, total.data(), KP + 1, 1);
         const int first = g.first_tap(), skip = KP - g.taps() - first;  // tap i sums in row 1 + skip + i
         for (int64_t c = 0; c < g.C; ++c) {
             if (gw)

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -194,13 +195,30 @@ class Tile {
     std::vector<S> zero_, buf_;
 };
 
-// Per-lane copy of a per-channel vector: out[o] = v[o / F] (zeros for a null v).
+// Zeros for n lanes, kept between calls (one table per calling thread).
 template <typename S>
-std::vector<S> per_lane(const Geometry& g, const S* v) {
-    std::vector<S> out(g.CF(), S(0));
-    if (v)
-        for (int64_t c = 0; c < g.C; ++c) std::fill_n(out.begin() + c * g.F, g.F, v[c]);
-    return out;
+const S* zeros(int64_t n) {
+    thread_local std::vector<S> z;
+    if (int64_t(z.size()) < n) z.assign(n, S(0));
+    return z.data();
+}
+
+// A per-lane table (rows of CF lanes) a call reads: its own memory, or the shared zeros.
+template <typename S>
+struct Table {
+    std::unique_ptr<S[]> own;
+    const S* ptr;
+    const S* data() const { return ptr; }
+};
+
+// Per-lane copy of a per-channel vector: out[o] = v[o / F] (the zeros for a null v).
+template <typename S>
+Table<S> per_lane(const Geometry& g, const S* v) {
+    if (!v) return {nullptr, zeros<S>(g.CF())};
+    std::unique_ptr<S[]> out(new S[g.CF()]);  // every entry written below
+    for (int64_t c = 0; c < g.C; ++c) std::fill_n(out.get() + c * g.F, g.F, v[c]);
+    const S* ptr = out.get();
+    return {std::move(out), ptr};
 }
 
 // Add per-thread per-channel sums [threads][count][C] into out[c * c_stride + j * j_stride], in thread order.
@@ -277,14 +295,17 @@ template <typename S>
 struct Taps {
     int KP;
     std::vector<int64_t> lag;  // [KP]
-    std::vector<S> w;          // [KP][CF] per-lane weights
-    Taps(const Geometry& g, const S* weight, int kp) : KP(kp), lag(kp, 0), w(size_t(kp) * g.CF(), S(0)) {
+    Table<S> w;                // [KP][CF] per-lane weights
+    Taps(const Geometry& g, const S* weight, int kp) : KP(kp), lag(kp, 0), w{std::unique_ptr<S[]>(new S[size_t(kp) * g.CF()]), nullptr} {
         const int pad = KP - g.taps(), first = g.first_tap();
+        S* out = w.own.get();
+        std::fill_n(out, size_t(pad) * g.CF(), S(0));  // the padding taps' weights
         for (int j = pad; j < KP; ++j) {
             const int i = first + j - pad;
             lag[j] = g.lag(i);
-            for (int64_t c = 0; c < g.C; ++c) std::fill_n(w.begin() + j * g.CF() + c * g.F, g.F, weight[c * g.K + i]);
+            for (int64_t c = 0; c < g.C; ++c) std::fill_n(out + j * g.CF() + c * g.F, g.F, weight[c * g.K + i]);
         }
+        w.ptr = out;
     }
 };
 
@@ -502,7 +523,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
     const bool sums = mean != nullptr;
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const Taps<S> taps(g, w, KP);
-    const std::vector<S> bl = per_lane(g, b);
+    const Table<S> bl = per_lane(g, b);
     std::vector<double> acc(sums ? size_t(threads) * 2 * g.C : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
@@ -554,7 +575,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per, pad = g.max_lag();
     const bool sums = gw || gb;
     const Taps<S> taps(g, w, KP);
-    const std::vector<S> bl = per_lane(g, mode == 3 ? nullptr : b);
+    const Table<S> bl = per_lane(g, mode == 3 ? nullptr : b);
     // Mode 3: dL/dY = a[c] * Y + b[c] with a = 2 dL/dvar / n, b = dL/dmean / n - a * mean.
     std::vector<S> coef_a(mode == 3 ? g.C : 0), coef_b(mode == 3 ? g.C : 0);
     if (mode == 3) {
@@ -565,7 +586,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             coef_b[c] = S(double(g_mean[c]) / n - a * double(mean[c]));
         }
     }
-    const std::vector<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr),
+    const Table<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr),
                          cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr);
     std::vector<double> acc(sums ? size_t(threads) * (KP + 1) * g.C : 0, 0.0);
 #pragma omp parallel num_threads(threads)

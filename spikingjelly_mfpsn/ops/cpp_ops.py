@@ -323,6 +323,7 @@ class _CppBNFire(torch.autograd.Function):
         ctx.save_for_backward(x, weight, gamma, mean, var, wq, b)
         ctx.args = (kind, alpha, eps, _STE_CODES[ste], dilation, layout)
         ctx.mark_non_differentiable(mean, var)
+        ctx.set_materialize_grads(False)  # no zero tensors for mean and var (only the spikes carry a gradient)
         return out, mean, var
 
     @staticmethod

@@ -436,15 +436,17 @@ def test_plan_stored_under_other_library_versions_is_not_used(tmp_path, monkeypa
 
 # ------------------------------------------------------------------ measure
 class ScriptedClock:
-    """A timer under which run i of ``measure`` takes ``runs[i]`` seconds (all of it in the forward)."""
+    """A timer under which run i of ``measure`` takes ``runs[i]`` seconds: all of it in the forward, or
+    ``(forward, backward)`` seconds."""
 
     def __init__(self, runs):
-        self.runs, self.calls = runs, 0
+        self.runs, self.calls = [r if isinstance(r, tuple) else (r, 0.0) for r in runs], 0
 
     def __call__(self):
         run, phase = divmod(self.calls, 4)  # t0, t1 (forward), t2, t3 (backward) per run
         self.calls += 1
-        return 1000.0 * run + (self.runs[run] if phase else 0.0)
+        fwd, bwd = self.runs[run]
+        return 1000.0 * run + (0.0, fwd, fwd, fwd + bwd)[phase]
 
 
 def test_measure_is_the_mean_of_the_last_m_and_ignores_a_single_slow_run():
@@ -456,7 +458,10 @@ def test_measure_is_the_mean_of_the_last_m_and_ignores_a_single_slow_run():
 def test_measure_abandons_a_candidate_whose_timed_runs_all_lose():
     clock = ScriptedClock([9.0, 4.0, 5.0, 1.0, 1.0])
     t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
-    assert t == 4.0 and clock.calls == 8  # stopped after the first timed run
+    assert t == 4.0 and clock.calls == 6  # stopped after the first timed run's forward: no backward
+    clock = ScriptedClock([9.0, (2.0, 2.0), 5.0, 1.0, 1.0])  # its forward alone does not lose, the run does
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
+    assert t == 4.0 and clock.calls == 8
     clock = ScriptedClock([9.0, 2.0, 5.0, 1.0, 1.0])
     assert tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0) == 1.0
 

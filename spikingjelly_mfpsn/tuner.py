@@ -172,10 +172,8 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         _sync(device)
         t1 = timer()
         elapsed = t1 - t0
-        if times and min(times[1:] + [elapsed]) > abandon_above:  # loses whatever its backward takes
-            _compat.functional.reset_net(module)
-            return min(times[1:] + [elapsed])
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+        lost = times and min(times[1:] + [elapsed]) > abandon_above  # lost, whatever its backward takes
+        if not lost and isinstance(out, torch.Tensor) and out.requires_grad:
             if z is None or z.shape != out.shape:
                 z = torch.randn_like(out)
             seed = _SeedGradient.apply(out, z)

@@ -172,7 +172,7 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         _sync(device)
         t1 = timer()
         elapsed = t1 - t0
-        lost = times and min(times[1:] + [elapsed]) > abandon_above  # lost, whatever its backward takes
+        lost = bool(times) and min(times[1:] + [elapsed]) > abandon_above  # lost, whatever its backward takes
         if not lost and isinstance(out, torch.Tensor) and out.requires_grad:
             if z is None or z.shape != out.shape:
                 z = torch.randn_like(out)

@@ -69,11 +69,11 @@ class _PowerOfTwoRoundSTE(torch.autograd.Function):
 
 def quantize(w: torch.Tensor, ste: str = "whole") -> torch.Tensor:
     """Power-of-two quantiser with a straight-through gradient (see module docstring)."""
-    if ste in STE_MODES and not (w.requires_grad and torch.is_grad_enabled()):
+    if ste not in STE_MODES:
+        raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
+    if not (w.requires_grad and torch.is_grad_enabled()):
         return quantize_pow2_(w)  # no graph to build (e.g. eval under no_grad): the same values
     if ste == "whole":
         # Identity gradient: the forward value is Q(w), the graph is that of w.
         return w + (quantize_pow2_(w.detach()) - w).detach()
-    if ste == "round":
-        return _PowerOfTwoRoundSTE.apply(w)
-    raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
+    return _PowerOfTwoRoundSTE.apply(w)

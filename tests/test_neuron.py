@@ -364,3 +364,33 @@ def test_an_empty_batch_leaves_the_running_statistics_alone(method):
         assert torch.isfinite(p.grad).all()
     for a, b in zip(before, sn.buffers()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ste", ["whole", "round"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_quantize_matches_the_reference_with_and_without_a_graph(ste, grad):
+    """quantize(w, ste): Q(w) whether or not a graph is built (under no_grad it skips the STE), and the
+    STE's gradient when one is (whole: identity; round: |Q(w)| / |w|, 0 at w = 0)."""
+    quantize = spikingjelly_mfpsn.quantize
+    w = torch.tensor([0.3, -0.7, 0.0, 1.5, -3e-3, 2.0 ** 0.5 * 1.0001], dtype=torch.float64)
+    want = reference.pow2(w)
+    if not grad:
+        with torch.no_grad():
+            assert torch.equal(quantize(w.clone().requires_grad_(), ste), want)
+        assert torch.equal(quantize(w, ste), want)  # a weight that needs no gradient
+        return
+    wg = w.clone().requires_grad_()
+    q = quantize(wg, ste)
+    assert torch.equal(q.detach(), want)
+    q.backward(torch.ones_like(w))
+    ratio = torch.where(w != 0, want.abs() / w.abs().clamp_min(1e-300), 0.0)  # round: |Q(w)| / |w|, 0 at 0
+    expect = torch.ones_like(w) if ste == "whole" else ratio
+    torch.testing.assert_close(wg.grad, expect)
+
+
+def test_quantize_rejects_an_unknown_ste_with_and_without_a_graph():
+    w = torch.rand(3, requires_grad=True)
+    with pytest.raises(ValueError, match="ste"):
+        spikingjelly_mfpsn.quantize(w, "soft")
+    with torch.no_grad(), pytest.raises(ValueError, match="ste"):
+        spikingjelly_mfpsn.quantize(w, "soft")

@@ -263,7 +263,8 @@ void add_partials(const Geometry& g, const S* part, int count, int64_t o0, int64
 template <typename S>
 class Partials {
   public:
-    Partials(const Geometry& g, int count, int64_t L, double* acc) : g_(g), count_(count), acc_(acc), part_(count * L, S(0)) {}
+    Partials(const Geometry& g, int count, int64_t L, double* acc)
+        : g_(g), count_(count), acc_(acc), part_(count * L, S(0)) {}
     // The sums a tile of m lanes from o0 over T steps adds to.
     S* take(int64_t o0, int64_t m, int64_t T) {
         if (o0 != o0_ || steps_ + T > MFPSN_PARTIAL_STEPS) {
@@ -296,7 +297,8 @@ struct Taps {
     int KP;
     std::vector<int64_t> lag;  // [KP]
     Table<S> w;                // [KP][CF] per-lane weights
-    Taps(const Geometry& g, const S* weight, int kp) : KP(kp), lag(kp, 0), w{std::unique_ptr<S[]>(new S[size_t(kp) * g.CF()]), nullptr} {
+    Taps(const Geometry& g, const S* weight, int kp)
+        : KP(kp), lag(kp, 0), w{std::unique_ptr<S[]>(new S[size_t(kp) * g.CF()]), nullptr} {
         const int pad = KP - g.taps(), first = g.first_tap();
         S* out = w.own.get();
         std::fill_n(out, size_t(pad) * g.CF(), S(0));  // the padding taps' weights

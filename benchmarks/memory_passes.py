@@ -96,7 +96,8 @@ def count_triton(mode: Traffic):
 def count_cpp(mode: Traffic):
     """Count the C++ kernels (backend 'cpp') into ``mode``: a forward reads X once and writes its output
     (none for the batch statistics); a backward reads X, and dL/dS or dL/dH unless it is the
-    statistics' backward, and writes dL/dX (reading it too when it adds to it). Like a Triton tile, the k shifted reads of a tile hit the cache."""
+    statistics' backward, and writes dL/dX (reading it too when it adds to it). Each step of a sweep
+    loads one input row: the taps read a window of earlier inputs kept in registers."""
     from spikingjelly_mfpsn.ops import cpp_ops
     real_fwd, real_bwd = cpp_ops.forward, cpp_ops.backward
 

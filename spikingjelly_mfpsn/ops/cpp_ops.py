@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -34,8 +35,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .registry import (Implementation, channel_dim, note_unavailable, register, surrogate_kind,
-                       time_dim)
+from .registry import Implementation, note_unavailable, register, surrogate_kind
 
 SOURCE_FILE = Path(__file__).with_name("cpu") / "mfpsn_cpu.cpp"
 BUILD_ENV = "SPIKINGJELLY_MFPSN_BUILD"
@@ -150,13 +150,12 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 def _geometry(x: torch.Tensor, k: int, dilation: int, layout: str) -> tuple:
-    """(T, N, C, F, k, d, time_last, threads) of a contiguous ``x``; F is the product of the feature dims."""
-    time_last = layout == "time_last"
-    t, n, c = x.shape[time_dim(layout)], x.shape[0 if time_last else 1], x.shape[channel_dim(layout)]
-    feat = 1
-    for size in (x.shape[2:-1] if time_last else x.shape[3:]):
-        feat *= size
-    return (t, n, c, feat, k, dilation, int(time_last), torch.get_num_threads())
+    """(T, N, C, F, k, d, time_last, threads) of a contiguous ``x`` in a checked ``layout``; F is the
+    product of the feature dims."""
+    shape = x.shape
+    if layout == "time_last":
+        return (shape[-1], shape[0], shape[1], math.prod(shape[2:-1]), k, dilation, 1, torch.get_num_threads())
+    return (shape[0], shape[1], shape[2], math.prod(shape[3:]), k, dilation, 0, torch.get_num_threads())
 
 
 def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
@@ -263,11 +262,12 @@ class _CppStats(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=None):
+def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=None, geometry=None):
     """Run the BN-threshold training forward on contiguous tensors (see :class:`_CppBNFire`):
     ``(spikes, mean, var, Wq, b)``, or None when the weight has NaN or inf (nothing computed, nothing
     updated). ``running``: ``(running_mean, running_var, factor)``, contiguous tensors like ``x``'s, to
-    blend the batch mean and unbiased variance into, in place (as ``lerp_`` by ``factor``)."""
+    blend the batch mean and unbiased variance into, in place (as ``lerp_`` by ``factor``).
+    ``geometry``: ``_geometry(x, k, dilation, layout)``, if the caller has it already."""
     c = weight.shape[0]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     mean, var, b, wq = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c), torch.empty_like(weight)
@@ -275,7 +275,7 @@ def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=
     refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
         _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(quantize), _ptr(out), _ptr(mean),
         _ptr(var), _ptr(wq), _ptr(b), _ptr(rm), _ptr(rv), float(factor),
-        *_geometry(x, weight.shape[1], dilation, layout))
+        *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     if refused:
         return None
     if running is not None:  # written through raw pointers: let autograd know, as an in-place op would
@@ -284,7 +284,8 @@ def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=
     return out, mean, var, wq, b
 
 
-def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste, dilation, layout, need_gx):
+def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste, dilation, layout, need_gx,
+                geometry=None):
     """Its backward on contiguous tensors: ``(dL/dX or None, dL/dweight, dL/dgamma, dL/dbeta)``; ``ste``
     0 (no quantiser), 1 (whole) or 2 (round)."""
     gx = torch.empty_like(x) if need_gx else None
@@ -292,7 +293,7 @@ def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste,
     getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
         _ptr(x), _ptr(weight), _ptr(gamma), _ptr(mean), _ptr(var), _ptr(wq), _ptr(b), _ptr(grad), kind,
         float(alpha), float(eps), ste, _ptr(gx), _ptr(g_weight), _ptr(g_gamma), _ptr(g_beta),
-        *_geometry(x, weight.shape[1], dilation, layout))
+        *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     return gx, g_weight, g_gamma, g_beta
 
 
@@ -311,17 +312,21 @@ class _CppBNFire(torch.autograd.Function):
     The backward call runs the spike kernel (dL/dX, dL/dWq, dL/db), the quantiser's and the folding's
     gradients in closed form, then the statistics' kernel, which adds its dL/dX to the spike kernel's in
     place: no second X-sized gradient, no per-channel autograd nodes. Only X and per-channel tensors are
-    saved."""
+    saved. ``cfg``: ``(eps, ste, dilation, layout, kind, alpha, running)``, one argument (``apply``
+    goes through every argument on each call)."""
 
     @staticmethod
-    def forward(ctx, x, weight, gamma, beta, eps, ste, dilation, layout, kind, alpha, running):
+    def forward(ctx, x, weight, gamma, beta, cfg):
+        eps, ste, dilation, layout, kind, alpha, running = cfg
         x, weight = x.contiguous(), weight.contiguous()  # (bn_fire lets only contiguous gamma, beta in)
-        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running)
+        geometry = _geometry(x, weight.shape[1], dilation, layout)
+        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running, geometry)
         if result is None:
             raise _NonFiniteWeight()
         out, mean, var, wq, b = result
         ctx.save_for_backward(x, weight, gamma, mean, var, wq, b)
         ctx.args = (kind, alpha, eps, _STE_CODES[ste], dilation, layout)
+        ctx.geometry = geometry
         ctx.mark_non_differentiable(mean, var)
         ctx.set_materialize_grads(False)  # no zero tensors for mean and var (only the spikes carry a gradient)
         return out, mean, var
@@ -330,8 +335,8 @@ class _CppBNFire(torch.autograd.Function):
     def backward(ctx, grad, _g_mean, _g_var):
         saved = ctx.saved_tensors
         gx, g_weight, g_gamma, g_beta = bn_backward(*saved, grad.to(saved[0].dtype).contiguous(), *ctx.args,
-                                                    ctx.needs_input_grad[0])
-        return gx, g_weight, g_gamma, g_beta, None, None, None, None, None, None, None
+                                                    ctx.needs_input_grad[0], ctx.geometry)
+        return gx, g_weight, g_gamma, g_beta, None
 
 
 # Custom ops: what torch.compile traces instead of the autograd Functions above.
@@ -449,8 +454,8 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     if any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in raw):
         return None
     try:
-        return _CppBNFire.apply(x, weight, gamma, beta, float(eps), ste, dilation, layout, kind,
-                                float(surrogate_function.alpha), running)
+        return _CppBNFire.apply(x, weight, gamma, beta, (float(eps), ste, dilation, layout, kind,
+                                                         float(surrogate_function.alpha), running))
     except _NonFiniteWeight:
         return None
 

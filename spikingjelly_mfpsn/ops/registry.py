@@ -74,6 +74,7 @@ def tap_schedule(t_len: int, k: int, dilation: int, start: int = 0):
 
 # Surrogates that fused kernels reproduce exactly (kernel code per SpikingJelly class name).
 SURROGATE_KINDS = {"ATan": 1, "Sigmoid": 2}
+_SURROGATE_TYPES: dict = {}  # SpikingJelly's class -> kernel code, filled at the first call
 
 
 def surrogate_kind(surrogate_function) -> int:
@@ -82,15 +83,16 @@ def surrogate_kind(surrogate_function) -> int:
     Only SpikingJelly's own ``ATan``/``Sigmoid`` (exact type, spiking mode, float alpha, no hooks):
     a subclass or a hooked module may behave differently, so it takes the unfused path.
     """
-    from .._compat import surrogate
-    name = type(surrogate_function).__name__
-    if name not in SURROGATE_KINDS or type(surrogate_function) is not getattr(surrogate, name, None):
-        return 0
-    if not getattr(surrogate_function, "spiking", False) or not isinstance(surrogate_function.alpha, (int, float)):
+    if not _SURROGATE_TYPES:
+        from .._compat import surrogate
+        _SURROGATE_TYPES.update({getattr(surrogate, name): kind for name, kind in SURROGATE_KINDS.items()})
+    kind = _SURROGATE_TYPES.get(type(surrogate_function), 0)
+    if not kind or not getattr(surrogate_function, "spiking", False) \
+            or not isinstance(surrogate_function.alpha, (int, float)):
         return 0
     if surrogate_function._forward_hooks or surrogate_function._forward_pre_hooks:
         return 0
-    return SURROGATE_KINDS[name]
+    return kind
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,15 @@ configuration is checked against the network's outputs on the example input.
 Timings are cached per layer (keyed by the layer's signature, its input shape, dtype, device name and
 the torch/triton/plugin versions), and the whole network's choice is cached too, so a second call on
 the same model and shapes times nothing: it applies the stored choice after checking it again on a few
-samples of the example batch.
+samples of the example batch. That check is skipped for a network whose parameters and buffers are
+bit for bit those of a network the stored choice was checked on (a digest of them is kept with the
+choice), e.g. the next run of a seeded script.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -37,6 +40,8 @@ ABANDON = 2.0
 CACHE_ENV = "SPIKINGJELLY_MFPSN_CACHE"
 # Samples of the example batch on which a cached plan is checked again before it is applied.
 PROBE = 2
+# Network states (digests) a stored plan keeps as checked.
+CHECKED_STATES = 8
 
 
 # ------------------------------------------------------------------------------------------ layers
@@ -237,6 +242,52 @@ def net_key(net: nn.Module, x, layouts) -> str:
            "device": _device_name(tensors[0].device) if tensors else "none", "layouts": list(layouts),
            "implementations": sorted(ops.names()), "versions": _versions()}
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
+
+
+def state_digest(net: nn.Module) -> Optional[str]:
+    """SHA-256 of every parameter and buffer of ``net``: names, shapes, dtypes and bytes; None when one
+    is not on the CPU (hashing would copy it there)."""
+    h = hashlib.sha256()
+    for name, t in itertools.chain(net.named_parameters(), net.named_buffers()):
+        if t.device.type != "cpu":
+            return None
+        t = t.detach()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        try:
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+        except (RuntimeError, TypeError):  # e.g. a tensor with a lazy conjugate: no digest, the checked path
+            return None
+    return h.hexdigest()
+
+
+def _check_id(digest: Optional[str], plan: dict) -> Optional[str]:
+    """What a plan records once it reproduced the outputs of a network in state ``digest``: the state
+    and the plan's own choice together (an edited plan matches no record)."""
+    if digest is None:
+        return None
+    return hashlib.sha256(json.dumps({"state": digest, "layout": plan["layout"], "methods": plan["methods"]},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def _checked_on(plan, digest: Optional[str], layouts) -> bool:
+    """Whether ``plan`` was checked on a network in state ``digest`` (so it needs no check again)."""
+    try:
+        return (digest is not None and plan["layout"] in layouts and isinstance(plan.get("checked"), list)
+                and _check_id(digest, plan) in plan["checked"])
+    except (KeyError, TypeError, AttributeError, ValueError):  # a damaged plan: the checked path handles it
+        return False
+
+
+def _remember_check(cache: "TimingCache", key: str, plan: dict, digest: Optional[str]) -> None:
+    """Record that ``plan`` reproduced the outputs of a network in state ``digest`` (the last
+    ``CHECKED_STATES`` such states are kept)."""
+    check = _check_id(digest, plan)
+    if check is None:
+        return
+    old = plan.get("checked")
+    kept = [c for c in old if isinstance(c, str) and c != check] if isinstance(old, list) else []
+    cache.put_plan(key, {**plan, "checked": (kept + [check])[-CHECKED_STATES:]})
+    cache.save()
 
 
 def _repr_without_method(module: nn.Module) -> str:
@@ -458,7 +509,7 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         # already converted finds its plan as well. The first forward materialises lazy parameters.
         _convert(net, "time_first")
         suffix = f"+compile:{compile_backend}" if compile_backend else ""
-        whole_key = None
+        whole_key = digest = None
         if not _has_lazy(net):
             whole_key = net_key(net, x_example, layouts) + suffix
             plan = cache.get_plan(whole_key)
@@ -468,6 +519,10 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
                 _report_plan(report, plan)
                 _compile_as_planned(net, report, compile_backend)
                 return report
+            digest = state_digest(net)
+            if _checked_on(plan, digest, layouts) and _apply_cached_plan(net, x_example, plan, layouts, None, None,
+                                                                         report, compile_backend):
+                return report  # checked on this very state before: no forward
         probe = _probe(x_example)
         try:
             probe_reference = _outputs(net, probe)
@@ -476,8 +531,10 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             probe_reference = _outputs(net, probe)
         if whole_key is None:  # lazy parameters, materialised by the forward above
             whole_key = net_key(net, x_example, layouts) + suffix
-        if _apply_cached_plan(net, x_example, cache.get_plan(whole_key), layouts, probe, probe_reference, report,
-                              compile_backend):
+            digest = state_digest(net)
+        plan = cache.get_plan(whole_key)
+        if _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report, compile_backend):
+            _remember_check(cache, whole_key, plan, digest)
             return report
         reference = probe_reference if probe is x_example else _outputs(net, x_example)
         snap = _state_snapshot(net)
@@ -539,9 +596,9 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
                 report.layout, report.methods = layout, plans[layout]
                 if compile_backend:
                     _time_compiled(net, x_example, m, measure_fn, compile_backend, reference, snap, report)
-                cache.put_plan(whole_key, {"layout": layout, "methods": plans[layout], "totals": report.totals,
-                                           "compiled": report.compiled})
-                cache.save()
+                plan = {"layout": layout, "methods": plans[layout], "totals": report.totals,
+                        "compiled": report.compiled}
+                _remember_check(cache, whole_key, plan, digest)  # (saves the cache)
                 return report
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
             warnings.warn(f"autoselect: {msg}; skipped")
@@ -590,17 +647,20 @@ def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, re
     the network, the input shapes, the device and the library versions. Here it is checked again on a
     few samples (``probe``), and on the whole batch only if those disagree (a spike near its threshold
     may flip); a plan that fails both, or no longer applies, is dropped and the network measured again.
+    ``probe`` None: the plan was checked on this network's state already (see :func:`_checked_on`);
+    it is applied if it still applies, without running the network.
     """
     if plan is None or plan["layout"] not in layouts:
         return False
     before = {name: m.method for name, m in net.named_modules() if is_tunable(m)}
-    checks = [(probe, probe_reference)] + ([] if probe is x_example else [(x_example, None)])
+    checks = [(None, None)] if probe is None else \
+        [(probe, probe_reference)] + ([] if probe is x_example else [(x_example, None)])
     for x, reference in checks:
         try:
-            if reference is None:
+            if x is not None and reference is None:
                 reference = _outputs(net, x)
             _apply(net, plan["layout"], plan["methods"])
-            ok = _agree(_outputs(net, x), reference)
+            ok = x is None or _agree(_outputs(net, x), reference)
             if ok:
                 _report_plan(report, plan)
         except Exception:  # noqa: BLE001  (a stale or damaged plan: measure again)

@@ -521,6 +521,87 @@ def test_second_call_on_a_net_already_running_the_plan_runs_no_forward(tmp_path)
     assert calls and (r3.layout, r3.methods) == (r1.layout, r1.methods)
 
 
+def _count_forwards(net):
+    calls = []
+    for m in net.modules():
+        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    return calls
+
+
+def test_a_copy_in_a_state_the_plan_was_checked_on_runs_no_forward(tmp_path):
+    """A new copy of a network whose parameters and buffers are bit for bit those the stored plan was
+    checked on (the next run of a seeded script) gets the plan without a forward pass; a copy with other
+    weights is checked first, and then a copy of that one needs no check either."""
+    import copy
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    eval_out(net, x)  # materialise the lazy neurons
+    same, other = copy.deepcopy(net), copy.deepcopy(net)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.01)
+    other_copy = copy.deepcopy(other)
+    r1 = mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
+    calls = _count_forwards(same)
+    r2 = mf.autoselect(same, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert not calls and (r2.layout, r2.methods) == (r1.layout, r1.methods) and r2.cache_hits
+    assert current_layout(same) == r1.layout
+    torch.testing.assert_close(eval_out(same, x), eval_out(net, x))
+
+    calls = _count_forwards(other)
+    r3 = mf.autoselect(other, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert calls and (r3.layout, r3.methods) == (r1.layout, r1.methods)  # checked: forward passes
+    calls = _count_forwards(other_copy)
+    r4 = mf.autoselect(other_copy, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert not calls and (r4.layout, r4.methods) == (r1.layout, r1.methods)  # that state is on record now
+
+
+@pytest.mark.parametrize("edit", ["plan", "record", "garbage"])
+def test_an_edited_plan_or_record_is_checked_again(tmp_path, edit):
+    """The record of a checked state binds the plan's own choice: an edited plan, a record that is not
+    this state's, or a damaged record list all take the checked path (forward passes), never a blind one."""
+    import copy
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    eval_out(net, x)  # materialise the lazy neurons
+    same = copy.deepcopy(net)
+    mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
+    key, plan = _stored_plan(path)
+    assert isinstance(plan["checked"], list) and len(plan["checked"]) == 1
+    if edit == "plan":
+        neuron_name = next(n for n, m in same.named_modules() if isinstance(m, MulFreeChannelwisePSN))
+        others = [c for c in ops.candidate_names(plan["layout"]) if c != plan["methods"][neuron_name]]
+        plan["methods"][neuron_name] = others[0]
+    elif edit == "record":
+        plan["checked"] = ["0" * 64]
+    else:
+        plan["checked"] = [3, None, {"a": 1}]
+    data = json.loads(open(path).read())
+    data["plans"][key] = plan
+    open(path, "w").write(json.dumps(data))
+    calls = _count_forwards(same)
+    report = mf.autoselect(same, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
+    assert calls and report.layout in ("time_first", "time_last")
+    torch.testing.assert_close(eval_out(same, x), eval_out(net, x))
+
+
+def test_state_digest_sees_every_parameter_and_buffer():
+    import copy
+    net = seq_net()
+    eval_out(net, example())
+    d0 = tuner.state_digest(net)
+    assert tuner.state_digest(copy.deepcopy(net)) == d0
+    for name, t in list(net.named_parameters()) + list(net.named_buffers()):
+        if not t.numel() or not t.dtype.is_floating_point:
+            continue
+        with torch.no_grad():
+            old = t.view(-1)[-1].item()
+            t.view(-1)[-1] = old + 1.0
+            assert tuner.state_digest(net) != d0, name
+            t.view(-1)[-1] = old
+        assert tuner.state_digest(net) == d0
+    assert tuner.state_digest(nn.Linear(2, 2, device="meta")) is None
+
+
 def test_fused_kernels_are_timed_first_then_the_layers_default():
     """The order candidates are timed in: a fast first time lets the slow ones be abandoned early."""
     x = torch.rand(6, 3, 4)

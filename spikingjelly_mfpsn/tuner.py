@@ -278,16 +278,15 @@ def _checked_on(plan, digest: Optional[str], layouts) -> bool:
         return False
 
 
-def _remember_check(cache: "TimingCache", key: str, plan: dict, digest: Optional[str]) -> None:
-    """Record that ``plan`` reproduced the outputs of a network in state ``digest`` (the last
-    ``CHECKED_STATES`` such states are kept)."""
+def _with_check(plan: dict, digest: Optional[str]) -> dict:
+    """``plan`` recording that it reproduced the outputs of a network in state ``digest`` (the last
+    ``CHECKED_STATES`` such states are kept; a None digest records nothing)."""
     check = _check_id(digest, plan)
     if check is None:
-        return
+        return plan
     old = plan.get("checked")
     kept = [c for c in old if isinstance(c, str) and c != check] if isinstance(old, list) else []
-    cache.put_plan(key, {**plan, "checked": (kept + [check])[-CHECKED_STATES:]})
-    cache.save()
+    return {**plan, "checked": (kept + [check])[-CHECKED_STATES:]}
 
 
 def _repr_without_method(module: nn.Module) -> str:
@@ -534,7 +533,9 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             digest = state_digest(net)
         plan = cache.get_plan(whole_key)
         if _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report, compile_backend):
-            _remember_check(cache, whole_key, plan, digest)
+            if digest is not None:  # checked on this state now: the next copy in it needs no check
+                cache.put_plan(whole_key, _with_check(plan, digest))
+                cache.save()
             return report
         reference = probe_reference if probe is x_example else _outputs(net, x_example)
         snap = _state_snapshot(net)
@@ -596,9 +597,9 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
                 report.layout, report.methods = layout, plans[layout]
                 if compile_backend:
                     _time_compiled(net, x_example, m, measure_fn, compile_backend, reference, snap, report)
-                plan = {"layout": layout, "methods": plans[layout], "totals": report.totals,
-                        "compiled": report.compiled}
-                _remember_check(cache, whole_key, plan, digest)  # (saves the cache)
+                cache.put_plan(whole_key, _with_check({"layout": layout, "methods": plans[layout],
+                                                       "totals": report.totals, "compiled": report.compiled}, digest))
+                cache.save()
                 return report
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
             warnings.warn(f"autoselect: {msg}; skipped")

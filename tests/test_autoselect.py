@@ -584,6 +584,23 @@ def test_an_edited_plan_or_record_is_checked_again(tmp_path, edit):
     torch.testing.assert_close(eval_out(same, x), eval_out(net, x))
 
 
+def test_a_network_without_a_digest_still_stores_and_checks_its_plan(tmp_path, monkeypatch):
+    """Where no digest is taken (e.g. CUDA tensors), the plan is stored as before and every new copy is
+    checked with forward passes."""
+    import copy
+    monkeypatch.setattr(tuner, "state_digest", lambda net: None)
+    path = str(tmp_path / "c.json")
+    net, x = seq_net(), example()
+    eval_out(net, x)  # materialise the lazy neurons
+    same = copy.deepcopy(net)
+    r1 = mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
+    _, plan = _stored_plan(path)
+    assert "checked" not in plan
+    calls = _count_forwards(same)
+    r2 = mf.autoselect(same, x, cache=path, measure_fn=_no_timing, progress=False)
+    assert calls and (r2.layout, r2.methods) == (r1.layout, r1.methods)
+
+
 def test_state_digest_sees_every_parameter_and_buffer():
     import copy
     net = seq_net()

@@ -323,6 +323,14 @@ def _stored_plan(path):
     return next(iter(plans.items()))
 
 
+def _count_forwards(net):
+    """A list that every forward call of any module of ``net`` appends to."""
+    calls = []
+    for m in net.modules():
+        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    return calls
+
+
 def _no_timing(*args):
     pytest.fail("a cached plan should have been applied without timing")
 
@@ -509,23 +517,13 @@ def test_second_call_on_a_net_already_running_the_plan_runs_no_forward(tmp_path)
     path = str(tmp_path / "c.json")
     net, x = seq_net(), example()
     r1 = mf.autoselect(net, x, cache=path, measure_fn=FakeTimes(0, {"time_last": 0.1}), progress=False)
-    calls = []
-    for m in net.modules():
-        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    calls = _count_forwards(net)
     r2 = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
     assert not calls and (r2.layout, r2.methods) == (r1.layout, r1.methods) and r2.cache_hits
     other = seq_net()
-    for m in other.modules():
-        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    calls = _count_forwards(other)
     r3 = mf.autoselect(other, x, cache=path, measure_fn=_no_timing, progress=False)
     assert calls and (r3.layout, r3.methods) == (r1.layout, r1.methods)
-
-
-def _count_forwards(net):
-    calls = []
-    for m in net.modules():
-        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
-    return calls
 
 
 def test_a_copy_in_a_state_the_plan_was_checked_on_runs_no_forward(tmp_path):

@@ -412,9 +412,10 @@ inline V* scratch(const TileArgs<S>& p, int which) {
         return p.vec + which * p.K;
 }
 
-// Forward, in ascending time: H (or S) written to out, if any; with sums, sum H and sum H^2 added to
-// part. win[j] holds X[t - (K-1-j) * d] (zero before step 0).
-template <typename S, typename V, int KT>
+// Forward, in ascending time: H (or S) written to out, if any; with SUMS, sum H and sum H^2 added to
+// part (a compile-time choice: the spikes' pass does not form them). win[j] holds X[t - (K-1-j) * d]
+// (zero before step 0).
+template <typename S, typename V, int KT, bool SUMS>
 void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
     const int K = KT > 0 ? KT : p.K;
     V w_[KT > 0 ? KT : 1], win_[KT > 0 ? KT : 1];
@@ -433,12 +434,15 @@ void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
         V h = b;
         for (int j = 0; j < K; ++j) h += w[j] * win[j];
         if (outs) store(outs[t] + l, p.spike ? heaviside<S, V>(h) : h);
-        s1 += h;
-        s2 += h * h;
+        if constexpr (SUMS) {
+            s1 += h;
+            s2 += h * h;
+        }
     }
-    if (!p.sums) return;
-    store(p.part + l, load<V>(p.part + l) + s1);
-    store(p.part + p.m + l, load<V>(p.part + p.m + l) + s2);
+    if constexpr (SUMS) {
+        store(p.part + l, load<V>(p.part + l) + s1);
+        store(p.part + p.m + l, load<V>(p.part + p.m + l) + s2);
+    }
 }
 
 // Backward, in descending time: dH[t] from the recomputed H (mode 0: dH = dL/dH itself), the db and
@@ -529,7 +533,10 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
             for (int j = 0; j < KP; ++j) wj[j] = wl.data() + j * cf + o0;
             p.b = bl.data() + o0;
             p.m = m;
-            columns<S, KT, forward_lanes<S, Vec<S>, KT>, forward_lanes<S, S, KT>>(p);
+            if (sums)
+                columns<S, KT, forward_lanes<S, Vec<S>, KT, true>, forward_lanes<S, S, KT, true>>(p);
+            else
+                columns<S, KT, forward_lanes<S, Vec<S>, KT, false>, forward_lanes<S, S, KT, false>>(p);
             if (out) os.flush(out, n, o0, m);
         }
         if (sums) part.flush();

@@ -250,6 +250,11 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             self.v_threshold = nn.UninitializedParameter()
         if channels is not None:
             self._materialize(channels)
+            # Initialised already: drop the lazy-initialisation hooks, as torch does after a lazy first
+            # forward (a module with a forward pre-hook takes nn.Module's slower call path).
+            self._initialize_hook.remove()
+            self._load_hook.remove()
+            del self._initialize_hook, self._load_hook
 
     # ------------------------------------------------------------------ parameters
     def _materialize(self, channels: int) -> None:
@@ -279,9 +284,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
 
     @property
     def channels(self) -> Optional[int]:
-        if isinstance(self.weight, nn.parameter.UninitializedParameter):
-            return None
-        return self.weight.shape[0]
+        w = self._parameters["weight"]  # (see _fused_spikes)
+        return None if isinstance(w, nn.parameter.UninitializedParameter) else w.shape[0]
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -397,12 +401,16 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         path and its fp32 promotion)."""
         if not (self.threshold == "bn" and self.training) or torch.is_autocast_enabled(xp.device.type):
             return None
-        running = (self.running_mean, self.running_var, self._running_factor(uncounted=1))
-        out = ops.bn_fire(xp, self.weight, self.gamma, self.beta, self.eps, self.ste if self.quantize else None,
-                          self.dilation, self._layout, method, self.surrogate_function, running)
+        # The tensors straight from the module's dicts: an attribute lookup goes through two __getattr__
+        # (SpikingJelly's and torch's), about 1 us each, which shows at small layers.
+        params, buffers = self._parameters, self._buffers
+        running = (buffers["running_mean"], buffers["running_var"], self._running_factor(uncounted=1))
+        out = ops.bn_fire(xp, params["weight"], params["gamma"], params["beta"], self.eps,
+                          self.ste if self.quantize else None, self.dilation, self._layout, method,
+                          self.surrogate_function, running)
         if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
             return None
-        self.num_batches_tracked.add_(1)
+        buffers["num_batches_tracked"].add_(1)
         return out[0]
 
     def _weight_bias_for(self, run_stats):
@@ -416,7 +424,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         return self.fused_weight_bias()
 
     def _compute_dtype(self) -> torch.dtype:
-        return self.weight.dtype
+        return self._parameters["weight"].dtype
 
     def extra_repr(self) -> str:
         s = (f"channels={self.channels}, k={self.k}, dilation={self.dilation}, quantize={self.quantize}, "

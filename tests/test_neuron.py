@@ -1,5 +1,7 @@
 """MulFreeChannelwisePSN against the paper's equations, step modes, state, errors and export."""
 
+import copy
+
 import pytest
 import torch
 from spikingjelly.activation_based import functional, neuron, surrogate
@@ -276,6 +278,24 @@ def test_lazy_neuron_loads_a_checkpoint():
     dst = MulFreeChannelwisePSN(k=3)
     dst.load_state_dict(src.state_dict())
     assert dst.channels == 4 and torch.equal(dst.weight, src.weight)
+
+
+def test_neuron_built_with_channels_has_no_lazy_hooks():
+    """Given channels, the neuron is initialised at construction: no lazy-initialisation hooks (a forward
+    pre-hook sends every call down nn.Module's slower path), and it still loads checkpoints and copies."""
+    sn = MulFreeChannelwisePSN(channels=4, k=3, step_mode="m")
+    assert not sn._forward_pre_hooks and not hasattr(sn, "_initialize_hook")
+    lazy = MulFreeChannelwisePSN(k=3, step_mode="m")
+    assert lazy._forward_pre_hooks  # inferred at the first forward, as before
+    src = MulFreeChannelwisePSN(channels=4, k=3)
+    with torch.no_grad():
+        src.weight.normal_()
+        src.running_var.fill_(2.0)
+    sn.load_state_dict(src.state_dict())
+    assert torch.equal(sn.weight, src.weight) and torch.equal(sn.running_var, src.running_var)
+    twin = copy.deepcopy(sn)
+    x = torch.randn(3, 2, 4)
+    assert torch.equal(twin.eval()(x), sn.eval()(x))
 
 
 # ---------------------------------------------------------------- repr and export

@@ -780,11 +780,12 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     path = default_cache_path() if cache is True else (cache or None)
     report = None
     _uncompile(net)  # a previous pass may have compiled it; every configuration is timed eager first
-    if _dist_rank() == 0:
+    selects = _dist_rank() == 0
+    if selects:  # (_select applies what it chooses)
         report = _select(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
                          progress, backend)
     report = _broadcast(report)
-    if report.layout is not None:
+    if report.layout is not None and not selects:
         _apply(net, report.layout, report.methods)
         if report.compiled and getattr(net, "_compiled_call_impl", None) is None:
             _compile(net, report.compile_backend)

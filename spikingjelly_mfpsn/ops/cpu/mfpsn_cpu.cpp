@@ -626,7 +626,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
 // 2^(e+1/2), where a float log2 itself can round across the midpoint.) Exponents are clamped to the
 // largest finite power of two (inf too), too small ones underflow to zero, NaN stays NaN.
 template <typename S>
-S quantize_pow2(S w) {
+S quantize_pow2_frexp(S w) {
     constexpr int top = std::numeric_limits<S>::max_exponent - 1;
     if (w == S(0) || std::isnan(w)) return w == S(0) ? S(0) : w;
     if (std::isinf(w)) return std::copysign(std::ldexp(S(1), top), w);
@@ -634,6 +634,59 @@ S quantize_pow2(S w) {
     const S m = std::frexp(std::abs(w), &e);
     if (double(m) < M_SQRT1_2) --e;
     return std::copysign(std::ldexp(S(1), std::min(e, top)), w);
+}
+
+// The IEEE-754 fields of S: its bits as U, M mantissa bits, the biased exponent of inf and NaN, and UP,
+// the smallest mantissa with 1.mantissa >= sqrt(2) (in integers: (2^M + UP)^2 >= 2^(2M+1)).
+template <typename S>
+struct Ieee;
+template <>
+struct Ieee<float> {
+    using U = uint32_t;
+    static constexpr int M = 23;
+    static constexpr U E_INF = 0xFF, UP = 0x3504F4;
+};
+template <>
+struct Ieee<double> {
+    using U = uint64_t;
+    static constexpr int M = 52;
+    static constexpr U E_INF = 0x7FF, UP = 0x6A09E667F3BCDull;
+};
+
+// Q in place over n values, on their bits where every value is normal: 1.mantissa * 2^e rounds up to
+// 2^(e+1) when the mantissa is >= UP, else down to 2^e, clamped below inf. A few integer operations
+// per value in a loop the compiler vectorises (frexp and ldexp per weight cost as much as a small
+// layer's sweep). Where one value is zero, subnormal, inf or NaN, those take quantize_pow2_frexp.
+template <typename S>
+void quantize_pow2_(S* w, int64_t n) {
+    using I = Ieee<S>;
+    using U = typename I::U;
+    constexpr U sign = U(1) << (8 * sizeof(U) - 1), mantissa = (U(1) << I::M) - 1;
+    const auto exponent = [](const S* v) {
+        U u;
+        std::memcpy(&u, v, sizeof u);
+        return (u & ~sign) >> I::M;
+    };
+    const auto bits = [](S* v) {
+        U u;
+        std::memcpy(&u, v, sizeof u);
+        const U e = (u & ~sign) >> I::M;
+        u = (u & sign) | (std::min<U>(e + ((u & mantissa) >= I::UP), I::E_INF - 1) << I::M);
+        std::memcpy(v, &u, sizeof u);
+    };
+    U special = 0;
+    for (int64_t j = 0; j < n; ++j) special |= U(exponent(w + j) - 1 >= I::E_INF - 1);  // exponent 0 or all ones
+    if (!special) {
+        for (int64_t j = 0; j < n; ++j) bits(w + j);
+        return;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const U e = exponent(w + j);
+        if (e == 0 || e == I::E_INF)
+            w[j] = quantize_pow2_frexp(w[j]);
+        else
+            bits(w + j);
+    }
 }
 
 // BN-threshold training, forward (the whole step of the autograd node): the batch statistics of the
@@ -654,12 +707,10 @@ void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamm
             running_var[c] += f * (var[c] * unbias - running_var[c]);
         }
         const S scale = gamma[c] * (S(1) / std::sqrt(var[c] + S(eps)));
-        for (int i = 0; i < g.K; ++i) {
-            const S wf = w[c * g.K + i] * scale;
-            wq[c * g.K + i] = quantize ? quantize_pow2(wf) : wf;
-        }
+        for (int i = 0; i < g.K; ++i) wq[c * g.K + i] = w[c * g.K + i] * scale;
         b[c] = beta[c] - mean[c] * scale;
     }
+    if (quantize) quantize_pow2_(wq, g.C * g.K);
     forward<S, KT>(g, KP, x, wq, b, out, 1, nullptr, nullptr, threads);
 }
 

@@ -282,6 +282,11 @@ def test_fused_bn_training_falls_back_where_it_does_not_apply():
     sn.train()
     with pytest.raises(ValueError, match="NaN or inf"):
         sn(x_nan)
+    with torch.no_grad():
+        sn.weight[0, 0] = 1.0
+        sn.weight[-1, -1] = -float("inf")  # the last weight: the kernel's check reads every one
+    with pytest.raises(ValueError, match="NaN or inf"):
+        sn(x_nan)
 
 
 def test_requirements_name_the_problem():

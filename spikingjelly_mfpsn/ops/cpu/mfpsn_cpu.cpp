@@ -748,6 +748,14 @@ void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gam
     for (int64_t j = 0; j < C * K; ++j) g_w[j] += g_w_stats[j];
 }
 
+// Whether no value is NaN or inf (one vectorised pass: no early exit).
+template <typename S>
+bool all_finite(const S* v, int64_t n) {
+    int bad = 0;
+    for (int64_t j = 0; j < n; ++j) bad |= !(std::abs(v[j]) <= std::numeric_limits<S>::max());  // NaN too
+    return !bad;
+}
+
 Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int time_last) {
     return Geometry{T, N, C, F, K, d, time_last != 0};
 }
@@ -795,8 +803,7 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
                                               int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,         \
                                               int time_last, int threads) {                                     \
         using S = T_;                                                                                          \
-        for (int64_t j = 0; j < C * K; ++j)                                                                    \
-            if (!std::isfinite(w[j])) return 1; /* nothing computed: the caller reports the weights */         \
+        if (!all_finite(w, C * K)) return 1; /* nothing computed: the caller reports the weights */            \
         const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_FWD)                                                               \
         return 0;                                                                                              \

@@ -230,6 +230,18 @@ def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, d
             torch.testing.assert_close(a, b, **tol)
 
 
+def test_fused_bn_statistics_changed_in_place_are_caught():
+    """The fused node returns the batch mean and variance and its backward reads them: an in-place change
+    before the backward must raise, as for any saved tensor, not give wrong gradients."""
+    x = torch.randn(5, 3, 4, requires_grad=True)
+    w, gamma, beta = torch.rand(4, 2, requires_grad=True), torch.ones(4, requires_grad=True), -torch.ones(4)
+    spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first", surrogate.ATan())
+    spikes.sum().backward(retain_graph=True)  # untouched: fine
+    mean.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        spikes.sum().backward()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype):
     """The fused node quantises in C++ (exponent and mantissa, no log2): it must give Q's powers of two,
@@ -254,7 +266,7 @@ def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype):
     spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, torch.zeros(c, dtype=dtype), 0.25, "whole", 1, "time_first",
                                         surrogate.ATan())
     assert torch.equal(var, torch.zeros_like(var))
-    wq = spikes.grad_fn.saved_tensors[5]
+    wq = spikes.grad_fn.folded[0]
     torch.testing.assert_close(wq[:-2], reference.pow2(w[:-2], top), rtol=0, atol=0)
     assert wq[-5].item() == 1.0 and wq[-4].item() == 2.0 and wq[-3].item() == -16.0  # either side of 2**(1/2)
     assert wq[-2].item() == 2.0 ** top and wq[-1].item() == -(2.0 ** top)  # inf (clamped), then -2/3 max

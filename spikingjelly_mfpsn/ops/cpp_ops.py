@@ -269,17 +269,17 @@ def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=
     blend the batch mean and unbiased variance into, in place (as ``lerp_`` by ``factor``).
     ``geometry``: ``_geometry(x, k, dilation, layout)``, if the caller has it already."""
     c = weight.shape[0]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(x)  # (x is contiguous)
     mean, var, b, wq = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c), torch.empty_like(weight)
     rm, rv, factor = running if running is not None else (None, None, 0.0)
-    refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(
-        _ptr(x), _ptr(weight), _ptr(gamma), _ptr(beta), float(eps), int(quantize), _ptr(out), _ptr(mean),
-        _ptr(var), _ptr(wq), _ptr(b), _ptr(rm), _ptr(rv), float(factor),
-        *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
+    refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(  # data_ptr(): never None here
+        x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), beta.data_ptr(), float(eps), int(quantize),
+        out.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(), b.data_ptr(), _ptr(rm), _ptr(rv),
+        float(factor), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     if refused:
         return None
     if running is not None:  # written through raw pointers: let autograd know, as an in-place op would
-        increment_version(rm)
+        increment_version(rm)  # (one tensor per call: older torch takes no list)
         increment_version(rv)
     return out, mean, var, wq, b
 
@@ -291,9 +291,9 @@ def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste,
     gx = torch.empty_like(x) if need_gx else None
     g_weight, g_gamma, g_beta = torch.empty_like(weight), torch.empty_like(gamma), torch.empty_like(gamma)
     getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
-        _ptr(x), _ptr(weight), _ptr(gamma), _ptr(mean), _ptr(var), _ptr(wq), _ptr(b), _ptr(grad), kind,
-        float(alpha), float(eps), ste, _ptr(gx), _ptr(g_weight), _ptr(g_gamma), _ptr(g_beta),
-        *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
+        x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(),
+        b.data_ptr(), grad.data_ptr(), kind, float(alpha), float(eps), ste, _ptr(gx), g_weight.data_ptr(),
+        g_gamma.data_ptr(), g_beta.data_ptr(), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     return gx, g_weight, g_gamma, g_beta
 
 
@@ -312,8 +312,10 @@ class _CppBNFire(torch.autograd.Function):
     The backward call runs the spike kernel (dL/dX, dL/dWq, dL/db), the quantiser's and the folding's
     gradients in closed form, then the statistics' kernel, which adds its dL/dX to the spike kernel's in
     place: no second X-sized gradient, no per-channel autograd nodes. Only X and per-channel tensors are
-    saved. ``cfg``: ``(eps, ste, dilation, layout, kind, alpha, running)``, one argument (``apply``
-    goes through every argument on each call)."""
+    kept: X, W, gamma and the returned batch statistics saved (autograd checks them for in-place
+    changes), Wq and b, which never leave the node, as ``ctx.folded``. ``cfg``:
+    ``(eps, ste, dilation, layout, kind, alpha, running)``, one argument (``apply`` goes through every
+    argument on each call)."""
 
     @staticmethod
     def forward(ctx, x, weight, gamma, beta, cfg):
@@ -324,7 +326,8 @@ class _CppBNFire(torch.autograd.Function):
         if result is None:
             raise _NonFiniteWeight()
         out, mean, var, wq, b = result
-        ctx.save_for_backward(x, weight, gamma, mean, var, wq, b)
+        ctx.save_for_backward(x, weight, gamma, mean, var)
+        ctx.folded = (wq, b)
         ctx.args = (kind, alpha, eps, _STE_CODES[ste], dilation, layout)
         ctx.geometry = geometry
         ctx.mark_non_differentiable(mean, var)
@@ -333,8 +336,9 @@ class _CppBNFire(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _g_mean, _g_var):
-        saved = ctx.saved_tensors
-        gx, g_weight, g_gamma, g_beta = bn_backward(*saved, grad.to(saved[0].dtype).contiguous(), *ctx.args,
+        x, weight, gamma, mean, var = ctx.saved_tensors
+        gx, g_weight, g_gamma, g_beta = bn_backward(x, weight, gamma, mean, var, *ctx.folded,
+                                                    grad.to(x.dtype).contiguous(), *ctx.args,
                                                     ctx.needs_input_grad[0], ctx.geometry)
         return gx, g_weight, g_gamma, g_beta, None
 
@@ -450,9 +454,10 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     kind = surrogate_kind(surrogate_function)
     if not kind or torch.compiler.is_compiling() or not x.numel():
         return None
-    raw = (gamma, beta) + (tuple(running[:2]) if running is not None else ())  # what the kernel reads raw
-    if any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in raw):
-        return None
+    dtype, device = x.dtype, x.device
+    for t in (gamma, beta) if running is None else (gamma, beta, running[0], running[1]):  # read raw
+        if t.dtype != dtype or t.device != device or not t.is_contiguous():
+            return None
     try:
         return _CppBNFire.apply(x, weight, gamma, beta, (float(eps), ste, dilation, layout, kind,
                                                          float(surrogate_function.alpha), running))

@@ -284,8 +284,18 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
 
     @property
     def channels(self) -> Optional[int]:
-        w = self._parameters["weight"]  # (see _fused_spikes)
+        w = self._member("weight")
         return None if isinstance(w, nn.parameter.UninitializedParameter) else w.shape[0]
+
+    def _member(self, name: str):
+        """``getattr(self, name)`` for a parameter or buffer, read from the module's dicts: an attribute
+        lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each, which shows
+        at small layers. Anything not in them (e.g. a weight under ``torch.nn.utils.parametrize``, which
+        becomes a property) through ``getattr``."""
+        t = self._parameters.get(name)
+        if t is None:
+            t = self._buffers.get(name)
+        return t if t is not None else getattr(self, name)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -401,16 +411,14 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         path and its fp32 promotion)."""
         if not (self.threshold == "bn" and self.training) or torch.is_autocast_enabled(xp.device.type):
             return None
-        # The tensors straight from the module's dicts: an attribute lookup goes through two __getattr__
-        # (SpikingJelly's and torch's), about 1 us each, which shows at small layers.
-        params, buffers = self._parameters, self._buffers
-        running = (buffers["running_mean"], buffers["running_var"], self._running_factor(uncounted=1))
-        out = ops.bn_fire(xp, params["weight"], params["gamma"], params["beta"], self.eps,
+        member = self._member
+        running = (member("running_mean"), member("running_var"), self._running_factor(uncounted=1))
+        out = ops.bn_fire(xp, member("weight"), member("gamma"), member("beta"), self.eps,
                           self.ste if self.quantize else None, self.dilation, self._layout, method,
                           self.surrogate_function, running)
         if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
             return None
-        buffers["num_batches_tracked"].add_(1)
+        member("num_batches_tracked").add_(1)
         return out[0]
 
     def _weight_bias_for(self, run_stats):
@@ -424,7 +432,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         return self.fused_weight_bias()
 
     def _compute_dtype(self) -> torch.dtype:
-        return self._parameters["weight"].dtype
+        return self._member("weight").dtype
 
     def extra_repr(self) -> str:
         s = (f"channels={self.channels}, k={self.k}, dilation={self.dilation}, quantize={self.quantize}, "

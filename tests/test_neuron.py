@@ -298,6 +298,34 @@ def test_neuron_built_with_channels_has_no_lazy_hooks():
     assert torch.equal(twin.eval()(x), sn.eval()(x))
 
 
+@pytest.mark.parametrize("method", sorted(set(ops.names(layout="time_first")) - {"triton", "cupy"}))
+def test_parametrized_weight_trains_like_the_plain_weight(method):
+    """torch.nn.utils.parametrize turns ``weight`` into a property (no longer in ``_parameters``): the
+    neuron must read it through it, and give what a plain neuron with the parametrized value gives."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2.0 * w
+    torch.manual_seed(0)
+    para = MulFreeChannelwisePSN(4, k=3, dilation=2, step_mode="m", method=method, exp_init=False)
+    plain = copy.deepcopy(para)
+    with torch.no_grad():
+        plain.weight.mul_(2.0)
+    parametrize.register_parametrization(para, "weight", Double())
+    assert para.channels == 4 and "weight" not in para._parameters
+    x = torch.randn(6, 3, 4)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sa, sb = para(xa), plain(xb)
+    torch.testing.assert_close(sa, sb)
+    g = torch.randn_like(sa)
+    sa.backward(g)
+    sb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad)
+    torch.testing.assert_close(para.parametrizations.weight.original.grad, 2.0 * plain.weight.grad)
+    torch.testing.assert_close(para.running_var, plain.running_var)
+
+
 # ---------------------------------------------------------------- repr and export
 def test_extra_repr_shows_configuration():
     r = repr(MulFreeChannelwisePSN(channels=4, k=3, dilation=2, threshold="param", layout="time_last",

@@ -783,12 +783,13 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     report = None
     _uncompile(net)  # a previous pass may have compiled it; every configuration is timed eager first
     selects = _dist_rank() == 0
-    if selects:  # (_select applies what it chooses)
+    if selects:
         report = _select(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
                          progress, backend)
     report = _broadcast(report)
-    if report.layout is not None and not selects:
-        _apply(net, report.layout, report.methods)
+    if report.layout is not None:
+        if not selects:  # (_select applied its choice on this rank already)
+            _apply(net, report.layout, report.methods)
         if report.compiled and getattr(net, "_compiled_call_impl", None) is None:
             _compile(net, report.compile_backend)
     _compat.invalidate_reset_cache(net)

@@ -140,7 +140,7 @@ class ChargeNeuronBase(MemoryModule):
         return self._spikes(x_seq, run_stats, run_fire)
 
     def _fused_spikes(self, xp: torch.Tensor, method: str) -> Optional[torch.Tensor]:
-        """Spikes from an implementation's fused whole training forward (``ops.bn_fire``), or None."""
+        """Spikes from an implementation's fused whole forward (``ops.bn_fire``), or None."""
         return None
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -406,19 +406,23 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
 
     def _fused_spikes(self, xp: torch.Tensor, method: str) -> Optional[torch.Tensor]:
-        """BN-threshold training through the implementation's fused forward where it has one (same
-        math as :meth:`_weight_bias_for` and ``ops.fire``; not under autocast, which takes the general
-        path and its fp32 promotion)."""
-        if not (self.threshold == "bn" and self.training) or torch.is_autocast_enabled(xp.device.type):
+        """BN-threshold spikes through the implementation's fused forward where it has one (same math as
+        :meth:`_weight_bias_for` and ``ops.fire``): in training from the batch statistics, blended into
+        the running ones; in eval from the running statistics. Not under autocast, which takes the
+        general path and its fp32 promotion."""
+        if self.threshold != "bn" or torch.is_autocast_enabled(xp.device.type):
             return None
         member = self._member
-        running = (member("running_mean"), member("running_var"), self._running_factor(uncounted=1))
+        stats = (member("running_mean"), member("running_var"))
+        training = self.training
+        running = (*stats, self._running_factor(uncounted=1)) if training else None
         out = ops.bn_fire(xp, member("weight"), member("gamma"), member("beta"), self.eps,
                           self.ste if self.quantize else None, self.dilation, self._layout, method,
-                          self.surrogate_function, running)
+                          self.surrogate_function, running, None if training else stats)
         if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
             return None
-        member("num_batches_tracked").add_(1)
+        if training:
+            member("num_batches_tracked").add_(1)
         return out[0]
 
     def _weight_bias_for(self, run_stats):

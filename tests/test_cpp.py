@@ -190,16 +190,10 @@ def test_neuron_backend_cpp(layout, threshold):
     torch.testing.assert_close(fast(x), ref(x))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("quantize,ste", [(True, "whole"), (True, "round"), (False, "whole")])
-@pytest.mark.parametrize("sg", [surrogate.ATan(), surrogate.Sigmoid(alpha=1.5)], ids=repr)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, dtype, monkeypatch):
-    """BN-threshold training on 'cpp' runs as one autograd node (statistics, folding, quantiser and
-    spikes; the statistics' dL/dX added in place) and equals a graph autograd builds op by op: in
-    float64 the torch neuron's, in float32 the general path of 'cpp' itself (the same kernels, so no
-    spike flips where float32 rounding differs). Spikes, dL/dX, every parameter's gradient and the
-    running statistics, over two steps."""
+def _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch):
+    """A BN-threshold neuron on 'cpp' (fused) and its reference taking the general path: in float64 the
+    torch neuron, in float32 the general path of 'cpp' itself (the same kernels, so no spike flips where
+    float32 rounding differs); the input shape and the gradient tolerance."""
     torch.manual_seed(11)
     ref = neuron.MulFreeChannelwisePSN(6, k=5, dilation=2, step_mode="m", layout=layout, quantize=quantize,
                                        ste=ste, surrogate_function=sg, exp_init=False, method="shift_add").to(dtype)
@@ -212,22 +206,67 @@ def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, d
         ref.method = "cpp"
         monkeypatch.setattr(ref, "_fused_spikes", lambda xp, method: None)
     shape = (11, 3, 6, 5) if layout == "time_first" else (3, 6, 5, 11)
-    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    return ref, fast, shape, TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+
+
+def _same_step(ref, fast, x, tol):
+    """One forward + backward of each on copies of ``x``: spikes, dL/dX, every parameter's gradient and
+    the buffers agree; the fused one ran as one node, the reference not."""
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sr, sf = ref(xr), fast(xf)
+    assert type(sf.grad_fn).__name__ == "_CppBNFireBackward"
+    assert type(sr.grad_fn).__name__ != "_CppBNFireBackward"
+    torch.testing.assert_close(sf, sr)
+    g = torch.randn_like(sr)
+    (sr * g).sum().backward()
+    (sf * g).sum().backward()
+    torch.testing.assert_close(xf.grad, xr.grad, **tol)
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"grad {name}: {m}")
+    for a, b in zip(ref.buffers(), fast.buffers()):
+        torch.testing.assert_close(a, b, **tol)
+
+
+BN_CASES = [pytest.mark.parametrize("layout", LAYOUTS),
+            pytest.mark.parametrize("quantize,ste", [(True, "whole"), (True, "round"), (False, "whole")]),
+            pytest.mark.parametrize("sg", [surrogate.ATan(), surrogate.Sigmoid(alpha=1.5)], ids=repr),
+            pytest.mark.parametrize("dtype", [torch.float64, torch.float32])]
+
+
+def _bn_cases(fn):
+    for mark in reversed(BN_CASES):
+        fn = mark(fn)
+    return fn
+
+
+@_bn_cases
+def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, dtype, monkeypatch):
+    """BN-threshold training on 'cpp' runs as one autograd node (statistics, folding, quantiser and
+    spikes; the statistics' dL/dX added in place) and equals a graph autograd builds op by op. Spikes,
+    dL/dX, every parameter's gradient and the running statistics, over two steps."""
+    ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch)
     for _ in range(2):
-        x = torch.randn(shape, dtype=dtype) * 2
-        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-        sr, sf = ref(xr), fast(xf)
-        assert type(sf.grad_fn).__name__ == "_CppBNFireBackward"
-        assert type(sr.grad_fn).__name__ != "_CppBNFireBackward"
-        torch.testing.assert_close(sf, sr)
-        g = torch.randn_like(sr)
-        (sr * g).sum().backward()
-        (sf * g).sum().backward()
-        torch.testing.assert_close(xf.grad, xr.grad, **tol)
-        for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"grad {name}: {m}")
-        for a, b in zip(ref.buffers(), fast.buffers()):
-            torch.testing.assert_close(a, b, **tol)
+        _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)
+
+
+@_bn_cases
+def test_fused_bn_eval_matches_the_general_path(layout, quantize, ste, sg, dtype, monkeypatch):
+    """In eval mode the fused node folds the running statistics (constants: no gradient through them,
+    nothing updated) and equals the general path, with gradients (e.g. an attack on the input) and
+    under no_grad; after two training steps, so the running statistics are not their initial values."""
+    ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch)
+    for _ in range(2):
+        _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)
+    ref.eval()
+    fast.eval()
+    for mod in (ref, fast):
+        for p in mod.parameters():
+            p.grad = None
+    _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)
+    assert fast.num_batches_tracked.item() == 2
+    x = torch.randn(shape, dtype=dtype) * 2
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), ref(x))
 
 
 def test_fused_bn_statistics_changed_in_place_are_caught():
@@ -238,6 +277,20 @@ def test_fused_bn_statistics_changed_in_place_are_caught():
     spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first", surrogate.ATan())
     spikes.sum().backward(retain_graph=True)  # untouched: fine
     mean.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        spikes.sum().backward()
+
+
+def test_fused_bn_eval_statistics_changed_in_place_are_caught():
+    """In eval mode the node folds the running statistics and its backward reads them: a training step
+    in between (which blends new statistics into them in place) must make the backward raise."""
+    sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="m", method="cpp").eval()
+    x = torch.randn(5, 3, 4, requires_grad=True)
+    spikes = sn(x)
+    assert type(spikes.grad_fn).__name__ == "_CppBNFireBackward"
+    spikes.sum().backward(retain_graph=True)  # untouched: fine
+    sn.train()
+    sn(torch.randn(5, 3, 4))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         spikes.sum().backward()
 
@@ -281,8 +334,15 @@ def test_fused_bn_training_falls_back_where_it_does_not_apply():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert type(sn(x).grad_fn).__name__ != "_CppBNFireBackward"
     assert type(sn(x).grad_fn).__name__ == "_CppBNFireBackward"
-    sn.eval()
-    assert type(sn(x).grad_fn).__name__ != "_CppBNFireBackward"
+    sn.eval()  # eval is fused too, but not with running statistics the kernel cannot read raw
+    fused = sn(x)
+    assert type(fused.grad_fn).__name__ == "_CppBNFireBackward"
+    sn.running_var = torch.stack([sn.running_var, sn.running_var], 1)[:, 0]  # the same values, strided
+    assert not sn.running_var.is_contiguous()
+    general = sn(x)
+    assert type(general.grad_fn).__name__ != "_CppBNFireBackward"
+    torch.testing.assert_close(general, fused)
+    sn.running_var = sn.running_var.contiguous()
     sn.train()
     sn.gamma.data = sn.gamma.data.double()  # a BN parameter of another dtype: not read as float32 by the
     with pytest.raises(ValueError, match="same dtype"):  # fused kernel; the general path names the problem

@@ -13,8 +13,9 @@ What it fuses, so that the X-sized tensors of a BN-threshold training step are r
 * ``fire``: charge + bias + spike for SpikingJelly's ATan/Sigmoid surrogates (one read of X, one
   write of S; nothing else saved); backward recomputes H and forms ``dL/dH`` on the fly;
 * ``charge``: H = charge + bias, for everything else (e.g. a custom surrogate);
-* ``bn_fire``: a BN-threshold neuron's whole training step, one kernel call each way (statistics,
-  folding, quantiser and spikes; their gradients, the per-channel ones in closed form).
+* ``bn_fire``: a BN-threshold neuron's whole step, one kernel call each way (statistics, or the
+  running ones in eval mode, folding, quantiser and spikes; their gradients, the per-channel ones in
+  closed form).
 
 Float32 and float64; per-channel sums are accumulated in float64.
 """
@@ -137,10 +138,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, i32, p, p] + geometry
         bwd.restype = None
         bn_fwd = getattr(lib, f"mfpsn_bn_forward_{suffix}")
-        bn_fwd.argtypes = [p, p, p, p, f64, i32, p, p, p, p, p, p, p, f64] + geometry
+        bn_fwd.argtypes = [p, p, p, p, f64, i32, i32, p, p, p, p, p, p, p, f64] + geometry
         bn_fwd.restype = i32
         bn_bwd = getattr(lib, f"mfpsn_bn_backward_{suffix}")
-        bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, p, p, p, p] + geometry
+        bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, i32, p, p, p, p] + geometry
         bn_bwd.restype = None
 
 
@@ -262,19 +263,21 @@ class _CppStats(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=None, geometry=None):
-    """Run the BN-threshold training forward on contiguous tensors (see :class:`_CppBNFire`):
+def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=None, geometry=None, given=None):
+    """Run the BN-threshold forward on contiguous tensors (see :class:`_CppBNFire`):
     ``(spikes, mean, var, Wq, b)``, or None when the weight has NaN or inf (nothing computed, nothing
     updated). ``running``: ``(running_mean, running_var, factor)``, contiguous tensors like ``x``'s, to
     blend the batch mean and unbiased variance into, in place (as ``lerp_`` by ``factor``).
-    ``geometry``: ``_geometry(x, k, dilation, layout)``, if the caller has it already."""
+    ``given``: ``(mean, var)`` to fold instead of the batch statistics (eval mode: the running ones),
+    returned as they are. ``geometry``: ``_geometry(x, k, dilation, layout)``, if the caller has it already."""
     c = weight.shape[0]
     out = torch.empty_like(x)  # (x is contiguous)
-    mean, var, b, wq = weight.new_empty(c), weight.new_empty(c), weight.new_empty(c), torch.empty_like(weight)
+    mean, var = given if given is not None else (weight.new_empty(c), weight.new_empty(c))
+    b, wq = weight.new_empty(c), torch.empty_like(weight)
     rm, rv, factor = running if running is not None else (None, None, 0.0)
     refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(  # data_ptr(): never None here
         x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), beta.data_ptr(), float(eps), int(quantize),
-        out.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(), b.data_ptr(), _ptr(rm), _ptr(rv),
+        int(given is not None), out.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(), b.data_ptr(), _ptr(rm), _ptr(rv),
         float(factor), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     if refused:
         return None
@@ -284,16 +287,18 @@ def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=
     return out, mean, var, wq, b
 
 
-def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste, dilation, layout, need_gx,
+def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste, given, dilation, layout, need_gx,
                 geometry=None):
     """Its backward on contiguous tensors: ``(dL/dX or None, dL/dweight, dL/dgamma, dL/dbeta)``; ``ste``
-    0 (no quantiser), 1 (whole) or 2 (round)."""
+    0 (no quantiser), 1 (whole) or 2 (round); ``given``: the statistics were given (constants: no
+    gradient through them)."""
     gx = torch.empty_like(x) if need_gx else None
     g_weight, g_gamma, g_beta = torch.empty_like(weight), torch.empty_like(gamma), torch.empty_like(gamma)
     getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
         x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(),
-        b.data_ptr(), grad.data_ptr(), kind, float(alpha), float(eps), ste, _ptr(gx), g_weight.data_ptr(),
-        g_gamma.data_ptr(), g_beta.data_ptr(), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
+        b.data_ptr(), grad.data_ptr(), kind, float(alpha), float(eps), ste, int(given), _ptr(gx),
+        g_weight.data_ptr(), g_gamma.data_ptr(), g_beta.data_ptr(),
+        *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     return gx, g_weight, g_gamma, g_beta
 
 
@@ -305,37 +310,42 @@ _STE_CODES = {None: 0, "whole": 1, "round": 2}
 
 
 class _CppBNFire(torch.autograd.Function):
-    """The training forward of a BN-threshold neuron as one autograd node and one kernel call each way:
-    the batch statistics of charge(X, W), W and b folded from them (as ``reduce.fold_bn``) and quantised
-    (as ``quantize.quantize_pow2_``), then the spikes.
+    """The forward of a BN-threshold neuron as one autograd node and one kernel call each way: the
+    batch statistics of charge(X, W) (training) or the given ones (eval: the running statistics,
+    constants), W and b folded from them (as ``reduce.fold_bn``) and quantised (as
+    ``quantize.quantize_pow2_``), then the spikes.
 
     The backward call runs the spike kernel (dL/dX, dL/dWq, dL/db), the quantiser's and the folding's
     gradients in closed form, then the statistics' kernel, which adds its dL/dX to the spike kernel's in
     place: no second X-sized gradient, no per-channel autograd nodes. Only X and per-channel tensors are
     kept: X, W, gamma and the returned batch statistics saved (autograd checks them for in-place
     changes), Wq and b, which never leave the node, as ``ctx.folded``. ``cfg``:
-    ``(eps, ste, dilation, layout, kind, alpha, running)``, one argument (``apply`` goes through every
-    argument on each call)."""
+    ``(eps, ste, dilation, layout, kind, alpha, running, given)``, one argument (``apply`` goes through
+    every argument on each call). Returns ``(spikes, mean, var)``, or the spikes alone with ``given``
+    statistics (saved too: changing them in place before the backward raises)."""
 
     @staticmethod
     def forward(ctx, x, weight, gamma, beta, cfg):
-        eps, ste, dilation, layout, kind, alpha, running = cfg
+        eps, ste, dilation, layout, kind, alpha, running, given = cfg
         x, weight = x.contiguous(), weight.contiguous()  # (bn_fire lets only contiguous gamma, beta in)
         geometry = _geometry(x, weight.shape[1], dilation, layout)
-        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running, geometry)
+        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running, geometry,
+                            given)
         if result is None:
             raise _NonFiniteWeight()
         out, mean, var, wq, b = result
         ctx.save_for_backward(x, weight, gamma, mean, var)
         ctx.folded = (wq, b)
-        ctx.args = (kind, alpha, eps, _STE_CODES[ste], dilation, layout)
+        ctx.args = (kind, alpha, eps, _STE_CODES[ste], given is not None, dilation, layout)
         ctx.geometry = geometry
+        if given is not None:
+            return out
         ctx.mark_non_differentiable(mean, var)
         ctx.set_materialize_grads(False)  # no zero tensors for mean and var (only the spikes carry a gradient)
         return out, mean, var
 
     @staticmethod
-    def backward(ctx, grad, _g_mean, _g_var):
+    def backward(ctx, grad, *_stats_grads):
         x, weight, gamma, mean, var = ctx.saved_tensors
         gx, g_weight, g_gamma, g_beta = bn_backward(x, weight, gamma, mean, var, *ctx.folded,
                                                     grad.to(x.dtype).contiguous(), *ctx.args,
@@ -446,23 +456,25 @@ def stats(x, weight, dilation, layout):
     return _CppStats.apply(x, weight, dilation, layout)
 
 
-def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None):
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None, given=None):
     """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
-    surrogate the kernel does not know, an empty batch, BN parameters or running statistics of another
-    dtype or device than x (or not contiguous), weights with NaN or inf (the general path reports them)
-    or under torch.compile (which traces the separate custom ops)."""
+    surrogate the kernel does not know, an empty batch, BN parameters or statistics of another dtype or
+    device than x (or not contiguous), weights with NaN or inf (the general path reports them) or under
+    torch.compile (which traces the separate custom ops)."""
     kind = surrogate_kind(surrogate_function)
     if not kind or torch.compiler.is_compiling() or not x.numel():
         return None
     dtype, device = x.dtype, x.device
-    for t in (gamma, beta) if running is None else (gamma, beta, running[0], running[1]):  # read raw
+    raw = (gamma, beta) + (() if running is None else running[:2]) + (() if given is None else tuple(given))
+    for t in raw:  # read through raw pointers
         if t.dtype != dtype or t.device != device or not t.is_contiguous():
             return None
     try:
-        return _CppBNFire.apply(x, weight, gamma, beta, (float(eps), ste, dilation, layout, kind,
-                                                         float(surrogate_function.alpha), running))
+        out = _CppBNFire.apply(x, weight, gamma, beta, (float(eps), ste, dilation, layout, kind,
+                                                        float(surrogate_function.alpha), running, given))
     except _NonFiniteWeight:
         return None
+    return out if given is None else (out, *given)
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:

@@ -17,7 +17,7 @@ returns ``surrogate_function(H)`` (same values and gradients) or ``None`` when i
 An implementation may also fuse the batch statistics of the bias-free charge: ``stats(x, weight,
 dilation, layout)`` returns the per-channel ``(mean, biased variance)`` of ``H`` without writing ``H``
 (same values and gradients as :func:`~spikingjelly_mfpsn.ops.reduce.batch_stats` of the charge).
-And it may run a BN-threshold neuron's whole training forward in one step, ``bn_fire`` (see
+And it may run a BN-threshold neuron's whole forward in one step, ``bn_fire`` (see
 :func:`bn_fire`), or return ``None`` to leave it to the general path.
 
 An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
@@ -102,7 +102,7 @@ class Implementation:
     ``fn(x, weight, bias, dilation, layout) -> h`` does the work; ``layouts`` lists the layouts it
     accepts; ``requirements`` is an optional function returning extra reasons it cannot run a call
     (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike, ``stats`` an
-    optional fused charge + batch statistics, and ``bn_fire`` an optional whole training forward of a
+    optional fused charge + batch statistics, and ``bn_fire`` an optional whole forward of a
     BN-threshold neuron (see :func:`bn_fire`).
     """
 
@@ -232,19 +232,20 @@ def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: st
 
 def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
             ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function,
-            running: Optional[tuple] = None) -> Optional[tuple]:
-    """The training forward of a BN-threshold neuron as one fused step, or None where the implementation
-    has none (or not for this surrogate), and for weights with NaN or inf, which the caller's general
-    path reports: ``(spikes, mean, var)`` with ``spikes`` differentiable w.r.t.
-    x, weight, gamma and beta and the batch statistics ``mean, var`` (biased) of the bias-free charge.
-    The same math as ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with ``ste`` (None: no
-    quantisation), then ``fire``. ``running``: ``(running_mean, running_var, factor)``; when the step
-    runs (not when it returns None), the batch mean and unbiased variance are blended into them in
-    place, as ``r.lerp_(stat, factor)``."""
+            running: Optional[tuple] = None, given: Optional[tuple] = None) -> Optional[tuple]:
+    """The forward of a BN-threshold neuron as one fused step, or None where the implementation has none
+    (or not for this surrogate), and for weights with NaN or inf, which the caller's general path
+    reports: ``(spikes, mean, var)`` with ``spikes`` differentiable w.r.t. x, weight, gamma and beta and
+    the batch statistics ``mean, var`` (biased) of the bias-free charge. The same math as
+    ``batch_stats``, then ``reduce.fold_bn``, ``Q`` with ``ste`` (None: no quantisation), then ``fire``.
+    ``running``: ``(running_mean, running_var, factor)``; when the step runs (not when it returns None),
+    the batch mean and unbiased variance are blended into them in place, as ``r.lerp_(stat, factor)``.
+    ``given``: ``(mean, var)`` folded instead of the batch statistics (eval mode: the running ones), as
+    constants (no gradient through them), and returned as they are."""
     if get(method).bn_fire is None:  # nothing to check: the caller takes the general path
         return None
     impl = _checked(x, weight, None, dilation, layout, method)
-    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running)
+    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

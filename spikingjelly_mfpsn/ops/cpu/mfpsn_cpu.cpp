@@ -689,16 +689,17 @@ void quantize_pow2_(S* w, int64_t n) {
     }
 }
 
-// BN-threshold training, forward (the whole step of the autograd node): the batch statistics of the
-// bias-free charge, the BN folded into the weight and a bias, Wf = gamma / sqrt(var + eps) * W and
+// BN-threshold neuron, forward (the whole step of the autograd node): the batch statistics of the
+// bias-free charge (given: mean and var are read instead, e.g. the running ones in eval mode), the BN
+// folded into the weight and a bias, Wf = gamma / sqrt(var + eps) * W and
 // b = beta - gamma * mean / sqrt(var + eps) (in S, as the reference computes them), Wq = Q(Wf) when
 // quantising, then S = Theta(charge(X, Wq) + b) into out. With running_mean (and running_var), the
 // batch mean and unbiased variance are blended into them: r += factor * (stat - r).
 template <typename S, int KT>
 void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* beta, double eps,
-                int quantize, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var, double factor,
-                int threads) {
-    forward<S, KT>(g, KP, x, w, nullptr, nullptr, 0, mean, var, threads);
+                int quantize, int given, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var,
+                double factor, int threads) {
+    if (!given) forward<S, KT>(g, KP, x, w, nullptr, nullptr, 0, mean, var, threads);
     const int64_t n = g.T * g.N * g.F;
     const S f = S(factor), unbias = S(double(n) / double(std::max<int64_t>(n - 1, 1)));
     for (int64_t c = 0; c < g.C; ++c) {
@@ -716,12 +717,13 @@ void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamm
 
 // Its backward: the spike kernel's dL/dX, dL/dWq, dL/db; dL/dWf through the quantiser (ste 1 whole:
 // identity, 2 round: |Wq| / |Wf|, 0 at Wf = 0); the folding's gradients in closed form (in double),
-// dL/dgamma, dL/dbeta, the weight's direct part and dL/dmean, dL/dvar; then the statistics' kernel
-// adds its dL/dX to gx in place and its dL/dW to dL/dweight.
+// dL/dgamma, dL/dbeta, the weight's direct part and dL/dmean, dL/dvar; then, unless the statistics
+// were given (constants), the statistics' kernel adds its dL/dX to gx in place and its dL/dW to
+// dL/dweight.
 template <typename S, int KT>
 void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* mean, const S* var,
-                 const S* wq, const S* b, const S* grad, int mode, S alpha, double eps, int ste, S* gx, S* g_w,
-                 S* g_gamma, S* g_beta, int threads) {
+                 const S* wq, const S* b, const S* grad, int mode, S alpha, double eps, int ste, int given, S* gx,
+                 S* g_w, S* g_gamma, S* g_beta, int threads) {
     const int64_t C = g.C, K = g.K;
     std::vector<S> g_wq(C * K), g_b(C), g_mean(C), g_var(C), g_w_stats(C * K);
     backward<S, KT>(g, KP, x, wq, b, grad, mode, alpha, nullptr, nullptr, nullptr, gx, 0, g_wq.data(), g_b.data(),
@@ -743,6 +745,7 @@ void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gam
         g_mean[c] = S(-double(g_b[c]) * scale);
         g_var[c] = S(-0.5 * g_scale * double(gamma[c]) * rstd * rstd * rstd);
     }
+    if (given) return;
     backward<S, KT>(g, KP, x, w, nullptr, nullptr, 3, S(0), mean, g_mean.data(), g_var.data(), gx, 1,
                     g_w_stats.data(), nullptr, threads);
     for (int64_t j = 0; j < C * K; ++j) g_w[j] += g_w_stats[j];
@@ -775,11 +778,12 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 #define MFPSN_BWD(KT, KP) \
     backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
 
-#define MFPSN_BN_FWD(KT, KP) \
-    bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, out, mean, var, wq, b, running_mean, running_var, factor, threads)
+#define MFPSN_BN_FWD(KT, KP)                                                                                  \
+    bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, given, out, mean, var, wq, b, running_mean,       \
+                      running_var, factor, threads)
 #define MFPSN_BN_BWD(KT, KP)                                                                                  \
-    bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, S(alpha), eps, ste, gx, g_w, g_gamma, \
-                       g_beta, threads)
+    bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, S(alpha), eps, ste, given, gx, g_w,     \
+                       g_gamma, g_beta, threads)
 
 #define MFPSN_EXPORT(T_, suffix)                                                                              \
     extern "C" void mfpsn_forward_##suffix(const T_* x, const T_* w, const T_* b, T_* out, int spike, T_* mean,   \
@@ -798,8 +802,8 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BWD)                                                                         \
     }                                                                                                          \
     extern "C" int mfpsn_bn_forward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* beta,         \
-                                              double eps, int quantize, T_* out, T_* mean, T_* var, T_* wq,     \
-                                              T_* b, T_* running_mean, T_* running_var, double factor,          \
+                                              double eps, int quantize, int given, T_* out, T_* mean, T_* var,  \
+                                              T_* wq, T_* b, T_* running_mean, T_* running_var, double factor,  \
                                               int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,         \
                                               int time_last, int threads) {                                     \
         using S = T_;                                                                                          \
@@ -810,9 +814,10 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
     }                                                                                                          \
     extern "C" void mfpsn_bn_backward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* mean,       \
                                                 const T_* var, const T_* wq, const T_* b, const T_* grad,       \
-                                                int mode, double alpha, double eps, int ste, T_* gx, T_* g_w,   \
-                                                T_* g_gamma, T_* g_beta, int64_t T, int64_t N, int64_t C,       \
-                                                int64_t F, int K, int d, int time_last, int threads) {          \
+                                                int mode, double alpha, double eps, int ste, int given, T_* gx, \
+                                                T_* g_w, T_* g_gamma, T_* g_beta, int64_t T, int64_t N,         \
+                                                int64_t C, int64_t F, int K, int d, int time_last,              \
+                                                int threads) {                                                  \
         using S = T_;                                                                                          \
         const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_BWD)                                                               \

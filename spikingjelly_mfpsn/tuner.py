@@ -354,8 +354,8 @@ class TimingCache:
             plans.update(self.plans)
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
             try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"schema": CACHE_SCHEMA, "layers": merged, "plans": plans}, f)
+                with os.fdopen(fd, "w") as f:  # dumps: one C-encoded string (dump encodes in Python)
+                    f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": merged, "plans": plans}))
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)

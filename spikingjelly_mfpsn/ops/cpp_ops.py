@@ -277,8 +277,8 @@ def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=
     rm, rv, factor = running if running is not None else (None, None, 0.0)
     refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(  # data_ptr(): never None here
         x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), beta.data_ptr(), float(eps), int(quantize),
-        int(given is not None), out.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(), b.data_ptr(), _ptr(rm), _ptr(rv),
-        float(factor), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
+        int(given is not None), out.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(), b.data_ptr(),
+        _ptr(rm), _ptr(rv), float(factor), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
     if refused:
         return None
     if running is not None:  # written through raw pointers: let autograd know, as an in-place op would

@@ -253,7 +253,8 @@ def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, d
 def test_fused_bn_eval_matches_the_general_path(layout, quantize, ste, sg, dtype, monkeypatch):
     """In eval mode the fused node folds the running statistics (constants: no gradient through them,
     nothing updated) and equals the general path, with gradients (e.g. an attack on the input), under
-    no_grad and under inference_mode; after two training steps, so the running statistics are not their initial values."""
+    no_grad and under inference_mode; after two training steps, so the running statistics are not
+    their initial values."""
     ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch)
     for _ in range(2):
         _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)

@@ -279,25 +279,39 @@ def part_inference(args, out):
     T, N = 32, args.batch
     channels = 64 if args.quick else 128
     x = torch.rand(T, N, 3, 32)
-    rows, per_step = [], {}
-    for label, kind, k in (("MF-PSN k=4", "mfpsn", 4), ("SlidingPSN k=32", "sliding_psn", 32)):
+    configs = [("MF-PSN k=4", "mfpsn", 4, None), ("SlidingPSN k=32", "sliding_psn", 32, None)]
+    if ops.backend_available("cpp"):  # single steps without gradients: one kernel call per neuron
+        configs.insert(1, ("MF-PSN k=4, backend cpp", "mfpsn", 4, "cpp"))
+    nets, state = {}, {}
+    for label, kind, k, backend in configs:
         net = models.sequential_image_net(3, 32, 100, T=T, neuron=kind, k=k, channels=channels, hidden=256).eval()
         functional.set_step_mode(net, "s")
+        if backend:
+            mf.functional.set_backend(net, backend)
         with torch.no_grad():
-            net(x[0])  # materialise
-            functional.reset_net(net)
-            t0 = time.perf_counter()
-            for t in range(T):
+            for t in range(T):  # materialise, and the state after T steps
                 net(x[t])
-            per_step[label] = (time.perf_counter() - t0) / T
-            state = sum(v.numel() * v.element_size() for m in net.modules() if isinstance(m, _compat.MemoryModule)
-                        for v in _tensors(m))
-        rows.append([label, f"{state / 2 ** 20:.1f} MiB", f"{per_step[label] * 1e3:.1f} ms"])
+        state[label] = sum(v.numel() * v.element_size() for m in net.modules()
+                           if isinstance(m, _compat.MemoryModule) for v in _tensors(m))
+        nets[label] = net
+
+    def sequence(net):
+        def run():
+            functional.reset_net(net)
+            with torch.no_grad():
+                for t in range(T):
+                    net(x[t])
+        return run
+    times = interleaved({label: sequence(net) for label, net in nets.items()}, repeats=args.repeats, warmup=1)
+    per_step = {label: median(v) / T for label, v in times.items()}
+    rows = [[label, f"{state[label] / 2 ** 20:.1f} MiB", f"{per_step[label] * 1e3:.1f} ms"] for label in nets]
     base = "SlidingPSN k=32"
     text = [f"## 4. Single-step inference, sequential-CIFAR network (N={N}, {channels} channels), after {T} steps", "",
+            f"Time per step: medians of {args.repeats} interleaved runs of the {T} steps, no gradients.", "",
             "State = the inputs the neurons keep (paper Table 3 reports process memory on a GPU).", "",
-            markdown_table(["neuron", "state memory", "time per step"], rows), "",
-            f"Time per step, MF-PSN / SlidingPSN: {per_step['MF-PSN k=4'] / per_step[base]:.2f}", ""]
+            markdown_table(["neuron", "state memory", "time per step"], rows), ""]
+    text += [f"Time per step, {label} / SlidingPSN: {ratio_cell(times[label], times[base])}"
+             for label in per_step if label != base] + [""]
     for r in rows:
         print(" | ".join(r), flush=True)
     out.append("\n".join(text))

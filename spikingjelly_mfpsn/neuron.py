@@ -143,6 +143,11 @@ class ChargeNeuronBase(MemoryModule):
         """Spikes from an implementation's fused whole forward (``ops.bn_fire``), or None."""
         return None
 
+    def _fused_step(self, taps: list) -> Optional[torch.Tensor]:
+        """Spikes of one single-step call from an implementation's fused kernel (``ops.step_fire``), or
+        None; ``taps``: ``(i, input tap i reads)`` for every tap inside the sequence so far."""
+        return None
+
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         queue = self.x_queue
@@ -151,20 +156,26 @@ class ChargeNeuronBase(MemoryModule):
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
         history = queue + (self._promoted(x),)
-        cshape = [-1] + [1] * (x.dim() - 2)
+        # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
+        taps = [(i, history[-1 - lag])
+                for i, lag, _ in ops.tap_schedule(len(history), self.k, self.dilation, start=len(history) - 1)]
+        spikes = self._fused_step(taps)
+        if spikes is None:
+            cshape = [-1] + [1] * (x.dim() - 2)
 
-        def run_charge(w, b):
-            # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
-            h = None
-            for i, lag, _ in ops.tap_schedule(len(history), self.k, self.dilation, start=len(history) - 1):
-                term = history[-1 - lag] * w[:, i].view(cshape)
-                h = term if h is None else h + term
-            return h if b is None else h + b.view(cshape)
+            def run_charge(w, b):
+                h = None
+                for i, xi in taps:
+                    term = xi * w[:, i].view(cshape)
+                    h = term if h is None else h + term
+                return h if b is None else h + b.view(cshape)
 
-        def run_stats(w):
-            return (*batch_stats(run_charge(w, None), 1), x.numel() // max(self.channels, 1))
+            def run_stats(w):
+                return (*batch_stats(run_charge(w, None), 1), x.numel() // max(self.channels, 1))
 
-        spikes = self._spikes(x, run_stats, lambda w, b: self.surrogate_function(run_charge(w, b)))
+            spikes = self._spikes(x, run_stats, lambda w, b: self.surrogate_function(run_charge(w, b)))
+        elif spikes.dtype != x.dtype:
+            spikes = spikes.to(x.dtype)
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes
@@ -424,6 +435,27 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         if training:
             member("num_batches_tracked").add_(1)
         return out[0]
+
+    def _fused_step(self, taps: list) -> Optional[torch.Tensor]:
+        """One step without gradients (e.g. streaming inference under ``torch.no_grad()``) through the
+        chosen implementation's fused kernel where it has one: the eval-mode (Wq, b) (running statistics
+        for ``'bn'``, which in training needs this step's statistics: the general path), the charge
+        and the spikes in one call. The default ``method='auto'`` of the torch backend fuses nothing."""
+        if (self.threshold == "bn" and self.training) or (self._method == "auto" and self._backend == "torch"):
+            return None
+        x = taps[-1][1]
+        if torch.is_autocast_enabled(x.device.type):
+            return None
+        member = self._member
+        inputs = [None] * self.k
+        for i, xi in taps:
+            inputs[i] = xi
+        if self.threshold == "bn":
+            bias, bn = None, (member("gamma"), member("beta"), member("running_mean"), member("running_var"), self.eps)
+        else:
+            bias, bn = -member("v_threshold"), None
+        return ops.step_fire(inputs, member("weight"), bias, bn, self.quantize, self.resolve_method(x),
+                             self.surrogate_function)
 
     def _weight_bias_for(self, run_stats):
         """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""

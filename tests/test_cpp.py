@@ -298,6 +298,74 @@ def test_fused_bn_eval_statistics_changed_in_place_are_caught():
         spikes.sum().backward()
 
 
+def _no_general_path(*args, **kwargs):
+    raise AssertionError("the general path ran")
+
+
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("k,d", [(1, 1), (2, 1), (3, 2), (9, 1)])
+@pytest.mark.parametrize("features", [(), (5,), (2, 3)], ids=lambda f: f"F{f}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_single_step_inference_runs_one_kernel_and_matches(threshold, quantize, k, d, features, dtype, monkeypatch):
+    """Single-step calls without gradients on 'cpp' (streaming inference) run one kernel each (eval
+    folding, quantiser, taps and spikes) and give the spikes of the PyTorch single-step path and of
+    the multi-step neuron, from the first step (taps before t = 0 read nothing) on."""
+    torch.manual_seed(5)
+    m = neuron.MulFreeChannelwisePSN(6, k=k, dilation=d, step_mode="m", threshold=threshold, quantize=quantize,
+                                     exp_init=False).to(dtype)
+    with torch.no_grad():
+        m.weight.uniform_(-1.0, 1.0)
+    for _ in range(2):
+        m(torch.randn(7, 4, 6, *features, dtype=dtype))
+    m.eval()
+    ref = neuron.MulFreeChannelwisePSN(6, k=k, dilation=d, step_mode="s", threshold=threshold, quantize=quantize,
+                                       exp_init=False).to(dtype).eval()
+    ref.load_state_dict(m.state_dict())
+    fast = copy.deepcopy(ref)
+    fast.method = "cpp"
+    monkeypatch.setattr(fast, "_spikes", _no_general_path)
+    t = (k - 1) * d + 4
+    x = torch.randn(t, 4, 6, *features, dtype=dtype) * 2
+    with torch.no_grad():
+        out_fast = torch.stack([fast(x[i]) for i in range(t)])
+        out_ref = torch.stack([ref(x[i]) for i in range(t)])
+        out_m = m(x)
+    assert len(fast.x_queue) == (k - 1) * d
+    torch.testing.assert_close(out_fast, out_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out_fast, out_m, rtol=0, atol=0)
+    assert 0 < out_fast.mean() < 1  # both kinds of spike happen
+
+
+def test_single_step_takes_the_general_path_where_the_kernel_does_not_apply(monkeypatch):
+    """With a gradient to compute, BN statistics to take in training, another surrogate or strided
+    inputs the single step runs the general path; NaN weights are reported there."""
+    sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="s", method="cpp", threshold="param")
+    x = torch.randn(3, 4, 5)
+    assert sn(x).grad_fn is not None  # the weight requires grad
+    functional_reset = spikingjelly_mfpsn._compat.functional.reset_net
+    bn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="s", method="cpp")
+    with torch.no_grad():
+        calls = []
+        monkeypatch.setattr(bn, "_spikes", lambda *a: calls.append(1) or torch.zeros(3, 4, 5))
+        bn(x)  # training: this step's batch statistics
+        bn.eval()
+        bn(x)
+        assert len(calls) == 1
+        functional_reset(bn)
+        bn.surrogate_function = surrogate.PiecewiseQuadratic()
+        bn(x)
+        assert len(calls) == 2
+        bn.surrogate_function = surrogate.ATan()
+        functional_reset(bn)
+        bn(torch.randn(3, 5, 4).transpose(1, 2))  # not contiguous
+        assert len(calls) == 3
+    monkeypatch.undo()
+    sn.weight.data[0, 0] = float("nan")
+    with torch.no_grad(), pytest.raises(ValueError, match="NaN or inf"):
+        sn(x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype):
     """The fused node quantises in C++ (exponent and mantissa, no log2): it must give Q's powers of two,

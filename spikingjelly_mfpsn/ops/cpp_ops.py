@@ -15,7 +15,9 @@ What it fuses, so that the X-sized tensors of a BN-threshold training step are r
 * ``charge``: H = charge + bias, for everything else (e.g. a custom surrogate);
 * ``bn_fire``: a BN-threshold neuron's whole step, one kernel call each way (statistics, or the
   running ones in eval mode, folding, quantiser and spikes; their gradients, the per-channel ones in
-  closed form).
+  closed form);
+* ``step_fire``: one single-step call without gradients (streaming inference), folding, quantiser,
+  the k taps and the spikes in one call.
 
 Float32 and float64; per-channel sums are accumulated in float64.
 """
@@ -143,6 +145,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         bn_bwd = getattr(lib, f"mfpsn_bn_backward_{suffix}")
         bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, i32, p, p, p, p] + geometry
         bn_bwd.restype = None
+        step = getattr(lib, f"mfpsn_step_{suffix}")
+        step.argtypes = [p, p, p, p, p, p, f64, i32, p, p, i64, i64, i64, i32, i32]
+        step.restype = i32
 
 
 # ---------------------------------------------------------------- calling the kernels
@@ -477,6 +482,30 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     return out if given is None else (out, *given)
 
 
+def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[torch.Tensor]:
+    """Registry contract (``ops.step_fire``): one single-step call's spikes in one kernel call, or None
+    for a surrogate the kernel does not know, a gradient to compute, tensors it cannot read raw
+    (another device or dtype, not contiguous), weights with NaN or inf, or under torch.compile."""
+    x = next(t for t in reversed(taps) if t is not None)
+    gamma, beta, mean, var, eps = bn if bn is not None else (None, None, None, None, 0.0)
+    tensors = [t for t in (weight, bias, gamma, beta, mean, var) if t is not None]
+    inputs = [t for t in taps if t is not None]
+    if not surrogate_kind(surrogate_function) or torch.compiler.is_compiling() or x.dim() < 2:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors + inputs):
+        return None
+    if x.dtype not in DTYPES or x.device.type != "cpu" \
+            or any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in tensors + inputs):
+        return None
+    n, c = x.shape[0], x.shape[1]
+    out = torch.empty_like(x)
+    refused = getattr(library(), f"mfpsn_step_{DTYPES[x.dtype]}")(
+        (ctypes.c_void_p * len(taps))(*[_ptr(t) for t in taps]), weight.data_ptr(), _ptr(gamma), _ptr(beta),
+        _ptr(mean), _ptr(var), float(eps), int(quantize), _ptr(bias), out.data_ptr(), n, c, math.prod(x.shape[2:]),
+        weight.shape[1], torch.get_num_threads())
+    return None if refused else out
+
+
 def requirements(x, weight, dilation, layout) -> list[str]:
     reasons = []
     if x.device.type != "cpu" or weight.device.type != "cpu":
@@ -489,7 +518,7 @@ def requirements(x, weight, dilation, layout) -> list[str]:
 
 IMPLEMENTATION = Implementation("cpp", "cpp", ("time_first", "time_last"), charge,
                                 "fused C++/OpenMP CPU kernels: charge, spike and batch statistics",
-                                requirements, fire, stats, bn_fire)
+                                requirements, fire, stats, bn_fire, step_fire)
 
 
 def register_if_available() -> Optional[str]:

@@ -102,8 +102,9 @@ class Implementation:
     ``fn(x, weight, bias, dilation, layout) -> h`` does the work; ``layouts`` lists the layouts it
     accepts; ``requirements`` is an optional function returning extra reasons it cannot run a call
     (device, dtype, size, missing library); ``fire`` is an optional fused charge + spike, ``stats`` an
-    optional fused charge + batch statistics, and ``bn_fire`` an optional whole forward of a
-    BN-threshold neuron (see :func:`bn_fire`).
+    optional fused charge + batch statistics, ``bn_fire`` an optional whole forward of a
+    BN-threshold neuron (see :func:`bn_fire`) and ``step_fire`` an optional single step without
+    gradients (see :func:`step_fire`).
     """
 
     name: str
@@ -115,6 +116,7 @@ class Implementation:
     fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
     stats: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = field(default=None, compare=False)
     bn_fire: Optional[Callable[..., Optional[tuple]]] = field(default=None, compare=False)
+    step_fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
     autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
@@ -246,6 +248,22 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
         return None
     impl = _checked(x, weight, None, dilation, layout, method)
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
+
+
+def step_fire(taps: list, weight: torch.Tensor, bias: Optional[torch.Tensor], bn: Optional[tuple], quantize: bool,
+              method: str, surrogate_function) -> Optional[torch.Tensor]:
+    """One step of a neuron with no gradient to compute (inference), fused: the spikes
+    ``Theta(sum_i Wq[:, i] * taps[i] + b)`` of single-step inputs ``(N, C, ...)``, ``taps[i]`` the
+    input tap i reads ((k-1-i)*d steps back) or None before the first step. ``bn``:
+    ``(gamma, beta, mean, var, eps)``, folded as ``reduce.fold_bn`` does (then ``bias`` is None), or
+    None: ``Wq`` from ``weight`` and ``bias`` as given. ``Wq`` quantised as ``quantize.quantize_pow2_``
+    when ``quantize``. None where the implementation has no such kernel, or not for this call (a
+    gradient to compute, another surrogate, dtype or device, NaN or inf weights): the caller's general
+    path runs (and reports bad weights)."""
+    impl = get(method)
+    if impl.step_fire is None:
+        return None
+    return impl.step_fire(taps, weight, bias, bn, quantize, surrogate_function)
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

@@ -689,30 +689,81 @@ void quantize_pow2_(S* w, int64_t n) {
     }
 }
 
+// The BN folded into the weight and a bias (in S, as the reference computes them):
+// Wf = gamma / sqrt(var + eps) * W, b = beta - gamma * mean / sqrt(var + eps); wq = Q(Wf) when quantising.
+template <typename S>
+void fold_bn(int64_t C, int K, const S* w, const S* gamma, const S* beta, const S* mean, const S* var, double eps,
+             int quantize, S* wq, S* b) {
+    for (int64_t c = 0; c < C; ++c) {
+        const S scale = gamma[c] * (S(1) / std::sqrt(var[c] + S(eps)));
+        for (int i = 0; i < K; ++i) wq[c * K + i] = w[c * K + i] * scale;
+        b[c] = beta[c] - mean[c] * scale;
+    }
+    if (quantize) quantize_pow2_(wq, C * K);
+}
+
 // BN-threshold neuron, forward (the whole step of the autograd node): the batch statistics of the
 // bias-free charge (given: mean and var are read instead, e.g. the running ones in eval mode), the BN
-// folded into the weight and a bias, Wf = gamma / sqrt(var + eps) * W and
-// b = beta - gamma * mean / sqrt(var + eps) (in S, as the reference computes them), Wq = Q(Wf) when
-// quantising, then S = Theta(charge(X, Wq) + b) into out. With running_mean (and running_var), the
-// batch mean and unbiased variance are blended into them: r += factor * (stat - r).
+// folded into the weight and a bias (fold_bn), then S = Theta(charge(X, Wq) + b) into out. With
+// running_mean (and running_var), the batch mean and unbiased variance are blended into them:
+// r += factor * (stat - r).
 template <typename S, int KT>
 void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* beta, double eps,
                 int quantize, int given, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var,
                 double factor, int threads) {
     if (!given) forward<S, KT>(g, KP, x, w, nullptr, nullptr, 0, mean, var, threads);
-    const int64_t n = g.T * g.N * g.F;
-    const S f = S(factor), unbias = S(double(n) / double(std::max<int64_t>(n - 1, 1)));
-    for (int64_t c = 0; c < g.C; ++c) {
-        if (running_mean) {
+    if (running_mean) {
+        const int64_t n = g.T * g.N * g.F;
+        const S f = S(factor), unbias = S(double(n) / double(std::max<int64_t>(n - 1, 1)));
+        for (int64_t c = 0; c < g.C; ++c) {
             running_mean[c] += f * (mean[c] - running_mean[c]);
             running_var[c] += f * (var[c] * unbias - running_var[c]);
         }
-        const S scale = gamma[c] * (S(1) / std::sqrt(var[c] + S(eps)));
-        for (int i = 0; i < g.K; ++i) wq[c * g.K + i] = w[c * g.K + i] * scale;
-        b[c] = beta[c] - mean[c] * scale;
     }
-    if (quantize) quantize_pow2_(wq, g.C * g.K);
+    fold_bn(g.C, g.K, w, gamma, beta, mean, var, eps, quantize, wq, b);
     forward<S, KT>(g, KP, x, wq, b, out, 1, nullptr, nullptr, threads);
+}
+
+// One step of an eval-mode neuron (no gradient): out = Theta(sum_i Wq[c, i] * xs[i] + b[c]) over
+// (N, C, F) inputs, xs[i] the input (K-1-i)*d steps back (null: before the first step, adds nothing).
+// With gamma, Wq and b are folded from mean and var as in bn_forward; without, Wq = Q(w) (or w) and
+// b = bias. The taps are added in order i = 0..K-1, then b, as the PyTorch single-step path does (the
+// compiler may fuse a multiply and an add: a float32 spike may differ where h is within rounding of 0).
+template <typename S>
+void step_fire(const S* const* xs, const S* w, const S* gamma, const S* beta, const S* mean, const S* var,
+               double eps, int quantize, const S* bias, S* out, int64_t N, int64_t C, int64_t F, int K,
+               int threads) {
+    std::vector<S> wq(C * K), b(C);
+    if (gamma) {
+        fold_bn(C, K, w, gamma, beta, mean, var, eps, quantize, wq.data(), b.data());
+    } else {
+        std::copy_n(w, C * K, wq.data());
+        std::copy_n(bias, C, b.data());
+        if (quantize) quantize_pow2_(wq.data(), C * K);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < N * C; ++row) {
+        const int64_t c = row % C, o = row * F;
+        S* h = out + o;
+        bool first = true;
+        for (int i = 0; i < K; ++i) {
+            if (!xs[i]) continue;
+            const S wi = wq[c * K + i];
+            const S* xi = xs[i] + o;
+            if (first) {
+                for (int64_t f = 0; f < F; ++f) h[f] = xi[f] * wi;
+            } else {
+                for (int64_t f = 0; f < F; ++f) h[f] += xi[f] * wi;
+            }
+            first = false;
+        }
+        const S bc = b[c];
+        if (first) {
+            for (int64_t f = 0; f < F; ++f) h[f] = S(bc >= S(0));
+        } else {
+            for (int64_t f = 0; f < F; ++f) h[f] = S(h[f] + bc >= S(0));
+        }
+    }
 }
 
 // Its backward: the spike kernel's dL/dX, dL/dWq, dL/db; dL/dWf through the quantiser (ste 1 whole:
@@ -823,5 +874,17 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_BWD)                                                               \
     }
 
+#define MFPSN_EXPORT_STEP(T_, suffix)                                                                         \
+    extern "C" int mfpsn_step_##suffix(const T_* const* xs, const T_* w, const T_* gamma, const T_* beta,       \
+                                        const T_* mean, const T_* var, double eps, int quantize,                \
+                                        const T_* bias, T_* out, int64_t N, int64_t C, int64_t F, int K,         \
+                                        int threads) {                                                          \
+        if (!all_finite(w, C * K)) return 1; /* nothing computed: the caller reports the weights */            \
+        step_fire<T_>(xs, w, gamma, beta, mean, var, eps, quantize, bias, out, N, C, F, K, threads);           \
+        return 0;                                                                                              \
+    }
+
 MFPSN_EXPORT(float, f32)
 MFPSN_EXPORT(double, f64)
+MFPSN_EXPORT_STEP(float, f32)
+MFPSN_EXPORT_STEP(double, f64)

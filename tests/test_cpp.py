@@ -337,6 +337,23 @@ def test_single_step_inference_runs_one_kernel_and_matches(threshold, quantize, 
     assert 0 < out_fast.mean() < 1  # both kinds of spike happen
 
 
+def test_step_fire_refuses_arguments_that_do_not_fit():
+    """ops.step_fire reads raw pointers: shapes that do not fit are a clear error, not a read out of bounds."""
+    x, w = torch.randn(3, 4, 5), torch.randn(4, 2)
+    bias, ones = torch.zeros(4), torch.ones(4)
+    sg = surrogate.ATan()
+    with torch.no_grad():
+        ok = ops.step_fire([x, x], w, bias, None, True, "cpp", sg)
+        assert ok is not None and ok.shape == x.shape
+        bad = [([x], w, bias, None), ([x, None], w, bias, None), ([x, x], w[:3], bias, None),
+               ([torch.randn(3, 4, 6), x], w, bias, None), ([x, x], w, torch.zeros(3), None),
+               ([x, x], w, None, None), ([x, x], w, bias, (ones, ones, ones, ones, 1e-5)),
+               ([x, x], w, None, (ones, ones, ones[:3], ones, 1e-5))]
+        for taps, weight, b, bn in bad:
+            with pytest.raises(ValueError):
+                ops.step_fire(taps, weight, b, bn, True, "cpp", sg)
+
+
 def test_single_step_takes_the_general_path_where_the_kernel_does_not_apply(monkeypatch):
     """With a gradient to compute, BN statistics to take in training, another surrogate or strided
     inputs the single step runs the general path; NaN weights are reported there."""

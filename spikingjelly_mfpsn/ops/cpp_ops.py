@@ -486,7 +486,7 @@ def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[
     """Registry contract (``ops.step_fire``): one single-step call's spikes in one kernel call, or None
     for a surrogate the kernel does not know, a gradient to compute, tensors it cannot read raw
     (another device or dtype, not contiguous), weights with NaN or inf, or under torch.compile."""
-    x = next(t for t in reversed(taps) if t is not None)
+    x = taps[-1]  # (the registry checked the shapes)
     gamma, beta, mean, var, eps = bn if bn is not None else (None, None, None, None, 0.0)
     tensors = [t for t in (weight, bias, gamma, beta, mean, var) if t is not None]
     inputs = [t for t in taps if t is not None]

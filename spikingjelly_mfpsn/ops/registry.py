@@ -263,7 +263,26 @@ def step_fire(taps: list, weight: torch.Tensor, bias: Optional[torch.Tensor], bn
     impl = get(method)
     if impl.step_fire is None:
         return None
+    _check_step_args(taps, weight, bias, bn)
     return impl.step_fire(taps, weight, bias, bn, quantize, surrogate_function)
+
+
+def _check_step_args(taps: list, weight: torch.Tensor, bias: Optional[torch.Tensor], bn: Optional[tuple]) -> None:
+    """Validate a :func:`step_fire` call; raises ``ValueError`` naming the offending argument."""
+    inputs = [t for t in taps if t is not None]
+    if weight.dim() != 2 or weight.shape[1] < 1 or len(taps) != weight.shape[1]:
+        raise ValueError(f"weight must have shape (C, k) with one entry of taps per tap, got weight "
+                         f"{tuple(weight.shape)} and {len(taps)} taps")
+    if not inputs or taps[-1] is None:
+        raise ValueError("taps[-1] (the current input, lag 0) must be a tensor")
+    x = taps[-1]
+    if x.dim() < 2 or x.shape[1] != weight.shape[0] or any(t.shape != x.shape for t in inputs):
+        raise ValueError(f"every tap must be an (N, C, ...) input like taps[-1] with C = {weight.shape[0]} "
+                         f"channels, got shapes {[tuple(t.shape) for t in inputs]}")
+    per_channel = ([bias] if bias is not None else []) + (list(bn[:4]) if bn is not None else [])
+    if (bias is None) == (bn is None) or any(tuple(t.shape) != (weight.shape[0],) for t in per_channel):
+        raise ValueError(f"give either bias or bn = (gamma, beta, mean, var, eps), each of shape "
+                         f"({weight.shape[0]},)")
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

@@ -2,9 +2,10 @@
 
 Registered as implementation ``'cpp'`` (backend ``'cpp'``, both layouts) when a C++ compiler is on
 the machine (``$CXX``, ``g++``, ``clang++`` or ``c++``). The source is compiled at the first call
-(a second or two) into ``$SPIKINGJELLY_MFPSN_BUILD`` or ``~/.cache/spikingjelly_mfpsn/build``, one
-library per source, compiler and CPU, written atomically, and loaded with :mod:`ctypes`. Threads: the
-kernels use ``torch.get_num_threads()`` OpenMP threads.
+on a dtype (8-10 s on a 2-core x86-64 machine) into ``$SPIKINGJELLY_MFPSN_BUILD`` or
+``~/.cache/spikingjelly_mfpsn/build``, one library per source, compiler, CPU and dtype, written
+atomically, and loaded with :mod:`ctypes`. Threads: the kernels use ``torch.get_num_threads()``
+OpenMP threads.
 
 What it fuses, so that the X-sized tensors of a BN-threshold training step are read few times:
 
@@ -78,14 +79,14 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compile(cxx: str, out: Path) -> None:
+def _compile(cxx: str, out: Path, flags: list[str]) -> None:
     """Compile the source to ``out`` (atomically: a temporary file renamed into place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for extra in (["-fopenmp"], []):  # without OpenMP the kernels run on one thread
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cxx, *_FLAGS, *extra, str(SOURCE_FILE), "-o", tmp]
+        cmd = [cxx, *flags, *extra, str(SOURCE_FILE), "-o", tmp]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode == 0:
             os.replace(tmp, out)
@@ -96,58 +97,60 @@ def _compile(cxx: str, out: Path) -> None:
 
 
 _LOCK = threading.Lock()
-_LIB: Optional[ctypes.CDLL] = None
+_LIBS: dict[str, ctypes.CDLL] = {}
 
 
-def library() -> ctypes.CDLL:
-    """The compiled kernels, built on first use."""
-    global _LIB
-    if _LIB is not None:  # the hot path: no lock once built
-        return _LIB
+def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
+    """The compiled kernels for ``dtype`` (float32 or float64), built on first use: one library per
+    dtype (each about half of the build), so a float32 network never waits for float64's kernels."""
+    suffix = DTYPES[dtype]
+    lib = _LIBS.get(suffix)
+    if lib is not None:  # the hot path: no lock once built
+        return lib
     with _LOCK:
-        if _LIB is None:
+        if suffix not in _LIBS:
             cxx = compiler()
             if cxx is None:
                 raise BuildError("backend 'cpp' needs a C++ compiler (g++, clang++ or $CXX)")
+            flags = [*_FLAGS, f"-DMFPSN_ONLY_{suffix.upper()}"]
             version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-            key = hashlib.sha256("\0".join([SOURCE_FILE.read_text(), cxx, version, " ".join(_FLAGS), _cpu_id()])
+            key = hashlib.sha256("\0".join([SOURCE_FILE.read_text(), cxx, version, " ".join(flags), _cpu_id()])
                                  .encode()).hexdigest()[:16]
-            path = build_dir() / f"mfpsn_cpu_{key}.so"
+            path = build_dir() / f"mfpsn_cpu_{suffix}_{key}.so"
             if not path.exists():
-                _compile(cxx, path)
+                _compile(cxx, path, flags)
             try:
                 lib = ctypes.CDLL(str(path))
             except OSError as e:  # a truncated or foreign file: build it again once
                 path.unlink(missing_ok=True)
-                _compile(cxx, path)
+                _compile(cxx, path, flags)
                 try:
                     lib = ctypes.CDLL(str(path))
                 except OSError:
                     raise BuildError(f"the compiled kernels at {path} do not load: {e}") from e
-            _declare(lib)
-            _LIB = lib
-        return _LIB
+            _declare(lib, suffix)
+            _LIBS[suffix] = lib
+        return _LIBS[suffix]
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL, suffix: str) -> None:
     p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     geometry = [i64, i64, i64, i64, i32, i32, i32, i32]
-    for suffix in DTYPES.values():
-        fwd = getattr(lib, f"mfpsn_forward_{suffix}")
-        fwd.argtypes = [p, p, p, p, i32, p, p] + geometry
-        fwd.restype = None
-        bwd = getattr(lib, f"mfpsn_backward_{suffix}")
-        bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, i32, p, p] + geometry
-        bwd.restype = None
-        bn_fwd = getattr(lib, f"mfpsn_bn_forward_{suffix}")
-        bn_fwd.argtypes = [p, p, p, p, f64, i32, i32, p, p, p, p, p, p, p, f64] + geometry
-        bn_fwd.restype = i32
-        bn_bwd = getattr(lib, f"mfpsn_bn_backward_{suffix}")
-        bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, i32, p, p, p, p] + geometry
-        bn_bwd.restype = None
-        step = getattr(lib, f"mfpsn_step_{suffix}")
-        step.argtypes = [p, p, p, p, p, p, f64, i32, p, p, i64, i64, i64, i32, i32]
-        step.restype = i32
+    fwd = getattr(lib, f"mfpsn_forward_{suffix}")
+    fwd.argtypes = [p, p, p, p, i32, p, p] + geometry
+    fwd.restype = None
+    bwd = getattr(lib, f"mfpsn_backward_{suffix}")
+    bwd.argtypes = [p, p, p, p, i32, f64, p, p, p, p, i32, p, p] + geometry
+    bwd.restype = None
+    bn_fwd = getattr(lib, f"mfpsn_bn_forward_{suffix}")
+    bn_fwd.argtypes = [p, p, p, p, f64, i32, i32, p, p, p, p, p, p, p, f64] + geometry
+    bn_fwd.restype = i32
+    bn_bwd = getattr(lib, f"mfpsn_bn_backward_{suffix}")
+    bn_bwd.argtypes = [p, p, p, p, p, p, p, p, i32, f64, f64, i32, i32, p, p, p, p] + geometry
+    bn_bwd.restype = None
+    step = getattr(lib, f"mfpsn_step_{suffix}")
+    step.argtypes = [p, p, p, p, p, p, f64, i32, p, p, i64, i64, i64, i32, i32]
+    step.restype = i32
 
 
 # ---------------------------------------------------------------- calling the kernels
@@ -167,7 +170,7 @@ def _geometry(x: torch.Tensor, k: int, dilation: int, layout: str) -> tuple:
 def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
     """Run the forward kernel on contiguous tensors: H (or S with ``spike``), or with ``stats`` the
     per-channel ``(mean, biased var)`` of the bias-free charge (from float64 sums)."""
-    lib = library()
+    lib = library(x.dtype)
     c = weight.shape[0]
     out = None if stats else torch.empty_like(x, memory_format=torch.contiguous_format)
     new = weight.new_empty if x.numel() else weight.new_zeros  # the kernel writes every entry
@@ -183,7 +186,7 @@ def backward(x, weight, bias, grad, mode, alpha, stats_grad, dilation, layout, n
     """Run the backward kernel on contiguous tensors: ``(dL/dX, dL/dW, dL/db)``, each None unless
     asked for. ``stats_grad`` is ``(mean, dL/dmean, dL/dvar)`` for the statistics' backward (mode 3).
     ``add_to``: a contiguous tensor like ``x`` that dL/dX is added to (and returned as dL/dX)."""
-    lib = library()
+    lib = library(x.dtype)
     c, k = weight.shape
     gx = add_to if add_to is not None else torch.empty_like(x) if need_gx else None
     new = weight.new_empty if x.numel() else weight.new_zeros  # the kernel writes every entry
@@ -280,7 +283,7 @@ def bn_forward(x, weight, gamma, beta, eps, quantize, dilation, layout, running=
     mean, var = given if given is not None else (weight.new_empty(c), weight.new_empty(c))
     b, wq = weight.new_empty(c), torch.empty_like(weight)
     rm, rv, factor = running if running is not None else (None, None, 0.0)
-    refused = getattr(library(), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(  # data_ptr(): never None here
+    refused = getattr(library(x.dtype), f"mfpsn_bn_forward_{DTYPES[x.dtype]}")(  # data_ptr(): never None here
         x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), beta.data_ptr(), float(eps), int(quantize),
         int(given is not None), out.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(), b.data_ptr(),
         _ptr(rm), _ptr(rv), float(factor), *(geometry or _geometry(x, weight.shape[1], dilation, layout)))
@@ -299,7 +302,7 @@ def bn_backward(x, weight, gamma, mean, var, wq, b, grad, kind, alpha, eps, ste,
     gradient through them)."""
     gx = torch.empty_like(x) if need_gx else None
     g_weight, g_gamma, g_beta = torch.empty_like(weight), torch.empty_like(gamma), torch.empty_like(gamma)
-    getattr(library(), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
+    getattr(library(x.dtype), f"mfpsn_bn_backward_{DTYPES[x.dtype]}")(
         x.data_ptr(), weight.data_ptr(), gamma.data_ptr(), mean.data_ptr(), var.data_ptr(), wq.data_ptr(),
         b.data_ptr(), grad.data_ptr(), kind, float(alpha), float(eps), ste, int(given), _ptr(gx),
         g_weight.data_ptr(), g_gamma.data_ptr(), g_beta.data_ptr(),
@@ -499,7 +502,7 @@ def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[
         return None
     n, c = x.shape[0], x.shape[1]
     out = torch.empty_like(x)
-    refused = getattr(library(), f"mfpsn_step_{DTYPES[x.dtype]}")(
+    refused = getattr(library(x.dtype), f"mfpsn_step_{DTYPES[x.dtype]}")(
         (ctypes.c_void_p * len(taps))(*[_ptr(t) for t in taps]), weight.data_ptr(), _ptr(gamma), _ptr(beta),
         _ptr(mean), _ptr(var), float(eps), int(quantize), _ptr(bias), out.data_ptr(), n, c, math.prod(x.shape[2:]),
         weight.shape[1], torch.get_num_threads())

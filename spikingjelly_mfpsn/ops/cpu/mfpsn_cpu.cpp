@@ -884,7 +884,12 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         return 0;                                                                                              \
     }
 
+// One library per dtype (-DMFPSN_ONLY_F32 or -DMFPSN_ONLY_F64: each half of the build time), or both.
+#ifndef MFPSN_ONLY_F64
 MFPSN_EXPORT(float, f32)
-MFPSN_EXPORT(double, f64)
 MFPSN_EXPORT_STEP(float, f32)
+#endif
+#ifndef MFPSN_ONLY_F32
+MFPSN_EXPORT(double, f64)
 MFPSN_EXPORT_STEP(double, f64)
+#endif

@@ -280,6 +280,11 @@ class FoldedMulFreePSN(ChargeNeuronBase):
         self._refuse_training()
         return self.fused_weight_bias()
 
+    def _step_params(self) -> Optional[tuple]:
+        """The float path's ``(Wq, bias)``, already powers of two (no quantiser)."""
+        self._refuse_training()
+        return (*self.fused_weight_bias(), None, False)
+
     def _compute_dtype(self) -> torch.dtype:
         return self.bias.dtype
 

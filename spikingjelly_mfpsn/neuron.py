@@ -144,8 +144,25 @@ class ChargeNeuronBase(MemoryModule):
         return None
 
     def _fused_step(self, taps: list) -> Optional[torch.Tensor]:
-        """Spikes of one single-step call from an implementation's fused kernel (``ops.step_fire``), or
-        None; ``taps``: ``(i, input tap i reads)`` for every tap inside the sequence so far."""
+        """Spikes of one single-step call from the chosen implementation's fused kernel
+        (``ops.step_fire``: no gradient to compute, e.g. streaming inference under ``torch.no_grad()``),
+        or None for the general path; ``taps``: ``(i, input tap i reads)`` for every tap inside the
+        sequence so far. The default ``method='auto'`` of the torch backend fuses nothing."""
+        if self._method == "auto" and self._backend == "torch":
+            return None
+        x = taps[-1][1]
+        params = None if torch.is_autocast_enabled(x.device.type) else self._step_params()
+        if params is None:
+            return None
+        inputs = [None] * self.k
+        for i, xi in taps:
+            inputs[i] = xi
+        weight, bias, bn, quantize = params
+        return ops.step_fire(inputs, weight, bias, bn, quantize, self.resolve_method(x), self.surrogate_function)
+
+    def _step_params(self) -> Optional[tuple]:
+        """``(weight, bias, bn, quantize)`` of a single step without gradients (see ``ops.step_fire``),
+        or None where the step needs the general path."""
         return None
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -436,26 +453,16 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             member("num_batches_tracked").add_(1)
         return out[0]
 
-    def _fused_step(self, taps: list) -> Optional[torch.Tensor]:
-        """One step without gradients (e.g. streaming inference under ``torch.no_grad()``) through the
-        chosen implementation's fused kernel where it has one: the eval-mode (Wq, b) (running statistics
-        for ``'bn'``, which in training needs this step's statistics: the general path), the charge
-        and the spikes in one call. The default ``method='auto'`` of the torch backend fuses nothing."""
-        if (self.threshold == "bn" and self.training) or (self._method == "auto" and self._backend == "torch"):
-            return None
-        x = taps[-1][1]
-        if torch.is_autocast_enabled(x.device.type):
-            return None
+    def _step_params(self) -> Optional[tuple]:
+        """The eval-mode folding (running statistics for ``'bn'``, which in training needs this step's
+        statistics: the general path), or ``Q(W)`` and ``-V_th``."""
         member = self._member
-        inputs = [None] * self.k
-        for i, xi in taps:
-            inputs[i] = xi
-        if self.threshold == "bn":
-            bias, bn = None, (member("gamma"), member("beta"), member("running_mean"), member("running_var"), self.eps)
-        else:
-            bias, bn = -member("v_threshold"), None
-        return ops.step_fire(inputs, member("weight"), bias, bn, self.quantize, self.resolve_method(x),
-                             self.surrogate_function)
+        if self.threshold != "bn":
+            return member("weight"), -member("v_threshold"), None, self.quantize
+        if self.training:
+            return None
+        bn = (member("gamma"), member("beta"), member("running_mean"), member("running_var"), self.eps)
+        return member("weight"), None, bn, self.quantize
 
     def _weight_bias_for(self, run_stats):
         """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""

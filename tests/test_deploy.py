@@ -1,4 +1,5 @@
 """Folding, integer bit-shift inference and streaming, held against the plain loop reference."""
+import copy
 import io
 import itertools
 
@@ -8,7 +9,8 @@ import torch.nn as nn
 from spikingjelly.activation_based import functional, layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, energy
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, energy, ops
+from spikingjelly_mfpsn import functional as mf_functional
 from spikingjelly_mfpsn.deploy import FoldedMulFreePSN
 
 import reference
@@ -230,6 +232,27 @@ def test_streaming_matches_multi_step_with_constant_memory(arithmetic):
         sizes.append(state)
     assert sizes[0] == sizes[1]
     assert [n for n, _ in sizes[0]] == [(m.k - 1) * m.dilation for _, m in deploy.folded_neurons(net)]
+
+
+@pytest.mark.skipif("cpp" not in ops.names(), reason="backend 'cpp' needs a C++ compiler")
+def test_folded_float_streaming_on_cpp_runs_one_kernel_per_step(monkeypatch):
+    """Folded neurons of a 'cpp' network stream through the fused single-step kernel (their Wq are
+    powers of two already: no quantiser) and give the spikes of the same folded net on PyTorch."""
+    torch.manual_seed(11)
+    base = random_net(4, 2, "bn")
+    want_net = deploy.fold(copy.deepcopy(base))
+    mf_functional.set_method(base, "cpp")
+    net = deploy.fold(base)
+    for _, m in deploy.folded_neurons(net):
+        assert m.method == "cpp"
+
+        def general_path(*args, **kwargs):
+            raise AssertionError("the general path ran")
+        monkeypatch.setattr(m, "_spikes", general_path)
+    x = on_grid(12, 2, 2, 5)
+    got, _ = stream(net, x)
+    want, _ = stream(want_net, x)
+    assert torch.equal(got, want) and 0 < got.mean() < 1
 
 
 def test_folded_checkpoint_round_trip(tmp_path):

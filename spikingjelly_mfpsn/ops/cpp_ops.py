@@ -493,7 +493,7 @@ def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[
     gamma, beta, mean, var, eps = bn if bn is not None else (None, None, None, None, 0.0)
     tensors = [t for t in (weight, bias, gamma, beta, mean, var) if t is not None]
     inputs = [t for t in taps if t is not None]
-    if not surrogate_kind(surrogate_function) or torch.compiler.is_compiling() or x.dim() < 2:
+    if not surrogate_kind(surrogate_function) or torch.compiler.is_compiling():
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors + inputs):
         return None

@@ -872,9 +872,7 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         using S = T_;                                                                                          \
         const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_BWD)                                                               \
-    }
-
-#define MFPSN_EXPORT_STEP(T_, suffix)                                                                         \
+    }                                                                                                          \
     extern "C" int mfpsn_step_##suffix(const T_* const* xs, const T_* w, const T_* gamma, const T_* beta,       \
                                         const T_* mean, const T_* var, double eps, int quantize,                \
                                         const T_* bias, T_* out, int64_t N, int64_t C, int64_t F, int K,         \
@@ -887,9 +885,7 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 // One library per dtype (-DMFPSN_ONLY_F32 or -DMFPSN_ONLY_F64: each half of the build time), or both.
 #ifndef MFPSN_ONLY_F64
 MFPSN_EXPORT(float, f32)
-MFPSN_EXPORT_STEP(float, f32)
 #endif
 #ifndef MFPSN_ONLY_F32
 MFPSN_EXPORT(double, f64)
-MFPSN_EXPORT_STEP(double, f64)
 #endif

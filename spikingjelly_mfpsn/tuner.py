@@ -167,12 +167,14 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
     whose forward alone settles that skips its backward, and counts with its forward time (so an
     abandoned candidate's time is a lower bound).
     ``input_grad``: the inputs require grad (a layer inside a network); ``False`` for a whole
-    network fed data.
+    network fed data. With gradients disabled (``torch.no_grad()``, ``torch.inference_mode()``), the
+    forward alone is timed: what an inference loop runs.
     """
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    backward = torch.is_grad_enabled()
     times, z = [], None
     for _ in range(2 * m + 1):
-        inputs = _clone_args(args, input_grad)
+        inputs = _clone_args(args, input_grad and backward)
         _compat.functional.reset_net(module)
         t0 = timer()
         out = module(*inputs)
@@ -180,7 +182,7 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         t1 = timer()
         elapsed = t1 - t0
         lost = bool(times) and min(times[1:] + [elapsed]) > abandon_above  # lost, whatever its backward takes
-        if not lost and isinstance(out, torch.Tensor) and out.requires_grad:
+        if not lost and backward and isinstance(out, torch.Tensor) and out.requires_grad:
             if z is None or z.shape != out.shape:
                 z = torch.ones_like(out)
             seed = _SeedGradient.apply(out, z)
@@ -215,6 +217,12 @@ def _device_name(device: torch.device) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
 
 
+def _grad_mode() -> dict:
+    """What a key adds when gradients are disabled: forward-only timings and plans (inference) are
+    kept apart from training's (nothing added otherwise, so earlier training keys stay valid)."""
+    return {} if torch.is_grad_enabled() else {"forward_only": True}
+
+
 def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
     """Cache key of one layer's timings."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -228,6 +236,7 @@ def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
         "device": _device_name(tensors[0].device) if tensors else "none",
         "candidates": candidates(module),
         "versions": _versions(),
+        **_grad_mode(),
     }
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
@@ -242,7 +251,7 @@ def net_key(net: nn.Module, x, layouts) -> str:
             for name, m in net.named_modules()]
     sig = {"modules": mods, "inputs": [[list(t.shape), str(t.dtype)] for t in tensors],
            "device": _device_name(tensors[0].device) if tensors else "none", "layouts": list(layouts),
-           "implementations": sorted(ops.names()), "versions": _versions()}
+           "implementations": sorted(ops.names()), "versions": _versions(), **_grad_mode()}
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
 
@@ -410,11 +419,13 @@ class AutoselectReport:
     compiled: bool = False
     compile_times: dict[str, float] = field(default_factory=dict)
     compile_backend: Optional[str] = None
+    forward_only: bool = False
 
     def __str__(self) -> str:
         lines = [f"autoselect: layout {self.layout!r} "
                  f"({', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in self.totals.items())}); "
-                 f"{self.timed} timed, {self.cache_hits} cached, {self.seconds:.2f} s"]
+                 f"{self.timed} timed, {self.cache_hits} cached, {self.seconds:.2f} s"
+                 + ("; forward passes only (gradients disabled)" if self.forward_only else "")]
         for layout, rows in self.layouts.items():
             lines.append(f"[{layout}]{' (chosen)' if layout == self.layout else ''}")
             lines.append(f"  {'layer':<28} {'type':<26} {'choice':<12} candidates (ms)")
@@ -769,6 +780,10 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
     :return: an :class:`AutoselectReport`; ``print`` it for a table
 
+    Called with gradients disabled (``torch.no_grad()`` or ``torch.inference_mode()``, usually on a
+    network in eval mode), it times forward passes only and caches those timings and that plan apart
+    from training's: the choice for an inference loop.
+
     Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
     """
     if m < 1:
@@ -787,6 +802,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         report = _select(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
                          progress, backend)
     report = _broadcast(report)
+    report.forward_only = not torch.is_grad_enabled()
     if report.layout is not None:
         if not selects:  # (_select applied its choice on this rank already)
             _apply(net, report.layout, report.methods)

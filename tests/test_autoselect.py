@@ -1,4 +1,5 @@
 """autoselect (paper Algorithm 1): choice, cache, self-check, state, zoo networks, distributed."""
+import copy
 import json
 import multiprocessing as mp
 import os
@@ -484,6 +485,65 @@ def test_seed_gradient_runs_the_backward_of_an_explicit_gradient():
     lin(x).backward(z)
     for a, b in zip(got, (x.grad, lin.weight.grad, lin.bias.grad)):
         torch.testing.assert_close(a, b)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity whose backward fails: a measurement that runs a backward shows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("a backward ran")
+
+
+class _Flat(nn.Module):
+    def forward(self, x):
+        return _NoBackward.apply(x).flatten(1)  # under no_grad a view of an input that requires grad
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_measure_without_gradients_times_the_forward_alone(mode):
+    module, x = _Flat(), (torch.rand(4, 3, 2),)
+    with pytest.raises(AssertionError, match="a backward ran"):
+        tuner.measure(module, x, m=1)
+    reads = iter([0.0, 1.0, 10.0, 12.0, 20.0, 23.0])  # two per run (forward only); a seventh read raises
+    with getattr(torch, mode)():
+        t = tuner.measure(module, x, m=1, timer=reads.__next__)
+        t_view = tuner.measure(nn.Flatten(), x, m=1)  # its output a view of the cloned input
+    assert t == 3.0 and next(reads, None) is None and t_view > 0
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_autoselect_without_gradients_times_forward_passes_apart_from_training(tmp_path, mode, monkeypatch):
+    path = str(tmp_path / "c.json")
+    torch.manual_seed(0)
+    net = seq_net()
+    x = example()
+    net(x)  # some running statistics
+    functional.reset_net(net)
+    net.eval()
+    train_copy, before_out, before_state = copy.deepcopy(net).train(), eval_out(net, x), state_of(net)
+    seeded = []
+    monkeypatch.setattr(tuner._SeedGradient, "apply", lambda *a: seeded.append(1) or 1 / 0)
+    with getattr(torch, mode)():
+        report = mf.autoselect(net, x, m=1, cache=path, progress=False)
+    assert report.forward_only and report.layout is not None and report.timed > 0 and not seeded
+    assert "forward passes only" in str(report)
+    after_state = state_of(net)
+    for k in before_state:
+        assert torch.equal(before_state[k], after_state[k]), k
+    torch.testing.assert_close(eval_out(net, x), before_out)
+    # Training's timings and plan are not the forward-only ones (nor the other way round).
+    monkeypatch.undo()
+    trained = mf.autoselect(train_copy, x, m=1, cache=path, progress=False)
+    assert not trained.forward_only and trained.timed == report.timed and trained.cache_hits == report.cache_hits
+    again = copy.deepcopy(net)
+    with getattr(torch, mode)():
+        hit = mf.autoselect(again, x, m=1, cache=path, progress=False)
+    assert hit.timed == 0 and hit.layout == report.layout
 
 
 class PreferMethod(FakeTimes):

@@ -96,7 +96,16 @@ class TimeLastModule(nn.Module, MultiStepModule):
         return _torch_forward(self._time_first)(self._time_first, x)
 
     def _vmap(self, x_seq: torch.Tensor) -> torch.Tensor:
-        return _compat.t_last_seq_to_ann_forward(x_seq, self._step)
+        return _compat.t_last_seq_to_ann_forward(self._vmap_input(x_seq), self._step)
+
+    def _vmap_input(self, x_seq: torch.Tensor) -> torch.Tensor:
+        """``torch.vmap`` runs its function without autocast, so a reduced-precision input would meet
+        the layer's full-precision parameters (an error): under autocast a layer with floating
+        parameters gets its input in their dtype and runs in full precision."""
+        if not torch.is_autocast_enabled(x_seq.device.type):
+            return x_seq
+        dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), x_seq.dtype)
+        return x_seq if x_seq.dtype == dtype else x_seq.to(dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self._time_first._save_to_state_dict(destination, prefix, keep_vars)

@@ -217,10 +217,15 @@ def _device_name(device: torch.device) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
 
 
-def _grad_mode() -> dict:
-    """What a key adds when gradients are disabled: forward-only timings and plans (inference) are
-    kept apart from training's (nothing added otherwise, so earlier training keys stay valid)."""
-    return {} if torch.is_grad_enabled() else {"forward_only": True}
+def _run_mode(tensors) -> dict:
+    """What a key adds for a call that runs differently from plain training: with gradients disabled
+    (forward-only timings and plans, for inference) or under autocast (its dtype); nothing otherwise,
+    so earlier training keys stay valid."""
+    mode = {} if torch.is_grad_enabled() else {"forward_only": True}
+    device_type = _device_type(tensors)
+    if torch.is_autocast_enabled(device_type):
+        mode["autocast"] = str(torch.get_autocast_dtype(device_type))
+    return mode
 
 
 def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
@@ -236,22 +241,33 @@ def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
         "device": _device_name(tensors[0].device) if tensors else "none",
         "candidates": candidates(module),
         "versions": _versions(),
-        **_grad_mode(),
+        **_run_mode(tensors),
     }
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
+
+
+def _tensors(x) -> list:
+    """The tensors of a network's input: ``x`` itself, or those in a tuple or list of inputs."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
+
+
+def _device_type(tensors: list) -> str:
+    return tensors[0].device.type if tensors else "cpu"
 
 
 def net_key(net: nn.Module, x, layouts) -> str:
     """Cache key of a whole network's choice: every module's signature, the input, the device, the
     layouts considered, the registered implementations and the library versions."""
-    tensors = [x] if isinstance(x, torch.Tensor) else [t for t in x if isinstance(t, torch.Tensor)]
+    tensors = _tensors(x)
     mods = [[name, f"{type(m).__module__}.{type(m).__qualname__}",
              _repr_without_method(m) if is_tunable(m) else m.extra_repr(),
              [list(p.shape) for p in m.parameters(recurse=False)], m.training]
             for name, m in net.named_modules()]
     sig = {"modules": mods, "inputs": [[list(t.shape), str(t.dtype)] for t in tensors],
            "device": _device_name(tensors[0].device) if tensors else "none", "layouts": list(layouts),
-           "implementations": sorted(ops.names()), "versions": _versions(), **_grad_mode()}
+           "implementations": sorted(ops.names()), "versions": _versions(), **_run_mode(tensors)}
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
 
@@ -470,11 +486,13 @@ def _restore(net: nn.Module, snap) -> None:
 
 
 def _outputs(net: nn.Module, x) -> torch.Tensor:
-    """Eval-mode outputs (deterministic: running statistics, no dropout)."""
+    """Eval-mode outputs (deterministic: running statistics, no dropout), in full precision even
+    under autocast: the check compares configurations, and reduced precision rounds each one its
+    own way."""
     was_training = net.training
     net.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(_device_type(_tensors(x)), enabled=False):
             return net(x)
     finally:
         net.train(was_training)

@@ -546,6 +546,25 @@ def test_autoselect_without_gradients_times_forward_passes_apart_from_training(t
     assert hit.timed == 0 and hit.layout == report.layout
 
 
+def test_autoselect_under_autocast_checks_in_full_precision_and_keeps_its_timings_apart(tmp_path):
+    path = str(tmp_path / "c.json")
+    torch.manual_seed(0)
+    net = seq_net()
+    x = example()
+    plain = tuner._outputs(net, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        checked = tuner._outputs(net, x)  # the self-check compares configurations in float32
+        report = mf.autoselect(copy.deepcopy(net), x, m=1, cache=path, progress=False)
+    assert checked.dtype == torch.float32
+    torch.testing.assert_close(checked, plain, rtol=0, atol=0)
+    assert report.layout is not None and report.timed > 0 and not report.skipped
+    fp32 = mf.autoselect(copy.deepcopy(net), x, m=1, cache=path, progress=False)
+    assert fp32.timed == report.timed  # bf16 timings are not float32's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hit = mf.autoselect(copy.deepcopy(net), x, m=1, cache=path, progress=False)
+    assert hit.timed == 0 and hit.layout == report.layout
+
+
 class PreferMethod(FakeTimes):
     """FakeTimes where one method is ten times faster than anything else."""
 

@@ -114,6 +114,23 @@ def test_wrapper_matches_time_first(build, feat, method):
     check_against_time_first(ref, w, feat)
 
 
+@pytest.mark.parametrize("build,feat,method", list(method_cases(CASES)))
+def test_wrapper_under_bf16_autocast(build, feat, method):
+    """Under autocast the layer before gives a bf16 input: every method takes it (``torch.vmap`` does
+    not apply autocast, so the vmap method runs in the parameters' precision) and gives what the
+    time-first layer gives in float32 on the same values, within bf16 rounding; the backward runs."""
+    torch.manual_seed(0)
+    ref = build()
+    randomize_(ref)
+    w = wrap(ref, method)
+    x = torch.randn(T, N, *feat).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = w(x.movedim(0, -1).requires_grad_())
+    torch.testing.assert_close(y.float().movedim(-1, 0), ref(x.float()), rtol=4e-2, atol=4e-2)
+    y.float().sum().backward()
+    assert all(p.grad is not None for p in w.parameters())
+
+
 @pytest.mark.parametrize("name,build,feat", BN_CASES, ids=[c[0] for c in BN_CASES])
 def test_batchnorm_matches_time_first(name, build, feat):
     torch.manual_seed(0)

@@ -810,6 +810,10 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         ops.check_layout(layout)
     if not layouts:
         raise ValueError("layouts must name at least one layout")
+    for t in _tensors(x_example):
+        if not t.numel():
+            raise ValueError(f"x_example has an empty tensor (shape {tuple(t.shape)}): autoselect times the "
+                             f"shapes training runs, so give it a batch of real samples and steps")
     backend = ("inductor" if compile is True else compile) or None
     t0 = time.perf_counter()
     path = default_cache_path() if cache is True else (cache or None)

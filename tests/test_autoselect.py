@@ -227,6 +227,9 @@ def test_bad_arguments():
         mf.autoselect(seq_net(), example(), m=0, cache=False)
     with pytest.raises(ValueError, match="layout"):
         mf.autoselect(seq_net(), example(), layouts=("sideways",), cache=False)
+    for empty in (example(n=0), example(t=0), (example(), torch.rand(3, 0))):
+        with pytest.raises(ValueError, match=r"x_example has an empty tensor \(shape"):
+            mf.autoselect(seq_net(), empty, cache=False)
 
 
 @pytest.mark.parametrize("arch", ["spiking_vgg", "spiking_resnet"])

@@ -399,12 +399,16 @@ def test_nan_weights_are_refused():
         sn(torch.randn(3, 2, 2))
 
 
-@pytest.mark.parametrize("method", ["shift_add"] + (["cpp"] if "cpp" in ops.names() else []))
-def test_an_empty_batch_leaves_the_running_statistics_alone(method):
-    """Training on an empty batch: empty spikes, finite (zero) gradients, running statistics unchanged."""
-    sn = MulFreeChannelwisePSN(4, k=2, step_mode="m", method=method)
+@pytest.mark.parametrize("layout,method", [(layout, m) for layout in ("time_first", "time_last")
+                                           for m in ops.names(layout=layout) if m not in ("triton", "cupy")])
+@pytest.mark.parametrize("shape", [(5, 0, 4), (0, 3, 4)], ids=["no-samples", "no-steps"])
+def test_an_empty_batch_leaves_the_running_statistics_alone(layout, method, shape):
+    """Training on an empty batch, or on no time steps, with every method: empty spikes, finite (zero)
+    gradients, running statistics unchanged."""
+    sn = MulFreeChannelwisePSN(4, k=2, dilation=2, step_mode="m", method=method, layout=layout)
     before = [b.clone() for b in sn.buffers()]
-    x = torch.randn(5, 0, 4, requires_grad=True)
+    x = torch.randn(shape)
+    x = (x if layout == "time_first" else x.permute(1, 2, 0).contiguous()).requires_grad_()
     s = sn(x)
     s.sum().backward()
     assert s.shape == x.shape and x.grad.shape == x.shape

@@ -77,6 +77,23 @@ def test_without_bias(name, layout):
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("name,layout", list(cases()))
+@pytest.mark.parametrize("empty", ["batch", "features", "steps"])
+def test_empty_tensors(name, layout, empty):
+    """An empty batch (e.g. a rank's share of a small last batch), empty feature dims or no time steps:
+    an empty charge like the reference's, and gradients (the weight's and bias's zero)."""
+    n, feat, t = (0, (3,), 4) if empty == "batch" else (2, (0,), 4) if empty == "features" else (2, (3,), 0)
+    x = make_input(t, n, 4, feat, layout, torch.float64, True).requires_grad_()
+    w = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    h = ops.charge(x, w, b, 2, layout, name)
+    assert h.shape == x.shape
+    gx, gw, gb = torch.autograd.grad(h, (x, w, b), torch.ones_like(h), allow_unused=True)
+    assert gx is None or gx.shape == x.shape
+    for g in (gw, gb):
+        assert g is None or not g.any()
+
+
 def test_every_implementation_describes_itself():
     for impl in ops.implementations():
         assert impl.description and impl.layouts and impl.backend

@@ -195,6 +195,11 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
 
 
+# Runs an empty input (no samples, features or steps) for every method: each of its ops takes empty
+# tensors, while reshapes to (N, C, -1, T) or convolutions over zero steps do not.
+EMPTY_INPUT_METHOD = "shift_add"
+
+
 def _checked(x, weight, bias, dilation, layout, method) -> Implementation:
     check_charge_args(x, weight, bias, dilation, layout)
     impl = get(method)
@@ -203,7 +208,7 @@ def _checked(x, weight, bias, dilation, layout, method) -> Implementation:
         others = supported(x, weight, dilation, layout)
         raise ValueError(f"method {method!r} cannot run this input: {'; '.join(reasons)}. "
                          f"Methods that can: {others}")
-    return impl
+    return impl if x.numel() else get(EMPTY_INPUT_METHOD)
 
 
 def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
@@ -244,7 +249,7 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
     the batch mean and unbiased variance are blended into them in place, as ``r.lerp_(stat, factor)``.
     ``given``: ``(mean, var)`` folded instead of the batch statistics (eval mode: the running ones), as
     constants (no gradient through them), and returned as they are."""
-    if get(method).bn_fire is None:  # nothing to check: the caller takes the general path
+    if get(method).bn_fire is None or not x.numel():  # nothing to check: the caller takes the general path
         return None
     impl = _checked(x, weight, None, dilation, layout, method)
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)

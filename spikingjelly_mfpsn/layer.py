@@ -98,6 +98,12 @@ class TimeLastModule(nn.Module, MultiStepModule):
     def _vmap(self, x_seq: torch.Tensor) -> torch.Tensor:
         return _compat.t_last_seq_to_ann_forward(self._vmap_input(x_seq), self._step)
 
+    def _no_steps(self, x_seq: torch.Tensor) -> torch.Tensor:
+        """A sequence of zero steps ``(N, ..., 0)`` as the time-first layer runs it (one batch of T*N = 0
+        samples): vmap over an empty dim and the (n+1)-d kernels refuse it or get its shape wrong."""
+        y = self._step(x_seq.movedim(-1, 0).flatten(0, 1))
+        return y.reshape(0, x_seq.shape[0], *y.shape[1:]).movedim(0, -1)
+
     def _vmap_input(self, x_seq: torch.Tensor) -> torch.Tensor:
         """``torch.vmap`` runs its function without autocast, so a reduced-precision input would meet
         the layer's full-precision parameters (an error): under autocast a layer with floating
@@ -143,6 +149,8 @@ class _Tunable:
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         self._check_input(x_seq)
+        if not x_seq.shape[-1]:
+            return self._no_steps(x_seq)
         if self.resolve_method(x_seq) == "vmap":
             return self._vmap(x_seq)
         return self._highdim(x_seq)
@@ -330,7 +338,7 @@ class TimeLastVmap(TimeLastModule):
     """Any stateless per-step module on ``(N, ..., T)``, vectorised over the last dim."""
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        return self._vmap(x_seq)
+        return self._vmap(x_seq) if x_seq.shape[-1] else self._no_steps(x_seq)
 
 
 _DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}

@@ -131,6 +131,20 @@ def test_wrapper_under_bf16_autocast(build, feat, method):
     assert all(p.grad is not None for p in w.parameters())
 
 
+@pytest.mark.parametrize("build,feat,method", list(method_cases(CASES + BN_CASES)))
+@pytest.mark.parametrize("t,n", [(3, 0), (0, 2)], ids=["no-samples", "no-steps"])
+def test_wrapper_on_empty_sequences(build, feat, method, t, n):
+    """No samples or no time steps: the time-first layer's (empty) output shape, and a backward."""
+    ref = build()
+    ref.train()
+    w = wrap(ref, method)
+    x = torch.randn(t, n, *feat, requires_grad=True)
+    y = w(x.movedim(0, -1))
+    assert y.movedim(-1, 0).shape == ref(x).shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize("name,build,feat", BN_CASES, ids=[c[0] for c in BN_CASES])
 def test_batchnorm_matches_time_first(name, build, feat):
     torch.manual_seed(0)

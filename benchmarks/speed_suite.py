@@ -1,6 +1,6 @@
 """The speed suite: ratio tables measured side by side in one process (never absolute claims).
 
-    python benchmarks/speed_suite.py [--parts neuron,network,overhead,inference] [--quick] [--out DIR]
+    python benchmarks/speed_suite.py [--parts neuron,network,overhead,inference,eval] [--quick] [--out DIR]
 
 1. neuron    MF-PSN layer forward+backward (training, BN threshold), every method x layout, over T, k, d,
              at the sequential-CIFAR conv shape (N x 128 x 32 per step) and an FC shape (N x 256): speed-up
@@ -11,6 +11,9 @@
 3. overhead  autoselect (cold cache and warm cache) as a percent of one epoch of the digits example.
 4. inference single-step inference of the sequential network: state memory and time per step, MF-PSN
              (k=4) against SlidingPSN (k=32), paper Table 3.
+5. eval      multi-step eval forward (no gradients) of the sequential network: MF-PSN as built, after
+             autoselect for training and after autoselect for inference (called under no_grad),
+             against SpikingJelly's PSN; and the two autoselect calls' durations.
 
 Writes ``DIR/speed.md`` (tables) and ``DIR/speed.png`` (chart); prints the tables as it goes.
 """
@@ -317,6 +320,45 @@ def part_inference(args, out):
     out.append("\n".join(text))
 
 
+def part_eval(args, out):
+    """Multi-step eval forwards without gradients: what autoselect under no_grad chooses, side by side."""
+    T, N = 32, args.batch
+    channels = 64 if args.quick else 128
+    x = torch.rand(T, N, 3, 32)
+    torch.manual_seed(0)
+    built = _seq_net("mfpsn", T, channels).eval()
+    nets, select_s = {"MF-PSN as built": built}, {}
+    with tempfile.TemporaryDirectory() as d:
+        for label, grad in (("MF-PSN autoselected for training", True), ("MF-PSN autoselected under no_grad", False)):
+            net = copy.deepcopy(built).train(grad)
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(grad):
+                report = mf.autoselect(net, x, cache=os.path.join(d, "c.json"), progress=False)
+            select_s[label] = (time.perf_counter() - t0, report.layout)
+            nets[label] = net.eval()
+    psn = _seq_net("psn", T, channels)
+    if psn is not None:
+        nets["PSN"] = psn.eval()
+
+    def forward(net):
+        def run():
+            with torch.no_grad():
+                net(x)
+            functional.reset_net(net)
+        return run
+    times = interleaved({label: forward(net) for label, net in nets.items()}, repeats=args.repeats, warmup=1)
+    base = "PSN" if "PSN" in times else "MF-PSN as built"
+    rows = [[label, f"{median(ts) * 1e3:.1f} ms", ratio_cell(ts, times[base])] for label, ts in times.items()]
+    text = [f"## 5. Eval forward without gradients, sequential-CIFAR network (T={T}, N={N}, {channels} channels)", "",
+            markdown_table(["configuration", "median forward", f"ratio to {base}"], rows), "",
+            "Autoselect: " + "; ".join(f"{label.removeprefix('MF-PSN autoselected ')} {sec:.1f} s (layout {layout!r})"
+                                       for label, (sec, layout) in select_s.items()), ""]
+    for r in rows:
+        print(" | ".join(r), flush=True)
+    print(text[-2], flush=True)
+    out.append("\n".join(text))
+
+
 def _tensors(m):
     for v in m._memories.values():
         if isinstance(v, torch.Tensor):
@@ -352,7 +394,7 @@ def chart(per_impl, network, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="neuron,network,overhead,inference")
+    ap.add_argument("--parts", default="neuron,network,overhead,inference,eval")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (minutes instead of tens of minutes)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
@@ -372,6 +414,8 @@ def main():
         part_overhead(args, out)
     if "inference" in parts:
         part_inference(args, out)
+    if "eval" in parts:
+        part_eval(args, out)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "speed.md"), "w") as f:
         f.write("\n".join(out))

@@ -399,6 +399,36 @@ def test_nan_weights_are_refused():
         sn(torch.randn(3, 2, 2))
 
 
+@pytest.mark.parametrize("method", [m for m in ops.names(layout="time_first") if m not in ("triton", "cupy")])
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_a_gradient_penalty_through_the_neuron(method, threshold):
+    """Second-order gradients (create_graph=True) of the whole neuron in training, folding, quantiser
+    and surrogate included, equal the plain reference's with the torch methods; the C++ backend, whose
+    gradients are first-order only, raises instead of leaving its part out."""
+    def grads(use_reference):
+        torch.manual_seed(0)
+        sn = MulFreeChannelwisePSN(4, k=2, dilation=1, step_mode="m", method=method, threshold=threshold).double()
+        with torch.no_grad():
+            sn.weight.uniform_(0.2, 1.0)
+            if threshold == "param":
+                sn.v_threshold.fill_(0.3)
+        x = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+        if use_reference:
+            h, _ = reference.mfpsn_charge(x, sn.weight, 1, "time_first", threshold, gamma=getattr(sn, "gamma", None),
+                                          beta=getattr(sn, "beta", None), v_threshold=getattr(sn, "v_threshold", None))
+            s = sn.surrogate_function(h)
+        else:
+            s = sn(x)
+        gx, = torch.autograd.grad((s * torch.randn_like(s)).sum(), x, create_graph=True)
+        return torch.autograd.grad((gx ** 2).sum(), [x] + list(sn.parameters()))
+    if ops.get(method).backend != "torch":
+        with pytest.raises(RuntimeError, match="first-order gradients only"):
+            grads(False)
+        return
+    for got, want in zip(grads(False), grads(True)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("layout,method", [(layout, m) for layout in ("time_first", "time_last")
                                            for m in ops.names(layout=layout) if m not in ("triton", "cupy")])
 @pytest.mark.parametrize("shape", [(5, 0, 4), (0, 3, 4)], ids=["no-samples", "no-steps"])

@@ -94,6 +94,30 @@ def test_empty_tensors(name, layout, empty):
         assert g is None or not g.any()
 
 
+@pytest.mark.parametrize("name,layout", list(cases()))
+def test_double_backward(name, layout):
+    """create_graph=True (a gradient penalty): the torch methods give the reference's second-order
+    gradients; a kernel backend raises a clear error (its gradients would enter the graph as constants
+    and the second-order gradients would silently miss them)."""
+    torch.manual_seed(0)
+    x = make_input(6, 2, 3, (2,), layout, torch.float64, True).requires_grad_()
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    r = torch.randn_like(x)
+
+    def penalty_grads(charge):
+        h = charge(x, w, b, 2, layout)
+        gx, = torch.autograd.grad((torch.tanh(h) * r).sum(), x, create_graph=True)
+        return torch.autograd.grad((gx ** 2).sum(), (x, w, b))
+
+    if ops.get(name).backend != "torch":
+        with pytest.raises(RuntimeError, match="first-order gradients only.*create_graph=True"):
+            penalty_grads(lambda *a: ops.charge(*a, name))
+        return
+    for got, want in zip(penalty_grads(lambda *a: ops.charge(*a, name)), penalty_grads(reference.charge)):
+        torch.testing.assert_close(got, want)
+
+
 def test_every_implementation_describes_itself():
     for impl in ops.implementations():
         assert impl.description and impl.layouts and impl.backend

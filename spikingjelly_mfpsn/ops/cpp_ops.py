@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .registry import Implementation, note_unavailable, register, surrogate_kind
+from .registry import Implementation, first_order_only, note_unavailable, register, surrogate_kind
 
 SOURCE_FILE = Path(__file__).with_name("cpu") / "mfpsn_cpu.cpp"
 BUILD_ENV = "SPIKINGJELLY_MFPSN_BUILD"
@@ -248,6 +248,7 @@ class _CppCharge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        first_order_only("cpp")
         x, weight, bias = ctx.saved_tensors
         return (*_charge_bwd(x, weight, bias, grad, *ctx.args, ctx.needs_input_grad[:3]), None, None, None, None)
 
@@ -265,6 +266,7 @@ class _CppStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_mean, g_var):
+        first_order_only("cpp")
         x, weight, mean = ctx.saved_tensors
         gx, gw = _stats_bwd(x, weight, mean, *_stats_grads(mean, g_mean, g_var), *ctx.args,
                             ctx.needs_input_grad[:2])
@@ -354,6 +356,7 @@ class _CppBNFire(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_stats_grads):
+        first_order_only("cpp")
         x, weight, gamma, mean, var = ctx.saved_tensors
         gx, g_weight, g_gamma, g_beta = bn_backward(x, weight, gamma, mean, var, *ctx.folded,
                                                     grad.to(x.dtype).contiguous(), *ctx.args,

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .registry import Implementation, check_layout, note_unavailable, register
+from .registry import Implementation, check_layout, first_order_only, note_unavailable, register
 
 KERNEL_FILE = Path(__file__).with_name("cuda") / "mfpsn_charge.cu"
 
@@ -162,6 +162,7 @@ class _Charge(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_h):
+        first_order_only("cupy")
         x, weight = ctx.saved_tensors
         grad_h = grad_h.to(x.dtype)
         grad_x = grad_w = grad_b = None

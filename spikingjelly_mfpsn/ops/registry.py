@@ -300,6 +300,16 @@ _INSTALL_HINTS = {"triton": "pip install triton (its kernels need a CUDA device,
 _UNAVAILABLE_REASONS: dict[str, str] = {}
 
 
+def first_order_only(backend: str) -> None:
+    """Called first in a kernel backend's backward: with ``create_graph=True`` (a gradient penalty, a
+    Hessian-vector product, meta-learning) the kernels' gradients would enter the graph as constants,
+    and second-order gradients would silently miss this layer's part; so that raises instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"backend {backend!r} computes first-order gradients only, and this backward runs "
+                           f"with create_graph=True (a double backward); use a torch method for it, e.g. "
+                           f"method='shift_add' (the same results and first-order gradients)")
+
+
 def note_unavailable(backend: str, reason: str) -> None:
     """Record why ``backend`` registered nothing; :func:`check_backend` puts it in its error."""
     _UNAVAILABLE_REASONS[backend] = reason

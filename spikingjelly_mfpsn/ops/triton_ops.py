@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .registry import Implementation, register, surrogate_kind
+from .registry import Implementation, first_order_only, register, surrogate_kind
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_PI: tl.constexpr = tl.constexpr(math.pi / 2)
@@ -301,6 +301,7 @@ class _TritonCharge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        first_order_only("triton")
         x, weight, h = ctx.saved_tensors
         dilation, layout, spike_kind, alpha, bias_dtype = ctx.args
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],

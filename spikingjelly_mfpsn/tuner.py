@@ -369,8 +369,17 @@ class TimingCache:
         self.plans[key] = plan
 
     def save(self) -> None:
+        """Write the entries (merged with what the file holds now); where the file cannot be written
+        (e.g. a read-only directory), warn and go on: the choice is applied, only not kept."""
         if not self.path:
             return
+        try:
+            self._save()
+        except OSError as e:
+            warnings.warn(f"autoselect cache {self.path} cannot be written ({e}); the choice is applied but "
+                          f"not cached (cache=False stops this warning, cache='path' picks another file)")
+
+    def _save(self) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         with _locked(self.path + ".lock"):

@@ -160,6 +160,15 @@ def test_corrupted_or_foreign_cache_is_rebuilt(tmp_path, content):
     assert data["schema"] == tuner.CACHE_SCHEMA and len(data["layers"]) >= report.timed
 
 
+def test_an_unwritable_cache_warns_and_the_choice_still_applies(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a regular file where the cache's directory should be
+    net, x = seq_net(), example()
+    with pytest.warns(UserWarning, match="cannot be written .* the choice is applied but not cached"):
+        report = mf.autoselect(net, x, cache=str(blocker / "c.json"), measure_fn=FakeTimes(), progress=False)
+    assert report.layout is not None and current_layout(net) == report.layout and blocker.read_text() == ""
+
+
 class _nothing:
     def __enter__(self):
         return self

@@ -6,9 +6,11 @@ The plain charge of 'cpp' is also held to the reference on the full grid of test
 import copy
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -487,6 +489,24 @@ def test_build_cache_survives_a_corrupted_library(tmp_path):
     assert second.returncode == 0, second.stderr
     assert libs[0].read_bytes()[:4] == b"\x7fELF"
     assert not [p for p in tmp_path.iterdir() if p.suffix != ".so"]  # no temporary files left behind
+
+
+def test_an_unwritable_build_directory_builds_in_a_temporary_one(tmp_path, monkeypatch):
+    """A build directory that cannot be written (here: below a regular file): the kernels are built in
+    a temporary directory for this process, with a warning, and run."""
+    built = Path(cpp_ops.library(torch.float32)._name)  # a good library to stand in for the compiler
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(cpp_ops.BUILD_ENV, str(blocker / "build"))
+    monkeypatch.setattr(cpp_ops, "_LIBS", {})
+    outputs = []
+    monkeypatch.setattr(cpp_ops, "_compile", lambda cxx, out, flags: outputs.append(out) or shutil.copy(built, out))
+    with pytest.warns(UserWarning, match="cannot be written to .*for this process only"):
+        lib = cpp_ops.library(torch.float32)
+    assert len(outputs) == 1 and blocker not in outputs[0].parents and Path(lib._name) == outputs[0]
+    x, w = torch.randn(5, 2, 3), torch.randn(3, 2)
+    torch.testing.assert_close(ops.charge(x, w, None, 1, "time_first", "cpp"),
+                               ops.charge(x, w, None, 1, "time_first", "shift_add"))
 
 
 def test_without_compiler():

@@ -24,6 +24,7 @@ Float32 and float64; per-channel sums are accumulated in float64.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -33,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -96,6 +98,21 @@ def _compile(cxx: str, out: Path, flags: list[str]) -> None:
     raise BuildError("the C++ kernels of backend 'cpp' did not compile:\n" + "\n".join(errors))
 
 
+def _writable(path: Path) -> Path:
+    """``path``, or its name in a new temporary directory when ``path``'s directory cannot be written
+    (e.g. a read-only home): the kernels still build, for this process only, with a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+        return path
+    except OSError as e:
+        fallback = Path(tempfile.mkdtemp(prefix="spikingjelly_mfpsn-build-")) / path.name
+        warnings.warn(f"backend 'cpp': the kernels cannot be written to {path.parent} ({e}); building them in "
+                      f"{fallback.parent} for this process only. Set ${BUILD_ENV} to a writable directory "
+                      f"to build them once.")
+        return fallback
+
+
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -118,11 +135,14 @@ def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
                                  .encode()).hexdigest()[:16]
             path = build_dir() / f"mfpsn_cpu_{suffix}_{key}.so"
             if not path.exists():
+                path = _writable(path)
                 _compile(cxx, path, flags)
             try:
                 lib = ctypes.CDLL(str(path))
             except OSError as e:  # a truncated or foreign file: build it again once
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                path = _writable(path)
                 _compile(cxx, path, flags)
                 try:
                     lib = ctypes.CDLL(str(path))

@@ -343,8 +343,11 @@ class TimingCache:
                 data = json.load(f)
         except FileNotFoundError:
             return {}, {}
-        except (OSError, ValueError) as e:
+        except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError too)
             warnings.warn(f"autoselect cache {self.path} is unreadable ({e}); it will be rebuilt")
+            return {}, {}
+        except OSError as e:  # e.g. no permission, or a file where its directory should be
+            warnings.warn(f"autoselect cache {self.path} cannot be read ({e}); starting from an empty cache")
             return {}, {}
         if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("layers"), dict):
             warnings.warn(f"autoselect cache {self.path} has an unknown format; it will be rebuilt")

@@ -8,7 +8,8 @@ the input and back once at the output, so callers keep passing ``(T, N, ...)``.
 Rules, per module (``net`` itself included):
 
 * a time-last wrapper: kept;
-* ``MulFreeChannelwisePSN`` in ``step_mode='m'``: ``layout='time_last'``;
+* an MF-PSN neuron (``MulFreeChannelwisePSN``, or a folded ``deploy.FoldedMulFreePSN``) in ``step_mode='m'``:
+  ``layout='time_last'``;
 * a stateless layer :func:`layer.wrapper_class` knows (SpikingJelly's ``layer.Conv2d``,
   ``layer.BatchNorm2d``, pools, ``Linear``, ``Flatten``, ``Dropout``... in ``step_mode='m'``, and the
   plain torch.nn layers): its wrapper. A plain ``nn.Flatten`` outside SpikingJelly's containers sees
@@ -34,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, layer
-from .neuron import MulFreeChannelwisePSN
+from .neuron import ChargeNeuronBase
 
 FALLBACKS = (None, "time_first")
 
@@ -117,8 +118,9 @@ _TIME_LAST = (layer.TimeLastModule, layer.TimeLastDropout, layer.TimeLastSequent
 
 def _layout_aware(m: nn.Module) -> bool:
     """Modules that run either layout themselves and say which through a ``layout`` attribute:
-    MF-PSN, and any module declaring ``layout_aware = True`` (e.g. layers that mix time steps)."""
-    return isinstance(m, MulFreeChannelwisePSN) or getattr(m, "layout_aware", False)
+    MF-PSN (trainable or folded), and any module declaring ``layout_aware = True`` (e.g. layers that
+    mix time steps)."""
+    return isinstance(m, ChargeNeuronBase) or getattr(m, "layout_aware", False)
 
 
 def _why_not(m: nn.Module) -> str:

@@ -248,18 +248,6 @@ class FoldedMulFreePSN(ChargeNeuronBase):
     def channels(self) -> int:
         return self.shift.shape[0]
 
-    @property
-    def layout(self) -> str:
-        return self._layout
-
-    @property
-    def method(self) -> str:
-        return self._method
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
     def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sign * 2**shift, bias)`` in the bias dtype: the neuron's ``S = Theta(conv(X, Wq) + b)``."""
         dtype = self.bias.dtype

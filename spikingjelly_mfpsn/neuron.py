@@ -68,6 +68,8 @@ class ChargeNeuronBase(MemoryModule):
     A subclass provides ``k``, ``dilation``, ``surrogate_function``, ``_layout``, ``_method``,
     ``_backend``, ``channels``, ``_compute_dtype()`` and ``_weight_bias_for(run_stats)`` (the ``(Wq, b)``
     of this forward, given a closure ``run_stats(w) -> (mean, biased var, count)`` of the bias-free charge).
+    The configuration protocol (settable ``layout``, ``backend`` and ``method``, ``supported_methods``,
+    ``candidate_methods``) lives here, so that conversion and autoselect treat every variant alike.
     """
 
     def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
@@ -76,6 +78,57 @@ class ChargeNeuronBase(MemoryModule):
         if self._method != "auto":
             return self._method
         return default_method(x_seq, self.k, self.dilation, layout, self._backend)
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def layout(self) -> str:
+        return self._layout
+
+    @layout.setter
+    def layout(self, value: str) -> None:
+        self._layout = ops.check_layout(value)
+        if self._method != "auto" and value not in ops.get(self._method).layouts:
+            # A method pinned for the other layout cannot run this one: back to the default choice.
+            self._method = "auto"
+
+    @property
+    def supported_backends(self) -> tuple[str, ...]:
+        return ops.available_backends()
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = ops.check_backend(value)
+        if self._method != "auto" and ops.get(self._method).backend != value:
+            self._method = "auto"
+
+    @property
+    def method(self) -> str:
+        return self._method
+
+    @method.setter
+    def method(self, value: str) -> None:
+        """A method of another backend switches the backend too (method names are unique)."""
+        if value != "auto":
+            impl = ops.get(value)
+            if impl.backend != self._backend:
+                ops.check_backend(impl.backend)
+                self._backend = impl.backend
+        self._method = value
+
+    @property
+    def supported_methods(self) -> list[str]:
+        """Names of the charge implementations of this neuron's backend and layout."""
+        return ops.names(layout=self._layout, backend=self._backend)
+
+    @property
+    def candidate_methods(self) -> list[str]:
+        """What an autoselect pass times: the implementations of every backend available here for
+        this neuron's layout (setting one as ``method`` also sets its backend)."""
+        return ops.candidate_names(self._layout)
 
     # ------------------------------------------------------------------ forward
     def _channel_axis(self, x: torch.Tensor) -> int:
@@ -324,57 +377,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         if t is None:
             t = self._buffers.get(name)
         return t if t is not None else getattr(self, name)
-
-    # ------------------------------------------------------------------ configuration
-    @property
-    def layout(self) -> str:
-        return self._layout
-
-    @layout.setter
-    def layout(self, value: str) -> None:
-        self._layout = ops.check_layout(value)
-        if self._method != "auto" and value not in ops.get(self._method).layouts:
-            # A method pinned for the other layout cannot run this one: back to the default choice.
-            self._method = "auto"
-
-    @property
-    def supported_backends(self) -> tuple[str, ...]:
-        return ops.available_backends()
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        self._backend = ops.check_backend(value)
-        if self._method != "auto" and ops.get(self._method).backend != value:
-            self._method = "auto"
-
-    @property
-    def method(self) -> str:
-        return self._method
-
-    @method.setter
-    def method(self, value: str) -> None:
-        """A method of another backend switches the backend too (method names are unique)."""
-        if value != "auto":
-            impl = ops.get(value)
-            if impl.backend != self._backend:
-                ops.check_backend(impl.backend)
-                self._backend = impl.backend
-        self._method = value
-
-    @property
-    def supported_methods(self) -> list[str]:
-        """Names of the charge implementations of this neuron's backend and layout."""
-        return ops.names(layout=self._layout, backend=self._backend)
-
-    @property
-    def candidate_methods(self) -> list[str]:
-        """What an autoselect pass times: the implementations of every backend available here for
-        this neuron's layout (setting one as ``method`` also sets its backend)."""
-        return ops.candidate_names(self._layout)
 
     # ------------------------------------------------------------------ weight and bias
     def _check_finite(self, w: torch.Tensor) -> None:

@@ -95,6 +95,36 @@ def test_folded_equals_unfolded(k, d, threshold):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("arithmetic", ["float", "integer"])
+def test_a_folded_network_converts_layout_and_takes_an_inference_autoselect(arithmetic, tmp_path):
+    """Folded neurons follow the neuron's configuration protocol: ``to_time_last`` converts a folded
+    network (float or integer path) with the same spikes, methods are settable (and checked), and
+    autoselect under no_grad times them and applies a plan with the same outputs."""
+    from spikingjelly_mfpsn import autoselect
+    from spikingjelly_mfpsn.convert import to_time_first, to_time_last
+    torch.manual_seed(5)
+    net = deploy.fold(random_net(3, 2, "bn"))
+    if arithmetic == "integer":
+        deploy.set_integer(net, FRAC_BITS)
+    x = on_grid(9, 3, 2, 5)
+    want, _ = run_capturing(net, x)
+    to_time_last(net)
+    assert all(m.layout == "time_last" for _, m in deploy.folded_neurons(net))
+    assert torch.equal(run_capturing(net, x)[0], want)
+    to_time_first(net)
+    neuron = deploy.folded_neurons(net)[0][1]
+    assert "shift_add" in neuron.supported_methods
+    neuron.method = "shift_add"
+    with pytest.raises(ValueError, match="method must be one of"):
+        neuron.method = "no_such_method"
+    with torch.no_grad():
+        report = autoselect(net, x, m=1, cache=str(tmp_path / "c.json"), progress=False)
+    assert report.layout is not None and not report.skipped, report.skipped
+    names = [n for n, _ in deploy.folded_neurons(net)]
+    assert names and all(report.methods[n] in ops.names() for n in names)  # timed and chosen, not '-'
+    assert torch.equal(run_capturing(net, x)[0], want)
+
+
 def test_folded_neuron_keeps_no_float_weight():
     n = randomise(MulFreeChannelwisePSN(5, k=4, step_mode="m"))
     f = deploy.fold(n)

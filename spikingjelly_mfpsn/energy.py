@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _compat, ops
+from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
 from .neuron import MulFreeChannelwisePSN
@@ -180,6 +181,15 @@ def spike_events(module: nn.Module, x: torch.Tensor) -> int:
         return round(float(reach.sum()) * (module.out_channels // module.groups))
 
 
+def _synaptic_layer(module: nn.Module) -> Optional[nn.Module]:
+    """The Conv/Linear ``module`` runs: itself, or the one a time-last wrapper runs on ``(N, ..., T)``
+    (the wrapper calls it without its hooks, so the wrapper is what gets counted)."""
+    if isinstance(module, SYNAPTIC_TYPES):
+        return module
+    inner = module.time_first_module if isinstance(module, TimeLastModule) else None
+    return inner if isinstance(inner, SYNAPTIC_TYPES) else None
+
+
 def _is_binary(x: torch.Tensor) -> bool:
     return bool(((x == 0) | (x == 1)).all())
 
@@ -300,9 +310,9 @@ def _own_pass(net: nn.Module, x: torch.Tensor) -> list[dict]:
             state["neuron_seen"] = True
         return hook
 
-    def on_synapse(name):
-        def hook(module, inputs, out):
-            x_in = inputs[0]
+    def on_synapse(name, module):
+        def hook(wrapper, inputs, out):
+            x_in = inputs[0] if wrapper is module else inputs[0].movedim(-1, 0)  # time-last: T first
             binary = _is_binary(x_in)
             macs = dense_macs(module, out)
             if not state["neuron_seen"] and not binary:
@@ -319,8 +329,8 @@ def _own_pass(net: nn.Module, x: torch.Tensor) -> list[dict]:
         label = name or type(net).__name__
         if neuron_kind(module) is not None:
             hooks.append(module.register_forward_hook(on_neuron(label)))
-        elif isinstance(module, SYNAPTIC_TYPES):
-            hooks.append(module.register_forward_hook(on_synapse(label)))
+        elif _synaptic_layer(module) is not None:
+            hooks.append(module.register_forward_hook(on_synapse(label, _synaptic_layer(module))))
     try:
         net(x)
     finally:

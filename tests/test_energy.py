@@ -134,6 +134,34 @@ def test_sops_formula_events_and_firing_rate_override():
     assert cheap.neuron_energy_uj == 0 and cheap.synaptic_energy_uj == pytest.approx(report.synaptic_energy_uj)
 
 
+@pytest.mark.parametrize("folded", [False, True])
+@pytest.mark.parametrize("use_spikingjelly", [False, True] if _compat.op_counter is not None else [False])
+def test_a_time_last_network_counts_as_its_time_first_form(folded, use_spikingjelly):
+    """Time-last wrappers run their Conv/Linear without its hooks: every layer is still counted, the
+    same as in the time-first form (the autoselected form of a network is often time-last)."""
+    from spikingjelly_mfpsn.convert import to_time_first, to_time_last
+    torch.manual_seed(4)
+    net = small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=3, dilation=i % 3 + 1, step_mode="m"))
+    x = torch.randn(6, 2, 3, 8)
+    net.train()
+    net(x)  # running statistics, so that the neurons fire
+    functional.reset_net(net)
+    net.eval()
+    if folded:
+        deploy.fold(net)
+    reports = {}
+    for layout, convert in (("time_first", to_time_first), ("time_last", to_time_last), ("back", to_time_first)):
+        convert(net)
+        reports[layout] = [energy.estimate(net, x, sops=sops, use_spikingjelly=use_spikingjelly)
+                           for sops in ("formula", "events")]
+    for got in (reports["time_last"], reports["back"]):
+        for a, b in zip(got, reports["time_first"]):
+            assert [(r.name, r.role, r.kind, r.counts, r.counted) for r in a.layers] == \
+                [(r.name, r.role, r.kind, r.counts, r.counted) for r in b.layers]
+            assert a.total_energy_uj == pytest.approx(b.total_energy_uj)
+    assert sum(r.role == "synaptic" for r in reports["time_last"][0].layers) == 7
+
+
 @needs_op_counter
 def test_spikingjelly_counters_agree_with_the_plugin():
     torch.manual_seed(3)

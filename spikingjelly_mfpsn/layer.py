@@ -70,7 +70,7 @@ def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
 class TimeLastModule(nn.Module, MultiStepModule):
     """Base of the wrappers: a time-last view of the time-first module ``module``.
 
-    Shares ``module``'s parameters, buffers and submodules (the very dictionaries), saves and loads
+    Shares ``module``'s parameters, buffers, submodules and hooks (the very dictionaries), saves and loads
     state exactly as ``module`` does, and only runs multi-step (``step_mode='m'``) on ``(N, ..., T)``.
     """
 
@@ -80,6 +80,12 @@ class TimeLastModule(nn.Module, MultiStepModule):
             raise TypeError(f"module must be a time-first torch.nn.Module, got {type(module).__name__}")
         for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, name, getattr(module, name))
+        # The hooks too: the wrapper runs ``module``'s forward without ``module.__call__``, so hooks
+        # registered on either (before or after a conversion) run on the wrapper, on (N, ..., T).
+        for name, value in vars(module).items():
+            if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+                object.__setattr__(self, name, value)
+        object.__setattr__(self, "_is_full_backward_hook", getattr(module, "_is_full_backward_hook", None))
         object.__setattr__(self, "_time_first", module)
         self._version = getattr(module, "_version", 1)
         self.training = module.training

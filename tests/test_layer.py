@@ -229,6 +229,34 @@ def test_parameters_and_state_dict_are_shared():
         assert not w.time_first_module.training
 
 
+def test_hooks_are_shared_and_run_on_the_time_last_call():
+    """A wrapper calls its module's forward without ``module.__call__``: hooks registered on the module
+    (before or after the conversion) run on the wrapper's call, on ``(N, ..., T)``, and hooks registered
+    on the wrapper belong to the module (they stay after ``to_time_first``)."""
+    from spikingjelly_mfpsn.convert import to_time_first, to_time_last
+    conv = sj("Conv1d", 2, 3, 3, padding=1)
+    net = nn.Sequential(conv, sj("BatchNorm1d", 3))
+    seen = []
+    conv.register_forward_pre_hook(lambda m, args: seen.append(("pre", tuple(args[0].shape))))
+    before = conv.register_forward_hook(lambda m, args, out: seen.append(("out", tuple(out.shape))))
+    conv.register_full_backward_hook(lambda m, gin, gout: seen.append(("grad", tuple(gout[0].shape))))
+    x = torch.randn(T, N, 2, 7, requires_grad=True)
+    to_time_last(net)
+    assert isinstance(net[0], tl.TimeLastConv)
+    net(x).sum().backward()
+    assert seen == [("pre", (N, 2, 7, T)), ("out", (N, 3, 7, T)), ("grad", (N, 3, 7, T))]
+    after = net[0].register_forward_hook(lambda m, args, out: seen.append(("wrapper", tuple(out.shape))))
+    before.remove()  # a handle from before the conversion still removes its hook
+    seen.clear()
+    to_time_first(net)
+    assert net[0] is conv
+    with torch.no_grad():
+        net(x)
+    assert seen == [("pre", (T, N, 2, 7)), ("wrapper", (T, N, 3, 7))]
+    after.remove()
+    assert not conv._forward_hooks
+
+
 def test_tuning_protocol():
     conv2 = tl.time_last(sj("Conv2d", 2, 3, 3))
     assert conv2.supported_methods == ("vmap", "highdim")

@@ -67,6 +67,16 @@ def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
                          f"got shape {tuple(x.shape)}")
 
 
+def _share_hooks(wrapper: nn.Module, module: nn.Module) -> None:
+    """Give ``wrapper`` the very hook dictionaries of ``module``: a wrapper runs ``module``'s forward
+    without ``module.__call__``, so hooks registered on either (before or after a conversion) run on
+    the wrapper's call, on ``(N, ..., T)``."""
+    for name, value in vars(module).items():
+        if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+            object.__setattr__(wrapper, name, value)
+    object.__setattr__(wrapper, "_is_full_backward_hook", getattr(module, "_is_full_backward_hook", None))
+
+
 class TimeLastModule(nn.Module, MultiStepModule):
     """Base of the wrappers: a time-last view of the time-first module ``module``.
 
@@ -80,12 +90,7 @@ class TimeLastModule(nn.Module, MultiStepModule):
             raise TypeError(f"module must be a time-first torch.nn.Module, got {type(module).__name__}")
         for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, name, getattr(module, name))
-        # The hooks too: the wrapper runs ``module``'s forward without ``module.__call__``, so hooks
-        # registered on either (before or after a conversion) run on the wrapper, on (N, ..., T).
-        for name, value in vars(module).items():
-            if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
-                object.__setattr__(self, name, value)
-        object.__setattr__(self, "_is_full_backward_hook", getattr(module, "_is_full_backward_hook", None))
+        _share_hooks(self, module)
         object.__setattr__(self, "_time_first", module)
         self._version = getattr(module, "_version", 1)
         self.training = module.training
@@ -360,6 +365,7 @@ class TimeLastDropout(MemoryModule):
         if type(dropout) is not _compat.sj_layer(name) or name not in _DROPOUT_MASKS:
             raise TypeError(f"expected SpikingJelly's layer.Dropout or layer.Dropout2d, got {name}")
         super().__init__()
+        _share_hooks(self, dropout)
         object.__setattr__(self, "_time_first", dropout)
         self.p = dropout.p
         self._mask_fn = _DROPOUT_MASKS[name]
@@ -398,6 +404,7 @@ class TimeLastSequential(nn.Sequential, MultiStepModule):
         super().__init__()
         for name, child in children.items():
             self.add_module(name, child)
+        _share_hooks(self, container)
         object.__setattr__(self, "_time_first", container)
         self.training = container.training
         self.step_mode = "m"

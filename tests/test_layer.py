@@ -255,6 +255,17 @@ def test_hooks_are_shared_and_run_on_the_time_last_call():
     assert seen == [("pre", (T, N, 2, 7)), ("wrapper", (T, N, 3, 7))]
     after.remove()
     assert not conv._forward_hooks
+    # The same for the wrappers that are not TimeLastModule: Dropout and a SeqToANNContainer.
+    container = layer.SeqToANNContainer(nn.Conv1d(2, 3, 3, padding=1))
+    drop = sj("Dropout", 0.5)
+    net = nn.Sequential(container, drop)
+    shapes = []
+    for m in (container, drop):
+        m.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+    to_time_last(net)
+    assert isinstance(net[0], tl.TimeLastSequential) and isinstance(net[1], tl.TimeLastDropout)
+    net(x)
+    assert shapes == [(N, 3, 7, T), (N, 3, 7, T)]
 
 
 def test_tuning_protocol():

@@ -77,7 +77,23 @@ def _share_hooks(wrapper: nn.Module, module: nn.Module) -> None:
     object.__setattr__(wrapper, "_is_full_backward_hook", getattr(module, "_is_full_backward_hook", None))
 
 
-class TimeLastModule(nn.Module, MultiStepModule):
+class _MultiStepOnly:
+    """``step_mode`` of a layer that only runs whole time-last sequences: ``'m'``, and a clear error for
+    ``'s'`` (e.g. ``functional.set_step_mode(net, 's')`` on a converted network)."""
+
+    @property
+    def step_mode(self) -> str:
+        return "m"
+
+    @step_mode.setter
+    def step_mode(self, value: str) -> None:
+        if value != "m":
+            raise ValueError(f"{type(self).__name__} is a time-last layer and runs whole sequences only "
+                             f"(step_mode='m', got {value!r}); convert the network back with "
+                             f"spikingjelly_mfpsn.convert.to_time_first(net) before setting step_mode='s'")
+
+
+class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
     """Base of the wrappers: a time-last view of the time-first module ``module``.
 
     Shares ``module``'s parameters, buffers, submodules and hooks (the very dictionaries), saves and loads
@@ -396,7 +412,7 @@ class TimeLastDropout(MemoryModule):
         return f"p={self.p}"
 
 
-class TimeLastSequential(nn.Sequential, MultiStepModule):
+class TimeLastSequential(_MultiStepOnly, nn.Sequential, MultiStepModule):
     """SpikingJelly's ``SeqToANNContainer`` (per-step stateless modules) in the time-last layout:
     its children, each replaced by its time-last wrapper, applied in order."""
 

@@ -306,4 +306,15 @@ def test_bad_inputs_raise_clear_errors():
     assert tl.wrapper_class(ScaledConv(1, 1, 1)) is None
     with pytest.raises(TypeError, match="time-first torch.nn.Module"):
         tl.TimeLastVmap(tl.time_last(nn.Linear(2, 2)))
+    # Single-step mode on a converted network says what to do.
+    from spikingjelly_mfpsn.convert import to_time_first, to_time_last
+    net = to_time_last(nn.Sequential(layer.SeqToANNContainer(nn.Linear(3, 3)), sj("Linear", 3, 2)))
+    for m in (net[0], net[1]):
+        with pytest.raises(ValueError, match=r"time-last layer .*step_mode='m', got 's'.*to_time_first"):
+            m.step_mode = "s"
+        m.step_mode = "m"
+    with pytest.raises(ValueError, match="to_time_first"):
+        functional.set_step_mode(net, "s")
+    functional.set_step_mode(to_time_first(net), "s")
+    assert net[1].step_mode == "s"
     assert mf.layer is tl

@@ -234,6 +234,37 @@ def test_unconvertible_layout_is_skipped(tmp_path):
     assert report.layout == "time_first" and "time_last" not in report.totals
 
 
+class _WithExtras(nn.Module):
+    """A network whose output is a tuple with a dict in it (layout-independent extras)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = seq_net()
+
+    def forward(self, x):
+        y = self.body(x)
+        return y, {"total": y.sum(), "steps": 6}
+
+
+def test_a_network_with_structured_outputs_gets_a_plan(tmp_path):
+    """The self-check compares tuples, lists and dicts of tensors part by part (it took any output that
+    is not a tensor for a mismatch, so such a network got no plan at all)."""
+    torch.manual_seed(0)
+    net, x = _WithExtras(), example()
+    net(x)
+    functional.reset_net(net)
+    before = eval_out(net, x)
+    report = mf.autoselect(net, x, cache=str(tmp_path / "c.json"), measure_fn=FakeTimes(1), progress=False)
+    assert report.layout is not None and not report.skipped, report.skipped
+    after = eval_out(net, x)
+    torch.testing.assert_close(after[0], before[0])
+    assert after[1].keys() == before[1].keys() and after[1]["steps"] == 6
+    agree = tuner._agree
+    assert agree(before, after) and not agree(before, (before[0], {"total": before[1]["total"] + 1, "steps": 6}))
+    assert not agree(before, (before[0], {"total": before[1]["total"]})) and not agree(before, list(before))
+    assert not agree(before, (before[0], {"total": before[1]["total"], "steps": 7}))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="m must be"):
         mf.autoselect(seq_net(), example(), m=0, cache=False)

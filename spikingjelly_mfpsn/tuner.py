@@ -523,7 +523,10 @@ def _agree(a, b, mismatch: float = 1e-3) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(_agree(x, y, mismatch) for x, y in zip(a, b))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_agree(a[k], b[k], mismatch) for k in a)
-    return not isinstance(b, torch.Tensor) and a == b
+    try:
+        return not isinstance(b, torch.Tensor) and bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. arrays, whose == is element-wise
+        return False
 
 
 def _dist_rank() -> int:

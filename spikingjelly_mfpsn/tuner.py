@@ -786,6 +786,21 @@ def _progress(mods, layout, progress):
     return tqdm(mods, desc=f"autoselect {layout}", leave=False)
 
 
+def _check_time_first_input(net: nn.Module) -> None:
+    """autoselect feeds ``net`` time-first inputs: a network converted with ``to_time_last(net,
+    boundary=False)`` takes ``(N, ..., T)`` instead, which the layout conversions cannot tell."""
+    from .convert import _TIME_LAST, has_time_last_boundary
+    if has_time_last_boundary(net):
+        return
+    inner = next((name for name, m in net.named_modules() if isinstance(m, _TIME_LAST)
+                  or getattr(m, "layout", None) == "time_last"), None)
+    if inner is not None:
+        raise ValueError(f"net runs time-last without the boundary that takes time-first inputs (module "
+                         f"{inner or '(the network itself)'!r}; e.g. to_time_last(net, boundary=False)): "
+                         f"autoselect takes a network fed (T, N, ...), so call to_time_first(net) first, "
+                         f"or convert it with the boundary")
+
+
 def _layout_of(net: nn.Module) -> str:
     from .convert import current_layout
     return current_layout(net)
@@ -832,6 +847,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         ops.check_layout(layout)
     if not layouts:
         raise ValueError("layouts must name at least one layout")
+    _check_time_first_input(net)
     for t in _tensors(x_example):
         if not t.numel():
             raise ValueError(f"x_example has an empty tensor (shape {tuple(t.shape)}): autoselect times the "

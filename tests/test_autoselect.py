@@ -12,7 +12,7 @@ from spikingjelly.activation_based import functional, layer, neuron
 
 import spikingjelly_mfpsn as mf
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops, tuner
-from spikingjelly_mfpsn.convert import current_layout
+from spikingjelly_mfpsn.convert import current_layout, to_time_last
 
 import zoo
 
@@ -270,6 +270,11 @@ def test_bad_arguments():
         mf.autoselect(seq_net(), example(), m=0, cache=False)
     with pytest.raises(ValueError, match="layout"):
         mf.autoselect(seq_net(), example(), layouts=("sideways",), cache=False)
+    headless = seq_net()
+    headless(example())
+    to_time_last(headless, boundary=False)  # takes (N, ..., T) from now on
+    with pytest.raises(ValueError, match=r"without the boundary.*to_time_first\(net\)"):
+        mf.autoselect(headless, example().movedim(0, -1), cache=False)
     for empty in (example(n=0), example(t=0), (example(), torch.rand(3, 0))):
         with pytest.raises(ValueError, match=r"x_example has an empty tensor \(shape"):
             mf.autoselect(seq_net(), empty, cache=False)

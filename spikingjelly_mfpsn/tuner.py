@@ -122,7 +122,7 @@ def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dic
         def hook(mod, args, name=name):
             if name not in seen:
                 seen[name] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
-        hooks.append(m.register_forward_pre_hook(hook))
+        hooks.append(m.register_forward_pre_hook(hook, prepend=True))  # before a fallback island's own
     try:
         with torch.no_grad():
             net(x)
@@ -257,9 +257,10 @@ def _device_type(tensors: list) -> str:
     return tensors[0].device.type if tensors else "cpu"
 
 
-def net_key(net: nn.Module, x, layouts) -> str:
+def net_key(net: nn.Module, x, layouts, fallback: Optional[str] = None) -> str:
     """Cache key of a whole network's choice: every module's signature, the input, the device, the
-    layouts considered, the registered implementations and the library versions."""
+    layouts considered (and the time-last conversion's fallback), the registered implementations and
+    the library versions."""
     tensors = _tensors(x)
     mods = [[name, f"{type(m).__module__}.{type(m).__qualname__}",
              _repr_without_method(m) if is_tunable(m) else m.extra_repr(),
@@ -267,7 +268,8 @@ def net_key(net: nn.Module, x, layouts) -> str:
             for name, m in net.named_modules()]
     sig = {"modules": mods, "inputs": [[list(t.shape), str(t.dtype)] for t in tensors],
            "device": _device_name(tensors[0].device) if tensors else "none", "layouts": list(layouts),
-           "implementations": sorted(ops.names()), "versions": _versions(), **_run_mode(tensors)}
+           "implementations": sorted(ops.names()), "versions": _versions(), **_run_mode(tensors),
+           **({"fallback": fallback} if fallback else {})}
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
 
@@ -469,11 +471,11 @@ class AutoselectReport:
 
 
 # ------------------------------------------------------------------------------------------ main
-def _convert(net: nn.Module, layout: str) -> nn.Module:
+def _convert(net: nn.Module, layout: str, fallback: Optional[str] = None) -> nn.Module:
     from .convert import current_layout, to_time_first, to_time_last
     if current_layout(net) == layout:
         return net
-    out = to_time_last(net) if layout == "time_last" else to_time_first(net)
+    out = to_time_last(net, fallback=fallback) if layout == "time_last" else to_time_first(net)
     if out is not net:
         raise RuntimeError("layout conversion must work in place")
     return net
@@ -551,7 +553,7 @@ def _probe(x):
 
 
 def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress,
-            compile_backend: Optional[str] = None) -> AutoselectReport:
+            compile_backend: Optional[str] = None, fallback: Optional[str] = None) -> AutoselectReport:
     report = AutoselectReport()
     start_layout = _layout_of(net)
     start_methods = {name: m.method for name, m in net.named_modules() if is_tunable(m)}
@@ -563,17 +565,17 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         suffix = f"+compile:{compile_backend}" if compile_backend else ""
         whole_key = digest = None
         if not _has_lazy(net):
-            whole_key = net_key(net, x_example, layouts) + suffix
+            whole_key = net_key(net, x_example, layouts, fallback) + suffix
             plan = cache.get_plan(whole_key)
             if _is_applied(plan, start_layout, start_methods, layouts):
                 # This network already runs the stored plan (checked when it was applied): no forward.
-                _apply(net, plan["layout"], plan["methods"])
+                _apply(net, plan["layout"], plan["methods"], fallback)
                 _report_plan(report, plan)
                 _compile_as_planned(net, report, compile_backend)
                 return report
             digest = state_digest(net)
             if _checked_on(plan, digest, layouts) and _apply_cached_plan(net, x_example, plan, layouts, None, None,
-                                                                         report, compile_backend):
+                                                                         report, compile_backend, fallback):
                 return report  # checked on this very state before: no forward
         probe = _probe(x_example)
         try:
@@ -582,10 +584,11 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             probe = x_example
             probe_reference = _outputs(net, probe)
         if whole_key is None:  # lazy parameters, materialised by the forward above
-            whole_key = net_key(net, x_example, layouts) + suffix
+            whole_key = net_key(net, x_example, layouts, fallback) + suffix
             digest = state_digest(net)
         plan = cache.get_plan(whole_key)
-        if _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report, compile_backend):
+        if _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report, compile_backend,
+                              fallback):
             if digest is not None:  # checked on this state now: the next copy in it needs no check
                 cache.put_plan(whole_key, _with_check(plan, digest))
                 cache.save()
@@ -595,7 +598,7 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         plans = {}
         for layout in layouts:
             try:
-                _convert(net, layout)
+                _convert(net, layout, fallback)
             except (TypeError, ValueError, NotImplementedError) as e:
                 warnings.warn(f"autoselect: the network cannot run in layout {layout!r} ({e}); skipped")
                 report.skipped.append(f"layout {layout}: {e}")
@@ -643,7 +646,7 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
         cache.save()
         # Fastest layout first; a configuration that does not reproduce the outputs is skipped.
         for layout in sorted(plans, key=report.totals.get):
-            _apply(net, layout, plans[layout])
+            _apply(net, layout, plans[layout], fallback)
             out = _outputs(net, x_example)
             _restore(net, snap)
             if _agree(out, reference):
@@ -694,7 +697,7 @@ def _compile_as_planned(net: nn.Module, report: AutoselectReport, compile_backen
 
 
 def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, report,
-                       compile_backend: Optional[str] = None) -> bool:
+                       compile_backend: Optional[str] = None, fallback: Optional[str] = None) -> bool:
     """Apply a whole-network choice from the cache if it still reproduces the outputs.
 
     A plan is stored only after it reproduced the outputs on the whole example batch, under a key of
@@ -713,7 +716,7 @@ def _apply_cached_plan(net, x_example, plan, layouts, probe, probe_reference, re
         try:
             if x is not None and reference is None:
                 reference = _outputs(net, x)
-            _apply(net, plan["layout"], plan["methods"])
+            _apply(net, plan["layout"], plan["methods"], fallback)
             ok = x is None or _agree(_outputs(net, x), reference)
             if ok:
                 _report_plan(report, plan)
@@ -806,8 +809,8 @@ def _layout_of(net: nn.Module) -> str:
     return current_layout(net)
 
 
-def _apply(net: nn.Module, layout: str, plan: dict[str, str]) -> None:
-    _convert(net, layout)
+def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional[str] = None) -> None:
+    _convert(net, layout, fallback)
     named = dict(net.named_modules())
     for name, method in plan.items():
         if is_tunable(named[name]):
@@ -818,7 +821,8 @@ def _apply(net: nn.Module, layout: str, plan: dict[str, str]) -> None:
 
 def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = ("time_first", "time_last"),
                cache=True, measure_fn: Optional[Callable] = None, progress: bool = True,
-               verbose: bool = False, compile: Union[bool, str] = False) -> AutoselectReport:
+               verbose: bool = False, compile: Union[bool, str] = False,
+               fallback: Optional[str] = None) -> AutoselectReport:
     """Benchmark every layer's implementations in each layout and apply the fastest, in place.
 
     :param net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
@@ -833,6 +837,10 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
         one graph, when it is faster and reproduces the outputs. The first compilation
         takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
+    :param fallback: passed to :func:`~spikingjelly_mfpsn.convert.to_time_last`: ``'time_first'`` lets
+        the time-last layout run modules without a time-last version (e.g. a remaining LIF neuron)
+        time-first inside it, so that layout is timed too; ``None`` (default): such a network is
+        timed time-first only
     :return: an :class:`AutoselectReport`; ``print`` it for a table
 
     Called with gradients disabled (``torch.no_grad()`` or ``torch.inference_mode()``, usually on a
@@ -847,6 +855,9 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         ops.check_layout(layout)
     if not layouts:
         raise ValueError("layouts must name at least one layout")
+    from .convert import FALLBACKS
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     _check_time_first_input(net)
     for t in _tensors(x_example):
         if not t.numel():
@@ -860,12 +871,12 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     selects = _dist_rank() == 0
     if selects:
         report = _select(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
-                         progress, backend)
+                         progress, backend, fallback)
     report = _broadcast(report)
     report.forward_only = not torch.is_grad_enabled()
     if report.layout is not None:
         if not selects:  # (_select applied its choice on this rank already)
-            _apply(net, report.layout, report.methods)
+            _apply(net, report.layout, report.methods, fallback)
         if report.compiled and getattr(net, "_compiled_call_impl", None) is None:
             _compile(net, report.compile_backend)
     _compat.invalidate_reset_cache(net)

@@ -1,6 +1,7 @@
 """autoselect (paper Algorithm 1): choice, cache, self-check, state, zoo networks, distributed."""
 import copy
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -263,6 +264,50 @@ def test_a_network_with_structured_outputs_gets_a_plan(tmp_path):
     assert agree(before, after) and not agree(before, (before[0], {"total": before[1]["total"] + 1, "steps": 6}))
     assert not agree(before, (before[0], {"total": before[1]["total"]})) and not agree(before, list(before))
     assert not agree(before, (before[0], {"total": before[1]["total"], "steps": 7}))
+
+
+def _mixed_net(c=4):
+    """MF-PSN with one SpikingJelly LIF neuron left, which has no time-last version."""
+    net = nn.Sequential(
+        layer.Conv1d(2, c, 3, padding=1), layer.BatchNorm1d(c), MulFreeChannelwisePSN(k=2, dilation=1),
+        layer.Conv1d(c, c, 3, padding=1), layer.BatchNorm1d(c), neuron.LIFNode(),
+        layer.Flatten(), layer.Linear(c * 8, 3),
+    )
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def test_fallback_lets_a_network_with_other_neurons_run_time_last(tmp_path):
+    path = str(tmp_path / "c.json")
+    torch.manual_seed(0)
+    net, x = _mixed_net(), example()
+    net(x)
+    functional.reset_net(net)
+    before = eval_out(net, x)
+    with pytest.warns(UserWarning, match="cannot run in layout 'time_last'"):
+        plain = mf.autoselect(copy.deepcopy(net), x, cache=path, measure_fn=FakeTimes(2), progress=False)
+    assert plain.layout == "time_first" and list(plain.layouts) == ["time_first"]
+    faster_last = FakeTimes(2, bias={"time_last": 0.01})
+    report = mf.autoselect(net, x, cache=path, measure_fn=faster_last, progress=False, fallback="time_first")
+    assert set(report.layouts) == {"time_first", "time_last"} and report.layout == "time_last"
+    assert current_layout(net) == "time_last" and not report.skipped
+    torch.testing.assert_close(eval_out(net, x), before)
+    again = FakeTimes(3)
+    hit = mf.autoselect(copy.deepcopy(net), x, cache=path, measure_fn=again, progress=False, fallback="time_first")
+    assert hit.layout == "time_last" and again.calls == 0  # the fallback's plan, found again
+    with pytest.raises(ValueError, match="fallback must be one of"):
+        mf.autoselect(net, x, cache=False, fallback="sideways")
+    # Timed for real: the LIF island's input is captured as the island receives it, time-last.
+    timed = copy.deepcopy(net)
+    lif, shapes = timed[5], []
+    run = lif.multi_step_forward  # what the LIF itself gets, inside its island: always (T, N, C, L)
+    lif.multi_step_forward = lambda x_seq: shapes.append(tuple(x_seq.shape)) or run(x_seq)
+    real = mf.autoselect(timed, x, m=1, cache=False, progress=False, fallback="time_first")
+    assert set(real.layouts) == {"time_first", "time_last"} and not real.skipped, real.skipped
+    assert shapes and all(s[0] == x.shape[0] and s[2:] == (4, 8) for s in shapes), set(shapes)
+    del lif.multi_step_forward
+    assert all(math.isfinite(t) for rows in real.layouts.values() for r in rows for t in r.times.values())
+    torch.testing.assert_close(eval_out(timed, x), before)
 
 
 def test_bad_arguments():

@@ -660,10 +660,10 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
             warnings.warn(f"autoselect: {msg}; skipped")
             report.skipped.append(msg)
-        _convert(net, start_layout)
+        _convert(net, start_layout, fallback)
         return report
     except BaseException:
-        _convert(net, start_layout)
+        _convert(net, start_layout, fallback)
         if snap is not None:
             _restore(net, snap)
         raise

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import _ntuple
+from torch.nn.utils import parametrize
 
 from . import _compat
 from ._compat import MemoryModule, MultiStepModule
@@ -111,6 +112,15 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
         self._version = getattr(module, "_version", 1)
         self.training = module.training
         self.step_mode = "m"
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # a parametrized tensor (torch.nn.utils.parametrize) is a property of
+            inner = self.__dict__.get("_time_first")  # the wrapped module's class: computed there
+            if inner is not None and parametrize.is_parametrized(inner, name):
+                return getattr(inner, name)
+            raise
 
     @property
     def time_first_module(self) -> nn.Module:
@@ -461,12 +471,14 @@ def wrapper_class(module: nn.Module):
     compatibility module's stand-in for it), so a subclass with its own forward (e.g. a
     weight-standardised conv) is never silently mis-run.
     """
-    name = type(module).__name__
-    if name in _DROPOUT_MASKS and type(module) is _compat.sj_layer(name):
+    kind = type(module)
+    if parametrize.is_parametrized(module):  # a class made by torch.nn.utils.parametrize: the layer's own
+        kind = kind.__bases__[0]  # (it only adds the parametrized tensors as properties)
+    name = kind.__name__
+    if name in _DROPOUT_MASKS and kind is _compat.sj_layer(name):
         return TimeLastDropout
     for cls, wrapper in _WRAPPERS.items():
-        if type(module) is cls or (name == cls.__name__ and type(module) in (_compat.sj_layer(name),
-                                                                             getattr(_compat, name, None))):
+        if kind is cls or (name == cls.__name__ and kind in (_compat.sj_layer(name), getattr(_compat, name, None))):
             return wrapper
     return None
 

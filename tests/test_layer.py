@@ -114,6 +114,32 @@ def test_wrapper_matches_time_first(build, feat, method):
     check_against_time_first(ref, w, feat)
 
 
+def _weight_normed(build):
+    def make():
+        m = build()
+        torch.nn.utils.parametrizations.weight_norm(per_step(m))
+        return m
+    return make
+
+
+PARAMETRIZED_CASES = [(f"{name}-weight_norm", _weight_normed(build), feat) for name, build, feat in CASES
+                      if name in ("Conv1d", "Conv2d", "nn.Conv2d-valid", "Conv3d", "Linear")]
+
+
+@pytest.mark.parametrize("build,feat,method", list(method_cases(PARAMETRIZED_CASES)))
+def test_parametrized_layers_convert(build, feat, method):
+    """A layer under torch.nn.utils.parametrize (here weight_norm) has a class of its own that only adds
+    the parametrized weight: it gets the layer's wrapper, which computes the weight as the layer does
+    (forward and gradients of the parametrization's tensors equal the time-first layer's)."""
+    torch.manual_seed(0)
+    ref = build().double()
+    randomize_(ref)
+    w = wrap(ref, method)
+    assert torch.nn.utils.parametrize.is_parametrized(w.time_first_module, "weight")
+    check_against_time_first(ref, w, feat)
+    assert list(w.state_dict()) == list(per_step(ref).state_dict())
+
+
 @pytest.mark.parametrize("build,feat,method", list(method_cases(CASES)))
 def test_wrapper_under_bf16_autocast(build, feat, method):
     """Under autocast the layer before gives a bf16 input: every method takes it (``torch.vmap`` does

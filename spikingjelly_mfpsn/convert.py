@@ -131,6 +131,12 @@ def _why_not(m: nn.Module) -> str:
     return "not a stateless layer this package knows"
 
 
+def _occurrences(m: nn.Module) -> list:
+    """``(name, child)`` for every child slot of ``m``: a module used twice is listed twice
+    (``named_children`` lists it once, and its second place would stay unconverted)."""
+    return [(name, child) for name, child in m._modules.items() if child is not None]
+
+
 def _path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -149,9 +155,17 @@ class _Converter:
         self.method = method
         self.actions = []
         self.errors = []
+        self.done: dict[tuple[int, bool], nn.Module] = {}
 
     def convert(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
-        """The time-last replacement of ``m`` (``m`` itself when it is converted in place)."""
+        """The time-last replacement of ``m`` (``m`` itself when it is converted in place); a module
+        used at several places (shared weights) gets one replacement, used at each of them."""
+        key = (id(m), per_step)
+        if key not in self.done:
+            self.done[key] = self._replacement(m, path, per_step)
+        return self.done[key]
+
+    def _replacement(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
         if isinstance(m, _TIME_LAST) or _has_hooks(m, _island_enter, _island_exit):
             return m
         if _layout_aware(m):
@@ -169,7 +183,7 @@ class _Converter:
             return m
         if isinstance(m, _compat.StepModule) or next(m.children(), None) is None:
             return self._unconvertible(m, path, per_step)
-        for name, child in m.named_children():
+        for name, child in _occurrences(m):
             new = self.convert(child, _path(path, name), per_step)
             if new is not child:
                 self.actions.append(partial(m._modules.__setitem__, name, new))
@@ -188,8 +202,7 @@ class _Converter:
 
     def _seq_to_ann(self, container: nn.Module, path: str) -> nn.Module:
         outer_errors, self.errors = self.errors, []
-        children = {name: self.convert(c, _path(path, name), per_step=True)
-                    for name, c in container.named_children()}
+        children = {name: self.convert(c, _path(path, name), per_step=True) for name, c in _occurrences(container)}
         inner_errors, self.errors = self.errors, outer_errors
         if not inner_errors:
             return layer.TimeLastSequential(container, children)
@@ -245,7 +258,7 @@ def _revert(m: nn.Module) -> nn.Module:
     _remove_hooks(m, _island_enter, _island_exit)
     if isinstance(m, layer.TimeLastSequential):
         original = m._time_first
-        for name, child in m.named_children():
+        for name, child in _occurrences(m):
             original._modules[name] = _revert(child)
         original.train(m.training)
         return original
@@ -254,7 +267,7 @@ def _revert(m: nn.Module) -> nn.Module:
     if _layout_aware(m):
         m.layout = "time_first"
         return m
-    for name, child in list(m.named_children()):
+    for name, child in _occurrences(m):
         new = _revert(child)
         if new is not child:
             m._modules[name] = new

@@ -337,10 +337,13 @@ class FoldedMulFreePSN(ChargeNeuronBase):
 def _swap(net: nn.Module, kind: type, convert) -> nn.Module:
     if isinstance(net, kind):
         return convert(net)
+    done = {}  # a module used at several places gets one replacement
     for parent in list(net.modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # (every place, not once per module)
             if isinstance(child, kind):
-                setattr(parent, name, convert(child))
+                if id(child) not in done:
+                    done[id(child)] = convert(child)
+                setattr(parent, name, done[id(child)])
     _compat.invalidate_reset_cache(net)
     return net
 

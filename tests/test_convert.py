@@ -180,6 +180,27 @@ def test_boundary_false_takes_time_last_tensors():
     torch.testing.assert_close(net_tl(x.movedim(0, -1)), y.movedim(0, -1), **TOL)
 
 
+@pytest.mark.parametrize("method", ["vmap", "highdim"])
+def test_a_layer_used_at_two_places_converts_at_both(method):
+    """Shared weights: the same Conv1d and the same SeqToANNContainer at two places of a network (as
+    ``named_children`` lists them once, the second place used to stay time-first and break the run)."""
+    torch.manual_seed(0)
+    conv = layer.Conv1d(4, 4, 3, padding=1, step_mode="m")
+    block = layer.SeqToANNContainer(nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4))
+    net = nn.Sequential(layer.Conv1d(2, 4, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
+                        conv, block, MulFreeChannelwisePSN(4, k=2, step_mode="m"),
+                        conv, block, MulFreeChannelwisePSN(4, k=2, dilation=2, step_mode="m")).double()
+    x = torch.rand(6, 3, 2, 8, dtype=torch.float64)
+    reference = copy.deepcopy(net)
+    to_time_last(net, method=method)
+    assert net[2] is net[5] and isinstance(net[2], mf.layer.TimeLastConv)
+    assert net[3] is net[6] and isinstance(net[3], mf.layer.TimeLastSequential)
+    assert_same_run(reference, net, x)
+    to_time_first(net)
+    assert net[2] is conv and net[5] is conv and net[3] is block and net[6] is block
+    assert_same_run(reference, net, x)
+
+
 def lif_net():
     net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1), layer.BatchNorm2d(4), neuron.IFNode(),
                         layer.Flatten(), layer.Linear(4 * 16, 3), neuron.LIFNode())

@@ -125,6 +125,19 @@ def test_a_folded_network_converts_layout_and_takes_an_inference_autoselect(arit
     assert torch.equal(run_capturing(net, x)[0], want)
 
 
+def test_a_neuron_used_at_two_places_folds_into_one():
+    torch.manual_seed(2)
+    sn = randomise(MulFreeChannelwisePSN(4, k=3, exp_init=False, step_mode="m"))
+    net = nn.Sequential(grid_synapse(layer.Conv1d(2, 4, 3, padding=1, step_mode="m")), sn,
+                        grid_synapse(layer.Conv1d(4, 4, 3, padding=1, step_mode="m")), sn).eval()
+    x = on_grid(9, 3, 2, 5)
+    with torch.no_grad():
+        want = net(x)
+    deploy.fold(net)
+    assert isinstance(net[1], FoldedMulFreePSN) and net[3] is net[1]  # (it used to fold the first place only)
+    assert torch.equal(run_capturing(net, x)[0], want)
+
+
 def test_folded_neuron_keeps_no_float_weight():
     n = randomise(MulFreeChannelwisePSN(5, k=4, step_mode="m"))
     f = deploy.fold(n)

@@ -113,15 +113,6 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
         self.training = module.training
         self.step_mode = "m"
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:  # a parametrized tensor (torch.nn.utils.parametrize) is a property of
-            inner = self.__dict__.get("_time_first")  # the wrapped module's class: computed there
-            if inner is not None and parametrize.is_parametrized(inner, name):
-                return getattr(inner, name)
-            raise
-
     @property
     def time_first_module(self) -> nn.Module:
         """The wrapped time-first module (same parameters and buffers, current train/eval mode)."""
@@ -240,13 +231,13 @@ class TimeLastConv(_SpatialLayer):
                              f"got shape {tuple(x.shape)}")
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
-        conv = self._time_first
+        conv = self._time_first  # (its weight may be a parametrization's, computed by its class)
         if conv.padding_mode != "zeros":
             x = F.pad(x, [0, 0, *conv._reversed_padding_repeated_twice], mode=conv.padding_mode)
             padding = (0,) * (self.dims + 1)
         else:
             padding = conv.padding if isinstance(conv.padding, str) else (*conv.padding, 0)
-        return _CONV_FN[self.dims + 1](x, self.weight.unsqueeze(-1), self.bias, (*conv.stride, 1), padding,
+        return _CONV_FN[self.dims + 1](x, conv.weight.unsqueeze(-1), conv.bias, (*conv.stride, 1), padding,
                                        (*conv.dilation, 1), conv.groups)
 
 
@@ -304,7 +295,8 @@ class TimeLastLinear(_Tunable, TimeLastModule):
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
         f, t = x.shape[-2:]
-        y = F.conv1d(x.reshape(-1, f, t), self.weight.unsqueeze(-1), self.bias)
+        linear = self._time_first  # (its weight may be a parametrization's, computed by its class)
+        y = F.conv1d(x.reshape(-1, f, t), linear.weight.unsqueeze(-1), linear.bias)
         return y.reshape(*x.shape[:-2], y.shape[1], t)
 
 
@@ -332,7 +324,7 @@ class TimeLastBatchNorm(TimeLastModule):
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         track = not self.training or bn.track_running_stats
         return F.batch_norm(x_seq, self.running_mean if track else None, self.running_var if track else None,
-                            self.weight, self.bias, use_batch_stats, factor, bn.eps)
+                            bn.weight, bn.bias, use_batch_stats, factor, bn.eps)
 
 
 class TimeLastFlatten(TimeLastModule):

@@ -28,6 +28,7 @@ Nothing is changed unless the whole network converts.
 """
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Optional
 
@@ -57,10 +58,19 @@ def _is_elementwise(m: nn.Module) -> bool:
 # found again by identity when converting back.
 
 def _map_tensors(out, fn):
+    """``fn`` applied to every tensor of a module's output: a tensor, or tuples (named ones too), lists
+    and dicts of them; other values as they are."""
     if isinstance(out, torch.Tensor):
         return fn(out)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields one by one
+        return type(out)(*(_map_tensors(o, fn) for o in out))
     if isinstance(out, (tuple, list)):
         return type(out)(_map_tensors(o, fn) for o in out)
+    if isinstance(out, dict):
+        mapped = copy.copy(out)  # the same kind of dict (OrderedDict, defaultdict, ...)
+        for key, value in out.items():
+            mapped[key] = _map_tensors(value, fn)
+        return mapped
     return out
 
 

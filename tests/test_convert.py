@@ -1,6 +1,7 @@
 """Whole networks in both layouts: to_time_last gives the time-first network's outputs, gradients and
 running statistics; to_time_first undoes it exactly; checkpoints load across layouts; modules without
 a time-last version raise a clear error (or run time-first with fallback='time_first')."""
+import collections
 import copy
 
 import pytest
@@ -128,6 +129,55 @@ def test_to_time_first_undoes_to_time_last_exactly():
     for k, v in back.state_dict().items():
         assert torch.equal(v, sd[k])
     assert to_time_first(back) is back and structure(back) == before
+
+
+_Pair = collections.namedtuple("_Pair", "logits spikes")
+
+
+class _Structured(nn.Module):
+    """A network whose output holds its tensors in a container of the kind ``kind``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Sequential(layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2, step_mode="m"))
+        self.head = layer.Linear(4, 2)
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        spikes = self.body(x)
+        logits = self.head(spikes)
+        if self.kind == "namedtuple":
+            return _Pair(logits, spikes)
+        if self.kind == "defaultdict":
+            out = collections.defaultdict(list, logits=logits)
+            out["extra"].append(spikes)
+            return out
+        out = (collections.OrderedDict if self.kind == "OrderedDict" else dict)(logits=logits, note="a non-tensor value")
+        out["nested"] = [spikes, (spikes.sum(),)]
+        return out
+
+
+@pytest.mark.parametrize("kind", ["dict", "OrderedDict", "defaultdict", "namedtuple"])
+def test_structured_outputs_leave_the_boundary_time_first(kind):
+    """The boundary moves every tensor of the output back to (T, N, ...): dicts came out time-last
+    (a wrong answer), and a namedtuple failed to rebuild."""
+    torch.manual_seed(0)
+    net, x = _Structured(kind), torch.rand(5, 3, 3)
+    expected = net(x)
+    functional.reset_net(net)
+    got = to_time_last(copy.deepcopy(net))(x)
+    assert type(got) is type(expected)
+    flat_expected, spec = torch.utils._pytree.tree_flatten(expected)
+    flat_got, spec_got = torch.utils._pytree.tree_flatten(got)
+    assert spec_got == spec
+    for a, b in zip(flat_got, flat_expected):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b)
+        else:
+            assert a == b
+    if kind == "defaultdict":
+        assert got.default_factory is list
 
 
 def test_plain_torch_modules_and_containers():

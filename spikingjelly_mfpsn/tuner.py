@@ -115,6 +115,12 @@ def _clone_args(args, grad: bool = True):
                  else a for a in args)
 
 
+def _args(x) -> tuple:
+    """A network's positional inputs: a tuple ``x`` holds several (as ``torch.jit.trace`` takes them),
+    anything else (a tensor, a list, a dict) is the one input."""
+    return x if isinstance(x, tuple) else (x,)
+
+
 def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple]:
     seen: dict[str, tuple] = {}
     hooks = []
@@ -125,7 +131,7 @@ def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dic
         hooks.append(m.register_forward_pre_hook(hook, prepend=True))  # before a fallback island's own
     try:
         with torch.no_grad():
-            net(x)
+            net(*_args(x))
     finally:
         for h in hooks:
             h.remove()
@@ -507,7 +513,7 @@ def _outputs(net: nn.Module, x) -> torch.Tensor:
     net.eval()
     try:
         with torch.no_grad(), torch.autocast(_device_type(_tensors(x)), enabled=False):
-            return net(x)
+            return net(*_args(x))
     finally:
         net.train(was_training)
         _compat.functional.reset_net(net)
@@ -604,8 +610,15 @@ def _select(net, x_example, m, layouts, cache: TimingCache, measure_fn, progress
                 report.skipped.append(f"layout {layout}: {e}")
                 continue
             mods = layers(net)
-            inputs = _capture_inputs(net, x_example, mods)
-            _restore(net, snap)
+            try:
+                inputs = _capture_inputs(net, x_example, mods)
+            except Exception as e:  # noqa: BLE001  (e.g. a second input the boundary leaves time-first)
+                warnings.warn(f"autoselect: the network does not run in layout {layout!r} "
+                              f"({type(e).__name__}: {e}); skipped")
+                report.skipped.append(f"layout {layout}: {type(e).__name__}: {e}")
+                continue
+            finally:
+                _restore(net, snap)
             rows, total, plan = [], 0.0, {}
             bar = _progress(mods, layout, progress)
             for name, mod in bar:
@@ -761,8 +774,8 @@ def _time_compiled(net, x_example, m, measure_fn, backend, reference, snap, repo
     The compiled step is timed after its first run (the compilation itself is not counted)."""
     def step_time():  # fed data, no input gradient: the very graph training will run
         if measure_fn is measure:
-            return measure(net, (x_example,), m, input_grad=False)
-        return float(measure_fn(net, (x_example,), m))
+            return measure(net, _args(x_example), m, input_grad=False)
+        return float(measure_fn(net, _args(x_example), m))
 
     eager = step_time()
     _restore(net, snap)

@@ -266,6 +266,55 @@ def test_a_network_with_structured_outputs_gets_a_plan(tmp_path):
     assert not agree(before, (before[0], {"total": before[1]["total"], "steps": 7}))
 
 
+class _TwoInputs(nn.Module):
+    """A network of two inputs: a sequence and a gain (a (1,)-tensor, the same in both layouts) or a
+    mask shaped like the sequence (which the time-last boundary, moving the first input only, leaves
+    time-first: that layout cannot run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = seq_net()
+
+    def forward(self, x, scale):
+        return self.body(x * scale)
+
+
+@pytest.mark.parametrize("second", ["gain", "mask"])
+def test_a_network_with_several_inputs_takes_them_as_a_tuple(second, tmp_path):
+    """x_example as a tuple holds the positional inputs (as torch.jit.trace takes them); autoselect
+    called net(x_example) with the tuple as one input. A layout the network cannot run in (its input
+    capture raised) is skipped with a warning instead of ending the whole call."""
+    torch.manual_seed(0)
+    net, x = _TwoInputs(), example()
+    scale = torch.full((1,), 0.7) if second == "gain" else (torch.rand_like(x) > 0.3).float()
+    net(x, scale)
+    functional.reset_net(net)
+    net.eval()
+    with torch.no_grad():
+        before = net(x, scale)
+    functional.reset_net(net)
+    net.train()
+    fake = FakeTimes(3)
+    if second == "gain":
+        report = mf.autoselect(net, (x, scale), cache=str(tmp_path / "c.json"), measure_fn=fake, progress=False)
+        assert set(report.layouts) == {"time_first", "time_last"} and not report.skipped
+    else:
+        with pytest.warns(UserWarning, match="does not run in layout 'time_last'"):
+            report = mf.autoselect(net, (x, scale), cache=str(tmp_path / "c.json"), measure_fn=fake,
+                                   progress=False)
+        assert list(report.layouts) == ["time_first"] and report.layout == "time_first"
+        assert current_layout(net) == "time_first"
+    assert fake.calls > 0 and report.layout is not None
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x, scale), before)
+    functional.reset_net(net)
+    net.train()
+    again = FakeTimes(4)
+    mf.autoselect(net, (x, scale), cache=str(tmp_path / "c.json"), measure_fn=again, progress=False)
+    assert again.calls == 0  # the plan was stored under the two inputs' key, and found again
+
+
 def _mixed_net(c=4):
     """MF-PSN with one SpikingJelly LIF neuron left, which has no time-last version."""
     net = nn.Sequential(

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from . import _compat, ops
 
@@ -164,7 +165,8 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
             abandon_above: float = math.inf, input_grad: bool = True) -> float:
     """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs.
 
-    The backward gets a gradient of ones of the output's shape (made once, outside the timed region; no
+    The backward gets a gradient of ones of the output's shape (of each tensor of a structured output:
+    tuples, lists, dicts; made once, outside the timed region; no
     kernel's work depends on the gradient's values, and drawing random ones took 0.9 ms per call for a
     digits-sized layer, 7 % of a cold autoselect).
     Once every timed run so far (all but the first, which may pay one-off costs) was slower than
@@ -188,10 +190,11 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         t1 = timer()
         elapsed = t1 - t0
         lost = bool(times) and min(times[1:] + [elapsed]) > abandon_above  # lost, whatever its backward takes
-        if not lost and backward and isinstance(out, torch.Tensor) and out.requires_grad:
-            if z is None or z.shape != out.shape:
-                z = torch.ones_like(out)
-            seed = _SeedGradient.apply(out, z)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not lost and backward and outs:
+            if z is None or [t.shape for t in z] != [t.shape for t in outs]:
+                z = [torch.ones_like(t) for t in outs]
+            seed = sum(_SeedGradient.apply(t, g) for t, g in zip(outs, z))
             t2 = timer()
             seed.backward()
             _sync(device)

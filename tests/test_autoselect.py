@@ -620,6 +620,42 @@ def test_measure_abandons_a_candidate_whose_timed_runs_all_lose():
     assert tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0) == 1.0
 
 
+class _CountBackward(torch.autograd.Function):
+    """Identity that counts its backward calls."""
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _CountBackward.calls += 1
+        return g
+
+
+class _StructuredOut(nn.Module):
+    """Returns (y, {"spikes": s, "steps": 6}): a backward must be seeded from both tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x), {"spikes": _CountBackward.apply(x), "steps": 6}
+
+
+def test_measure_seeds_the_backward_of_every_tensor_of_a_structured_output():
+    """A whole network's output may be a tuple or a dict (autoselect's compile timing measures the
+    network): its backward ran for none of them, so only forward passes were timed."""
+    module, x = _StructuredOut(), torch.rand(4, 3)
+    _CountBackward.calls = 0
+    reads = iter(range(100))
+    tuner.measure(module, (x,), m=1, timer=lambda: float(next(reads)), input_grad=True)
+    assert _CountBackward.calls == 3  # one backward per run, each reaching the dict's tensor too
+    assert next(reads) == 12  # four clock reads per run: forward and backward timed
+
+
 def test_seed_gradient_runs_the_backward_of_an_explicit_gradient():
     lin = nn.Linear(3, 2)
     x = torch.rand(4, 3, requires_grad=True)

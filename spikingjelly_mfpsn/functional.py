@@ -90,11 +90,12 @@ def _run_order(net: nn.Module, modules: list[nn.Module], example_input) -> dict[
                 step = getattr(mod, "step_mode", "s")
                 seen[id(mod)] = x.shape[2 if step == "m" and x.dim() >= 3 else 1] if x.dim() >= 2 else x.shape[0]
         hooks.append(m.register_forward_pre_hook(hook))
+    from .tuner import _args
     was_training = net.training
     try:
         with torch.no_grad():
             net.eval()
-            net(example_input)
+            net(*_args(example_input))
     finally:
         net.train(was_training)
         for h in hooks:
@@ -113,8 +114,9 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     :param dilation: ``'sawtooth'`` (1, 2, 3, 1, 2, 3, ... in the order the neurons run) or an int
     :param targets: neuron classes (a class or tuple) or a predicate ``(name, module) -> bool``;
         default: every spiking neuron class SpikingJelly defines (IF, LIF, ParametricLIF, PSN family...)
-    :param example_input: optional input for ``net``; when given, neurons are ordered as they run in
-        a forward pass and get their channel count from it, otherwise registration order and lazy channels
+    :param example_input: optional input for ``net`` (a tuple holds several positional inputs); when
+        given, neurons are ordered as they run in a forward pass and get their channel count from it,
+        otherwise registration order and lazy channels
     :param neuron_kwargs: passed to :class:`MulFreeChannelwisePSN` (``threshold``, ``quantize``, ...)
     :return: ``(net, summary)``; each new neuron keeps the old one's ``step_mode``, surrogate function
         (where it had one, unless ``surrogate_function`` is given), device and dtype

@@ -62,6 +62,19 @@ def test_sawtooth_follows_forward_order_with_example_input():
     assert (net2.late.dilation, net2.early.dilation) == (1, 2) and s2.order == "registration"
 
 
+class TwoInputs(OutOfOrder):
+    """OutOfOrder fed a sequence and a gain."""
+
+    def forward(self, x, gain):
+        return super().forward(x * gain)
+
+
+def test_example_input_of_a_network_of_several_inputs_is_a_tuple():
+    net, summary = replace_neurons(TwoInputs(), k=2, example_input=(torch.rand(3, 2, 4), torch.full((1,), 2.0)))
+    assert summary.order == "forward" and (net.early.dilation, net.late.dilation) == (1, 2)
+    assert (net.early.channels, net.late.channels) == (5, 3)
+
+
 def test_int_dilation_targets_and_kwargs():
     net, summary = replace_neurons(mlp(), k=2, dilation=2, targets=neuron.IFNode, threshold="param",
                                    quantize=False)

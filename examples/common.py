@@ -11,6 +11,7 @@ logs and writes the files.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -63,6 +65,9 @@ def add_common_args(p: argparse.ArgumentParser, epochs: int, batch_size: int, lr
     g.add_argument("--limit-train", type=int, default=None, metavar="N", help="use the first N training samples")
     g.add_argument("--limit-test", type=int, default=None, metavar="N", help="use the first N test samples")
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"),
+                   help="mixed precision: forward passes (and autoselect) under torch.autocast with this dtype; "
+                        "fp16 scales the loss (torch.amp.GradScaler). Default: off (float32)")
     g.add_argument("--threads", type=int, default=1,
                    help="CPU threads per process (default 1: the example networks are small, and extra threads "
                         "cost more than they give on a busy CPU; raise it for CIFAR-sized networks)")
@@ -163,17 +168,24 @@ def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
 
 # ------------------------------------------------------------------------------------------- method
 
+def autocast(args, env: Env):
+    """The ``--amp`` context: ``torch.autocast`` on the run's device, or one that changes nothing."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    return torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) -> tuple[nn.Module, str, float]:
     """Apply ``--method`` / ``--layout``; returns the (possibly converted) net, what it runs and the
     seconds autoselect took (0 without it).
 
     ``--method auto`` runs :func:`spikingjelly_mfpsn.functional.autoselect` on every rank (rank 0 times,
-    every rank applies its choice), restricted to ``--layout`` when given.
+    every rank applies its choice), restricted to ``--layout`` when given, under ``--amp`` as training.
     """
     from spikingjelly_mfpsn.functional import autoselect, set_method
     if args.method == "auto":
         layouts = (args.layout,) if args.layout else ("time_first", "time_last")
-        report = autoselect(net, x_example, layouts=layouts, progress=False)
+        with autocast(args, env):
+            report = autoselect(net, x_example, layouts=layouts, progress=False)
         env.log(str(report))
         return net, f"auto ({report.layout})", report.seconds
     if not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()):
@@ -237,9 +249,11 @@ def _reduce(env: Env, *values: float) -> list[float]:
     return t.tolist()
 
 
-def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, scheduler=None, progress=True):
+def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, scheduler=None, progress=True,
+              amp=contextlib.nullcontext, scaler=None):
     """One pass over ``loader``; trains when ``optimizer`` is given. Returns (mean loss, accuracy)
-    over all ranks. ``net`` is what runs (maybe DDP-wrapped), ``model`` the bare network."""
+    over all ranks. ``net`` is what runs (maybe DDP-wrapped), ``model`` the bare network; ``amp()``
+    the context of the forward passes, ``scaler`` a ``GradScaler`` (fp16) or None."""
     train = optimizer is not None
     model.train(train)
     loss_sum, correct, count = 0.0, 0.0, 0
@@ -248,11 +262,17 @@ def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, sc
     with torch.set_grad_enabled(train):
         for x, y in bar:
             x, y = x.to(env.device), y.to(env.device)
-            loss, hits = _step_batch(net if train else model, x, y, task, criterion)
+            with amp():
+                loss, hits = _step_batch(net if train else model, x, y, task, criterion)
             if train:
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                if scaler is None:
+                    loss.backward()
+                    optimizer.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
                 scheduler.step()
                 if task.after_step is not None:
                     task.after_step(model)
@@ -297,10 +317,13 @@ def fit(task: Task, args, env: Env) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    scaler = torch.amp.GradScaler(env.device.type) if args.amp == "fp16" else None
     history, first_epoch = [], 0
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
         history, first_epoch = ckpt["history"], ckpt["epoch"]
         env.log(f"resumed from {ckpt_path} after epoch {first_epoch}")
 
@@ -320,10 +343,11 @@ def fit(task: Task, args, env: Env) -> dict:
         if sampler is not None:
             sampler.set_epoch(epoch)
         tag = f"epoch {epoch + 1}/{args.epochs}"
+        amp = partial(autocast, args, env)
         train_loss, train_acc = run_epoch(net, model, train_loader, task, env, criterion, f"{tag} train", optimizer,
-                                          scheduler, not args.no_progress)
+                                          scheduler, not args.no_progress, amp, scaler)
         test_loss, test_acc = run_epoch(net, model, test_loader, task, env, criterion, f"{tag} test",
-                                        progress=not args.no_progress)
+                                        progress=not args.no_progress, amp=amp)
         history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_acc=train_acc, test_loss=test_loss,
                             test_acc=test_acc, lr=optimizer.param_groups[0]["lr"], seconds=time.time() - t0))
         env.log(f"{tag}: train loss {train_loss:.4f} acc {train_acc:.4f} | test loss {test_loss:.4f} "
@@ -331,6 +355,7 @@ def fit(task: Task, args, env: Env) -> dict:
         if env.main:
             save_checkpoint(ckpt_path, dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                                             scheduler=scheduler.state_dict(), epoch=epoch + 1, history=history,
+                                            scaler=scaler.state_dict() if scaler is not None else None,
                                             config=task.config))
             write_json(os.path.join(args.out_dir, METRICS), dict(run_info, history=history))
             plot_curves(history, os.path.join(args.out_dir, CURVES), task.name)

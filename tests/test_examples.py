@@ -334,6 +334,14 @@ def test_train_sequential_learns_and_resumes_exactly(tmp_path):
     keys = ("train_loss", "train_acc", "test_loss", "test_acc", "lr")
     assert [[h[k] for k in keys] for h in read_metrics(b)["history"]] == \
         [[h[k] for k in keys] for h in metrics["history"]]
+    # Mixed precision: the same run under autocast learns too, and its numbers are its own (the
+    # reduced-precision forward rounds differently), so the option is in effect.
+    for amp in ("bf16", "fp16"):
+        c = str(tmp_path / amp)
+        run_example("train_sequential.py", *args, "--out-dir", c, "--amp", amp)
+        mixed = read_metrics(c)
+        assert_learns(mixed, chance=0.1)
+        assert [h["train_loss"] for h in mixed["history"]] != [h["train_loss"] for h in metrics["history"]]
 
 
 def test_train_sequential_torchrun_two_processes(tmp_path):

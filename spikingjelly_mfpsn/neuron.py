@@ -152,7 +152,22 @@ class ChargeNeuronBase(MemoryModule):
         if x.shape[axis] != self.channels:
             where = "dim 1" if self.step_mode == "s" else f"dim {axis} of a {self._layout} sequence"
             raise ValueError(f"x has {x.shape[axis]} channels on {where} (shape {tuple(x.shape)}), "
-                             f"but this neuron has channels={self.channels}")
+                             f"but this neuron has channels={self.channels}{self._shape_hint(x)}")
+
+    def _shape_hint(self, x: torch.Tensor) -> str:
+        """Which other input form has the channels where ``x`` has them: the likely mix-up."""
+        fits = lambda axis: x.dim() > axis and x.shape[axis] == self.channels  # noqa: E731
+        if self.step_mode == "s" and fits(2):
+            return ("; it looks like a time-first sequence (T, N, C, ...), and a single-step neuron takes one "
+                    "step (N, C, ...): functional.set_step_mode(net, 'm') runs whole sequences")
+        if self.step_mode == "m" and self._layout == "time_first" and fits(1):
+            return ("; it looks like one step (N, C, ...) or a time-last sequence (N, C, ..., T), and this "
+                    "neuron takes time-first sequences (T, N, C, ...)")
+        if self.step_mode == "m" and self._layout == "time_last" and fits(2):
+            return ("; it looks like a time-first sequence (T, N, C, ...), and this neuron runs time-last "
+                    "(N, C, ..., T): feed it through the network's time-last boundary (to_time_last(net)), "
+                    "or to_time_first(net)")
+        return ""
 
     def _spikes(self, x: torch.Tensor, run_stats, run_fire) -> torch.Tensor:
         """Spikes of this forward in the weight's precision: ``run_stats(w)`` gives the per-channel batch

@@ -391,6 +391,21 @@ def test_bad_input():
         sl(torch.randn(4, 2, 3))
 
 
+@pytest.mark.parametrize("step_mode,layout,shape,hint", [
+    ("s", "time_first", (6, 4, 3), r"looks like a time-first sequence .*set_step_mode\(net, 'm'\)"),
+    ("m", "time_first", (4, 3, 6), r"looks like one step \(N, C, ...\) or a time-last sequence"),
+    ("m", "time_last", (6, 4, 3), r"looks like a time-first sequence .*to_time_last\(net\)"),
+    ("m", "time_first", (6, 4, 5), r"channels=3$"),  # no other form fits: no hint
+])
+def test_a_mixed_up_input_form_is_named(step_mode, layout, shape, hint):
+    """A sequence fed to a single-step neuron (e.g. autoselect on a single-step network), one step or a
+    time-last sequence fed time-first, and a time-first sequence fed to a time-last neuron: the
+    channel-count error says which form the input looks like."""
+    sn = MulFreeChannelwisePSN(channels=3, k=2, step_mode=step_mode, layout=layout)
+    with pytest.raises(ValueError, match=hint):
+        sn(torch.randn(*shape))
+
+
 def test_nan_weights_are_refused():
     sn = MulFreeChannelwisePSN(channels=2, k=2, step_mode="m")
     with torch.no_grad():

@@ -842,7 +842,8 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     """Benchmark every layer's implementations in each layout and apply the fastest, in place.
 
     :param net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
-    :param x_example: an input of the real shape (and dtype/device) the network will train on
+    :param x_example: an input of the real shape (and dtype/device) the network will train on; a
+        tuple holds the positional inputs of a network of several (called as ``net(*x_example)``)
     :param m: each candidate runs ``2m+1`` times; the mean of the last ``m`` counts
     :param layouts: layouts to consider
     :param cache: ``True`` (the default file, ``$SPIKINGJELLY_MFPSN_CACHE`` or

@@ -37,6 +37,7 @@ from spikingjelly.activation_based import functional
 from tqdm import tqdm
 
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, models, ops
+from spikingjelly_mfpsn.data import DataError
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"
@@ -159,7 +160,7 @@ def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
     env = setup(args)
     try:
         task = build_task(args, env)
-    except FileNotFoundError as e:  # missing data: the message says what to put where
+    except (FileNotFoundError, DataError) as e:  # missing or damaged data: the message says what to do
         raise SystemExit(str(e))
     result = fit(task, args, env)
     teardown(env)

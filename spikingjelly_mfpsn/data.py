@@ -6,10 +6,10 @@ sequential and pixel tasks.
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import tarfile
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -26,6 +26,22 @@ CIFAR = {
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 SHD_FILES = ("shd_train.h5", "shd_test.h5")
 SHD_URL = "https://zenkelab.org/resources/spiking-heidelberg-datasets-shd/"
+
+
+class DataError(ValueError):
+    """A data file that is there but cannot be used: damaged, truncated or of another format."""
+
+
+def _unpickle(read, where: str, name: str) -> dict:
+    """A CIFAR batch from ``read()`` (its bytes); a damaged or foreign file raises :class:`DataError`."""
+    try:
+        batch = pickle.loads(read(), encoding="bytes")
+    except Exception as e:  # noqa: BLE001  (a damaged pickle raises almost anything)
+        raise DataError(f"{where} is not a readable CIFAR python batch ({type(e).__name__}: {e}): the file is "
+                        f"damaged or of another format; unpack the {name} python archive again") from e
+    if not isinstance(batch, dict):
+        raise DataError(f"{where} is not a CIFAR python batch: it holds a {type(batch).__name__}, not a dict")
+    return batch
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
@@ -49,13 +65,13 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
 
 def _cifar_arrays(batch: dict, label_key: bytes, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     if b"data" not in batch or label_key not in batch:
-        raise ValueError(f"{where} is not a CIFAR python batch: it lacks the keys b'data' and {label_key!r}")
+        raise DataError(f"{where} is not a CIFAR python batch: it lacks the keys b'data' and {label_key!r}")
     data = np.asarray(batch[b"data"], dtype=np.uint8)
     if data.ndim != 2 or data.shape[1] != 3072:
-        raise ValueError(f"{where}: b'data' must be (N, 3072) uint8, got shape {data.shape}")
+        raise DataError(f"{where}: b'data' must be (N, 3072) uint8, got shape {data.shape}")
     labels = np.asarray(batch[label_key], dtype=np.int64)
     if labels.shape != (data.shape[0],):
-        raise ValueError(f"{where}: {data.shape[0]} images but {labels.shape[0]} labels")
+        raise DataError(f"{where}: {data.shape[0]} images but {labels.shape[0]} labels")
     x = torch.from_numpy(data.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
     return x, torch.from_numpy(labels)
 
@@ -79,16 +95,24 @@ def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
         folder_path = folders[0]
         batches = {}
         for m in members:
-            with open(os.path.join(folder_path, m), "rb") as f:
-                batches[m] = pickle.load(f, encoding="bytes")
+            path = os.path.join(folder_path, m)
+            with open(path, "rb") as f:
+                batches[m] = _unpickle(f.read, path, name)
     elif os.path.isfile(archive_path):
-        with tarfile.open(archive_path, "r:gz") as tar:
-            names = set(tar.getnames())
-            missing = [m for m in members if f"{folder}/{m}" not in names]
-            if missing:
-                raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python archive?")
-            batches = {m: pickle.load(io.BytesIO(tar.extractfile(f"{folder}/{m}").read()), encoding="bytes")
-                       for m in members}
+        try:
+            with tarfile.open(archive_path, "r:gz") as tar:
+                names = set(tar.getnames())
+                missing = [m for m in members if f"{folder}/{m}" not in names]
+                if missing:
+                    raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python "
+                                            f"archive?")
+                batches = {m: _unpickle(tar.extractfile(f"{folder}/{m}").read, f"{archive_path}:{folder}/{m}", name)
+                           for m in members}
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise DataError(f"{archive_path} cannot be read as a .tar.gz archive ({type(e).__name__}: {e}): it is "
+                            f"damaged or truncated; fetch {archive} again ({CIFAR_URL})") from e
     else:
         raise FileNotFoundError(
             f"{name} not found in --data-dir {data_dir!r}: put the python version of the data set there, either "
@@ -160,21 +184,26 @@ class SHD(torch.utils.data.Dataset):
             raise FileNotFoundError(
                 f"SHD file {path!r} not found: put {SHD_FILES[0]} and {SHD_FILES[1]} (gunzip the .h5.gz files "
                 f"published at {SHD_URL}) in --data-dir; nothing is downloaded automatically.")
-        with h5py.File(path, "r") as f:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise DataError(f"{path} cannot be read as HDF5 ({e}): it is damaged, truncated or still gzipped; "
+                            f"gunzip the .h5.gz published at {SHD_URL} again") from e
+        with f:
             for key in ("spikes/times", "spikes/units", "labels"):
                 if key not in f:
-                    raise ValueError(f"{path} is not an SHD file: it has no dataset {key!r}")
+                    raise DataError(f"{path} is not an SHD file: it has no dataset {key!r}")
             self.times = [np.asarray(t, dtype=np.float64) for t in f["spikes/times"]]
             self.units = [np.asarray(u, dtype=np.int64) for u in f["spikes/units"]]
             self.labels = np.asarray(f["labels"], dtype=np.int64)
         if not len(self.times) == len(self.units) == len(self.labels):
-            raise ValueError(f"{path}: {len(self.times)} spike-time lists, {len(self.units)} unit lists and "
+            raise DataError(f"{path}: {len(self.times)} spike-time lists, {len(self.units)} unit lists and "
                              f"{len(self.labels)} labels; they must match")
         for i, (t, u) in enumerate(zip(self.times, self.units)):
             if t.shape != u.shape:
-                raise ValueError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")
+                raise DataError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")
             if u.size and (u.min() < 0 or u.max() >= units):
-                raise ValueError(f"{path}: sample {i} has a unit outside 0..{units - 1}")
+                raise DataError(f"{path}: sample {i} has a unit outside 0..{units - 1}")
         latest = max((t.max() for t in self.times if t.size), default=0.0)
         if duration is None:
             duration = float(np.nextafter(latest, np.inf)) if latest > 0 else 1.0
@@ -207,5 +236,5 @@ def load_shd(data_dir: str, **kwargs) -> tuple[SHD, SHD]:
     return train, SHD(os.path.join(data_dir, SHD_FILES[1]), **kwargs)
 
 
-__all__ = ["CIFAR", "SHD", "load_cifar", "load_digits", "load_images", "load_shd", "num_classes", "standardize", "to_columns",
+__all__ = ["CIFAR", "SHD", "DataError", "load_cifar", "load_digits", "load_images", "load_shd", "num_classes", "standardize", "to_columns",
            "to_pixels"]

@@ -3,6 +3,7 @@
 The scripts run as subprocesses at tiny sizes (a few hundred digits, a tiny SHD file written here) and
 must learn: the training loss falls and the test accuracy beats chance by a wide margin.
 """
+import gzip
 import io
 import json
 import os
@@ -244,6 +245,30 @@ def test_missing_cifar_says_what_to_put_where(tmp_path):
     assert "cifar-100-python.tar.gz" in str(e.value.code)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "not a dict", "truncated archive"])
+def test_a_damaged_cifar_file_says_so(tmp_path, damage):
+    """A damaged, truncated or foreign batch (or archive) raises DataError naming the file, and the
+    script exits with that message (not an UnpicklingError traceback)."""
+    _write_cifar10(str(tmp_path), archive=damage == "truncated archive")
+    if damage == "truncated archive":
+        path = tmp_path / "cifar-10-python.tar.gz"
+        path.write_bytes(path.read_bytes()[:300])
+        match = "cifar-10-python.tar.gz cannot be read as a .tar.gz archive"
+    else:
+        path = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+        raw = path.read_bytes()
+        path.write_bytes({"garbage": b"\x00\x01garbage" * 10, "truncated": raw[:len(raw) // 2],
+                          "not a dict": pickle.dumps([1, 2, 3])}[damage])
+        match = "data_batch_3 is not a" + (" CIFAR python batch: it holds a list" if damage == "not a dict"
+                                           else " readable CIFAR python batch")
+    with pytest.raises(data.DataError, match=match):
+        data.load_cifar(str(tmp_path), "cifar10")
+    train_sequential = _import_example("train_sequential")
+    with pytest.raises(SystemExit) as e:
+        train_sequential.main(["--dataset", "cifar10", "--data-dir", str(tmp_path), "--no-progress"])
+    assert match.split(" is not")[0].split(" cannot")[0] in str(e.value.code)
+
+
 def _write_shd(path, times, units, labels):
     """The SHD .h5 layout: spikes/times and spikes/units are variable-length arrays, labels uint16."""
     import h5py
@@ -277,6 +302,24 @@ def test_shd_reader_bins_spikes(tmp_path):
 def test_missing_shd_says_what_to_put_where(tmp_path):
     with pytest.raises(FileNotFoundError, match="shd_train.h5 and shd_test.h5"):
         data.load_shd(str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "gzipped", "another layout"])
+def test_a_damaged_shd_file_says_so(tmp_path, damage):
+    path = tmp_path / "shd_train.h5"
+    _write_shd(str(path), [[0.1, 0.2]], [[3, 4]], [1])
+    raw = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(raw[:len(raw) // 3])
+    elif damage == "gzipped":
+        path.write_bytes(gzip.compress(raw))
+    else:
+        import h5py
+        with h5py.File(path, "w") as f:
+            f.create_dataset("labels", data=np.zeros(3, np.uint16))
+    match = "is not an SHD file" if damage == "another layout" else "cannot be read as HDF5 .* gunzip"
+    with pytest.raises(data.DataError, match=match):
+        data.SHD(str(path))
 
 
 # ----------------------------------------------------------------------------------------- examples

@@ -385,8 +385,14 @@ def load_checkpoint(path: str, config: dict, env: Env) -> dict:
     """The checkpoint at ``path``, after checking that it was trained with the network ``config``."""
     if not os.path.isfile(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
-    ckpt = torch.load(path, map_location=env.device, weights_only=False)
-    changed = {k: (ckpt["config"].get(k), v) for k, v in config.items() if ckpt["config"].get(k) != v}
+    try:  # tensors, numbers, strings and containers only: no code from the file runs
+        ckpt = torch.load(path, map_location=env.device, weights_only=True)
+        saved = ckpt["config"]
+        ckpt["model"], ckpt["optimizer"], ckpt["scheduler"], ckpt["epoch"], ckpt["history"]  # noqa: B018
+    except Exception as e:  # noqa: BLE001  (a damaged file raises almost anything)
+        raise SystemExit(f"--resume: {path} cannot be read as a checkpoint of these scripts ({type(e).__name__}: "
+                         f"{e}); it is damaged or another file: move it away to start over") from e
+    changed = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
     if changed:
         raise SystemExit(f"--resume: {path} was trained with a different network: "
                          + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items()))

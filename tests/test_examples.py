@@ -387,6 +387,34 @@ def test_train_sequential_learns_and_resumes_exactly(tmp_path):
         assert [h["train_loss"] for h in mixed["history"]] != [h["train_loss"] for h in metrics["history"]]
 
 
+class _Payload:
+    """An object a checkpoint must not bring in: loading it would run code from the file."""
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated", "a plain state_dict", "an object"])
+def test_a_damaged_or_foreign_checkpoint_is_refused_by_name(tmp_path, content):
+    common = _import_example("common")
+    env = common.Env(0, 1, torch.device("cpu"))
+    path = str(tmp_path / "checkpoint.pt")
+    good = dict(model={"w": torch.ones(2)}, optimizer={}, scheduler={}, epoch=1, history=[], config={"c": 1})
+    if content == "garbage":
+        open(path, "wb").write(b"\x00not a checkpoint" * 20)
+    elif content == "truncated":
+        common.save_checkpoint(path, good)
+        raw = open(path, "rb").read()
+        open(path, "wb").write(raw[:len(raw) // 2])
+    elif content == "a plain state_dict":
+        torch.save({"w": torch.ones(2)}, path)
+    else:
+        torch.save({**good, "extra": _Payload()}, path)
+    with pytest.raises(SystemExit, match="cannot be read as a checkpoint of these scripts"):
+        common.load_checkpoint(path, {"c": 1}, env)
+    common.save_checkpoint(path, good)  # the real thing loads
+    assert common.load_checkpoint(path, {"c": 1}, env)["epoch"] == 1
+    with pytest.raises(SystemExit, match="different network"):
+        common.load_checkpoint(path, {"c": 2}, env)
+
+
 def test_train_sequential_torchrun_two_processes(tmp_path):
     out_dir = str(tmp_path / "ddp")
     out = run_example("train_sequential.py", *TINY_DIGITS, "--batch-size", 8, "--method", "shift_add",

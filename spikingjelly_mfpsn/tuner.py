@@ -43,6 +43,10 @@ CACHE_ENV = "SPIKINGJELLY_MFPSN_CACHE"
 PROBE = 2
 # Network states (digests) a stored plan keeps as checked.
 CHECKED_STATES = 8
+# Entries the cache file keeps, the most recently written (older ones are timed again when needed):
+# every library upgrade or new shape adds keys, and the whole file is read by every call.
+MAX_LAYER_ENTRIES = 1024
+MAX_PLANS = 128
 
 
 # ------------------------------------------------------------------------------------------ layers
@@ -342,11 +346,14 @@ def default_cache_path() -> str:
 class TimingCache:
     """A JSON file of per-layer timings. A corrupted or foreign file is rebuilt, never trusted; writes
     go to a temporary file renamed over the old one (never torn) under an advisory lock (no lost
-    updates between concurrent writers)."""
+    updates between concurrent writers). It keeps the ``MAX_LAYER_ENTRIES`` layer timings and the
+    ``MAX_PLANS`` plans written last."""
 
     def __init__(self, path: Optional[str]):
         self.path = path
         self.entries, self.plans = self._read() if path else ({}, {})
+        self.put_keys: set[str] = set()  # what this object put: saved over the file's, as its newest
+        self.put_plan_keys: set[str] = set()
 
     def _read(self) -> tuple[dict, dict]:
         try:
@@ -374,13 +381,17 @@ class TimingCache:
         return self.entries.get(key)
 
     def put(self, key: str, times: dict[str, float]) -> None:
+        self.entries.pop(key, None)  # (re)written: the newest
         self.entries[key] = dict(times)
+        self.put_keys.add(key)
 
     def get_plan(self, key: str) -> Optional[dict]:
         return self.plans.get(key)
 
     def put_plan(self, key: str, plan: dict) -> None:
+        self.plans.pop(key, None)
         self.plans[key] = plan
+        self.put_plan_keys.add(key)
 
     def save(self) -> None:
         """Write the entries (merged with what the file holds now); where the file cannot be written
@@ -398,8 +409,8 @@ class TimingCache:
         os.makedirs(directory, exist_ok=True)
         with _locked(self.path + ".lock"):
             merged, plans = self._read_quietly()
-            merged.update(self.entries)
-            plans.update(self.plans)
+            merged = _newest(merged, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
+            plans = _newest(plans, self.plans, self.put_plan_keys, MAX_PLANS)
             fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
             try:
                 with os.fdopen(fd, "w") as f:  # dumps: one C-encoded string (dump encodes in Python)
@@ -407,6 +418,7 @@ class TimingCache:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
+                self.put_keys, self.put_plan_keys = set(), set()  # on the file now, as its newest
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -416,6 +428,14 @@ class TimingCache:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self._read()
+
+
+def _newest(on_file: dict, mine: dict, written: set, cap: int) -> dict:
+    """What the file keeps: its entries, then those this object wrote (moved last, as the newest), cut to
+    the ``cap`` last."""
+    kept = {k: v for k, v in on_file.items() if k not in written}
+    kept.update((k, mine[k]) for k in mine if k in written)
+    return dict(itertools.islice(kept.items(), max(0, len(kept) - cap), None))
 
 
 @contextlib.contextmanager

@@ -205,6 +205,32 @@ def test_concurrent_writers_leave_a_whole_file(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".autoselect-")]
 
 
+def test_the_cache_keeps_the_entries_written_last(tmp_path, monkeypatch):
+    """The file kept every key ever written (each library upgrade and shape adds some, and every call
+    reads the whole file); it now keeps the newest, by when they were written, in any process."""
+    monkeypatch.setattr(tuner, "MAX_LAYER_ENTRIES", 3)
+    monkeypatch.setattr(tuner, "MAX_PLANS", 2)
+    path = str(tmp_path / "c.json")
+    first = tuner.TimingCache(path)
+    for i in range(4):
+        first.put(f"k{i}", {"m": float(i)})
+        first.put_plan(f"p{i}", {"layout": "time_first", "methods": {}, "totals": {}})
+    first.save()
+    data = json.loads(open(path).read())
+    assert list(data["layers"]) == ["k1", "k2", "k3"] and list(data["plans"]) == ["p2", "p3"]
+    other = tuner.TimingCache(path)  # another process: writes k4, then rewrites k1 with a new time
+    other.put("k4", {"m": 4.0})
+    other.put("k1", {"m": 10.0})
+    other.save()
+    assert list(json.loads(open(path).read())["layers"]) == ["k3", "k4", "k1"]
+    third = tuner.TimingCache(path)
+    assert third.get("k1") == {"m": 10.0} and third.get("k2") is None
+    first.put("k5", {"m": 5.0})  # an object that read the file earlier adds one: it does not bring back
+    first.save()                 # what it read then, nor its older times of entries others rewrote
+    data = json.loads(open(path).read())
+    assert list(data["layers"]) == ["k4", "k1", "k5"] and data["layers"]["k1"] == {"m": 10.0}
+
+
 def test_a_configuration_that_fails_the_self_check_is_skipped(tmp_path, monkeypatch):
     def broken(x, weight, bias, dilation, layout):
         return torch.zeros(x.shape, dtype=x.dtype) + 0 * weight.sum()  # wrong, but runs

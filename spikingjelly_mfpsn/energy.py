@@ -39,6 +39,7 @@ from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
 from .neuron import MulFreeChannelwisePSN
+from .tuner import _args
 
 #: Energy per operation in pJ at 45 nm (paper Sec. 5.4: FP32 MUL/ADD, FIX32 SHIFT, MAC/AC of Eq. syn).
 COSTS_45NM = {"mul": 3.7, "add": 0.9, "shift": 0.13, "mac": 4.6, "ac": 0.9}
@@ -295,7 +296,7 @@ def _per_sample(counts: dict, batch: int) -> dict:
     return {op: v / batch for op, v in counts.items()}
 
 
-def _own_pass(net: nn.Module, x: torch.Tensor) -> list[dict]:
+def _own_pass(net: nn.Module, x) -> list[dict]:
     """Run ``net`` once with forward hooks; one record per neuron / synaptic call, in call order."""
     records: list[dict] = []
     state = {"neuron_seen": False}
@@ -332,21 +333,21 @@ def _own_pass(net: nn.Module, x: torch.Tensor) -> list[dict]:
         elif _synaptic_layer(module) is not None:
             hooks.append(module.register_forward_hook(on_synapse(label, _synaptic_layer(module))))
     try:
-        net(x)
+        net(*_args(x))
     finally:
         for h in hooks:
             h.remove()
     return records
 
 
-def _spikingjelly_pass(net: nn.Module, x: torch.Tensor) -> dict[str, dict]:
+def _spikingjelly_pass(net: nn.Module, x) -> dict[str, dict]:
     """SpikingJelly's counters on one run: ``{scope: {'mac', 'sop'} or neuron ops}``."""
     oc = _compat.op_counter
     mac = oc.MACCounter(extra_ignore_modules=list(NEURON_TYPES))
     synop = oc.SynOpCounter(extra_ignore_modules=list(NEURON_TYPES))
     neuron = NeuronOpCounter()
     with oc.ModuleCounterMode([neuron], model=net), oc.DispatchCounterMode([mac, synop]):
-        net(x)
+        net(*_args(x))
     scopes: dict[str, dict] = {}
     for counter, op in ((mac, "mac"), (synop, "sop")):
         for scope, per_func in counter.get_counts().items():
@@ -363,13 +364,14 @@ def _infer_batch(x: torch.Tensor, layout: str) -> int:
 
 
 @torch.no_grad()
-def estimate(net: nn.Module, x: torch.Tensor, *, costs: Optional[dict] = None, sops: str = "formula",
+def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "formula",
              firing_rate: Union[None, float, dict] = None, batch_size: Optional[int] = None,
              layout: str = "time_first", use_spikingjelly: bool = True) -> EnergyReport:
     """Operation counts and energy of one inference of ``net`` on ``x``, per sample.
 
     :param net: a multi-step network with MulFreeChannelwisePSN (folded or not) and/or PSN neurons
-    :param x: its input sequence; ``net`` runs once in eval mode (its train/eval flags are restored)
+    :param x: its input sequence, or a tuple of its positional inputs (the first a sequence: it gives
+        the batch size); ``net`` runs once in eval mode (its train/eval flags are restored)
     :param costs: pJ per operation overriding :data:`COSTS_45NM` (keys mul, add, shift, mac, ac)
     :param sops: ``'formula'`` (paper: ``fr x T x FLOPs``) or ``'events'`` (exact spike x fan-out
         count) for the energy of non-encoding synaptic layers
@@ -381,9 +383,11 @@ def estimate(net: nn.Module, x: torch.Tensor, *, costs: Optional[dict] = None, s
     """
     if sops not in ("formula", "events"):
         raise ValueError(f"sops must be 'formula' or 'events', got {sops!r}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    batch = batch_size if batch_size is not None else _infer_batch(x, layout)
+    first = _args(x)[0] if _args(x) else None
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor (or a tuple of inputs, the first a tensor), got "
+                        f"{type(x).__name__}" + (f" of {type(first).__name__}" if isinstance(x, tuple) else ""))
+    batch = batch_size if batch_size is not None else _infer_batch(first, layout)
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch!r}")
     cost_table = check_costs(costs)

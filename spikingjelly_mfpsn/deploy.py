@@ -38,6 +38,7 @@ import torch.nn as nn
 from . import _compat, ops
 from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
+from .tuner import _args
 
 #: Default number of fractional bits of a neuron's fixed-point input.
 FRAC_BITS = 8
@@ -403,14 +404,14 @@ def set_float(net: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def agreement(net: nn.Module, x: torch.Tensor, frac_bits: int = FRAC_BITS,
+def agreement(net: nn.Module, x, frac_bits: int = FRAC_BITS,
               acc_frac_bits: Optional[int] = None) -> dict[str, dict[str, float]]:
     """Fraction of spikes on which the integer path equals the float path, per folded neuron.
 
     ``'local'``: both arithmetics on the same input (the float net's input to that neuron), so it
     isolates the neuron's own rounding; ``'network'``: the whole net run in integer mode against the
     whole net in float mode (differences propagate). Needs multi-step neurons; leaves ``net`` on the
-    float path.
+    float path. ``x``: the input, or a tuple of the network's positional inputs (as autoselect's).
     """
     neurons = folded_neurons(net)
     if any(m.step_mode != "m" for _, m in neurons):
@@ -421,11 +422,11 @@ def agreement(net: nn.Module, x: torch.Tensor, frac_bits: int = FRAC_BITS,
     try:
         set_float(net)
         _compat.functional.reset_net(net)
-        net(x)
+        net(*_args(x))
         float_seen, seen = seen, {}
         set_integer(net, frac_bits, acc_frac_bits)
         _compat.functional.reset_net(net)
-        net(x)
+        net(*_args(x))
     finally:
         for h in hooks:
             h.remove()

@@ -16,6 +16,7 @@ from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops, tuner
 from spikingjelly_mfpsn.convert import current_layout, to_time_last
 
 import zoo
+from nets import Gained
 
 
 def seq_net(c=4):
@@ -292,26 +293,14 @@ def test_a_network_with_structured_outputs_gets_a_plan(tmp_path):
     assert not agree(before, (before[0], {"total": before[1]["total"], "steps": 7}))
 
 
-class _TwoInputs(nn.Module):
-    """A network of two inputs: a sequence and a gain (a (1,)-tensor, the same in both layouts) or a
-    mask shaped like the sequence (which the time-last boundary, moving the first input only, leaves
-    time-first: that layout cannot run)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = seq_net()
-
-    def forward(self, x, scale):
-        return self.body(x * scale)
-
-
 @pytest.mark.parametrize("second", ["gain", "mask"])
 def test_a_network_with_several_inputs_takes_them_as_a_tuple(second, tmp_path):
     """x_example as a tuple holds the positional inputs (as torch.jit.trace takes them); autoselect
     called net(x_example) with the tuple as one input. A layout the network cannot run in (its input
     capture raised) is skipped with a warning instead of ending the whole call."""
     torch.manual_seed(0)
-    net, x = _TwoInputs(), example()
+    net, x = Gained(seq_net()), example()  # a gain is the same in both layouts; a mask shaped like x
+    # is left time-first by the time-last boundary (it moves the first input only): that layout cannot run
     scale = torch.full((1,), 0.7) if second == "gain" else (torch.rand_like(x) > 0.3).float()
     net(x, scale)
     functional.reset_net(net)

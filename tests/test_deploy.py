@@ -14,6 +14,7 @@ from spikingjelly_mfpsn import functional as mf_functional
 from spikingjelly_mfpsn.deploy import FoldedMulFreePSN
 
 import reference
+from nets import Gained
 
 GRID = 3  # test inputs and synaptic weights are multiples of 2**-GRID
 FRAC_BITS = 8  # enough for every neuron input of the test networks (multiples of 2**-2*GRID)
@@ -213,18 +214,9 @@ def test_float32_agreement_is_measured():
     assert min(r["local"] for r in coarse.values()) < 1.0
     assert all(m.frac_bits is None for _, m in deploy.folded_neurons(net))  # left on the float path
     # A network of several inputs takes them as a tuple (as autoselect): the same rates.
-    gained = _Gained(net)
+    gained = Gained(net)
     assert deploy.agreement(gained, (x / 2, torch.full((1,), 2.0)), frac_bits=16) == \
         {f"body.{name}": r for name, r in rates.items()}
-
-
-class _Gained(nn.Module):
-    def __init__(self, body):
-        super().__init__()
-        self.body = body
-
-    def forward(self, x, gain):
-        return self.body(x * gain)
 
 
 @pytest.mark.parametrize("t,k,d", [(10, 3, 1), (2, 5, 1), (9, 4, 3), (4, 3, 2), (1, 2, 1)])

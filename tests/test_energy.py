@@ -10,6 +10,8 @@ from spikingjelly.activation_based import functional, layer
 
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, deploy, energy
 
+from nets import Gained
+
 _spec = importlib.util.spec_from_file_location(
     "energy_table5", os.path.join(os.path.dirname(__file__), "..", "examples", "energy_table5.py"))
 table5_example = importlib.util.module_from_spec(_spec)
@@ -225,28 +227,17 @@ def test_profiler_needs_spikingjelly2():
         energy.MulFreeEnergyProfiler()
 
 
-class _Gained(nn.Module):
-    """A network of two inputs: a sequence and a gain."""
-
-    def __init__(self, body):
-        super().__init__()
-        self.body = body
-
-    def forward(self, x, gain):
-        return self.body(x * gain)
-
-
 def test_a_network_of_several_inputs_takes_them_as_a_tuple():
     """As autoselect's x_example: the counts equal the one-input network's on the same sequence."""
     torch.manual_seed(0)
     body = small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=2, step_mode="m"))
     x = torch.rand(4, 2, 3, 8)
     one = energy.estimate(body, x * 0.5, sops="events", use_spikingjelly=False)
-    two = energy.estimate(_Gained(body), (x, torch.full((1,), 0.5)), sops="events", use_spikingjelly=False)
+    two = energy.estimate(Gained(body), (x, torch.full((1,), 0.5)), sops="events", use_spikingjelly=False)
     assert two.batch_size == 2 and [(r.name, r.counts) for r in two.layers] == \
         [("body." + r.name, r.counts) for r in one.layers]
     with pytest.raises(TypeError, match="the first a tensor"):
-        energy.estimate(_Gained(body), ([x], torch.ones(1)))
+        energy.estimate(Gained(body), ([x], torch.ones(1)))
 
 
 def test_bad_arguments():

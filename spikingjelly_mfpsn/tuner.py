@@ -575,7 +575,13 @@ def _broadcast(obj):
 
 
 def _probe(x):
-    """The first ``PROBE`` samples of a time-first batch ``(T, N, ...)``, or ``x`` itself."""
+    """The first ``PROBE`` samples of a time-first batch ``(T, N, ...)``, or ``x`` itself. Of a tuple of
+    inputs, the first a batch: that batch's samples of every tensor with N on dim 1 (others, e.g. a
+    gain, as they are; a network that then fails is checked on the whole batch)."""
+    if isinstance(x, tuple) and x and isinstance(x[0], torch.Tensor) and _probe(x[0]) is not x[0]:
+        n = x[0].shape[1]
+        return tuple(_probe(a) if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[1] == n else a
+                     for a in x)
     if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] > PROBE:
         return x[:, :PROBE]
     return x

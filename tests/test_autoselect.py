@@ -520,6 +520,29 @@ def test_cached_plan_is_checked_on_a_few_samples(tmp_path):
     torch.testing.assert_close(eval_out(net, x), before)
 
 
+@pytest.mark.parametrize("second", ["gain", "mask"])
+def test_a_cached_plan_of_several_inputs_is_checked_on_a_few_samples(tmp_path, second):
+    """Of a tuple of inputs, every tensor with the batch on dim 1 is cut to the first samples (a mask),
+    the others passed whole (a gain)."""
+    path = str(tmp_path / "c.json")
+    x = example(n=9)
+    extra = torch.full((1,), 0.5) if second == "gain" else (torch.rand_like(x) > 0.3).float()
+    layouts = ("time_first",)  # a mask cannot run time-last (see above)
+    mf.autoselect(Gained(seq_net()), (x, extra), cache=path, measure_fn=FakeTimes(1), progress=False,
+                  layouts=layouts)
+    net = Gained(seq_net())
+    seen = []
+    net.register_forward_pre_hook(lambda mod, args: seen.append((args[0].shape, args[1].shape)))
+    before = net.eval()(x, extra)
+    net.train()
+    seen.clear()
+    report = mf.autoselect(net, (x, extra), cache=path, measure_fn=_no_timing, progress=False, layouts=layouts)
+    assert not report.layouts and seen
+    probe_x = x[:, :tuner.PROBE].shape
+    assert all(s == (probe_x, extra.shape if second == "gain" else probe_x) for s in seen), seen
+    torch.testing.assert_close(net.eval()(x, extra), before)
+
+
 def test_cached_plan_is_checked_on_the_whole_batch_when_the_samples_disagree(tmp_path, monkeypatch):
     path = str(tmp_path / "c.json")
     x = example(n=9)

@@ -260,10 +260,9 @@ def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
 
 
 def _tensors(x) -> list:
-    """The tensors of a network's input: ``x`` itself, or those in a tuple or list of inputs."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
+    """The tensors of a network's input: ``x`` itself, or those inside tuples, lists and dicts of
+    inputs (a batch given as a dict included)."""
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _device_type(tensors: list) -> str:

@@ -543,6 +543,36 @@ def test_a_cached_plan_of_several_inputs_is_checked_on_a_few_samples(tmp_path, s
     torch.testing.assert_close(net.eval()(x, extra), before)
 
 
+class _DictInput(nn.Module):
+    """A network fed a dict (a batch as a data loader may give it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = seq_net()
+
+    def forward(self, batch):
+        return self.body(batch["x"])
+
+
+def test_a_dict_input_keys_its_tensors(tmp_path):
+    """The tensors inside a dict input are part of the keys (they were not: a plan timed on one batch
+    shape was taken for any other), and an empty one is refused."""
+    path = str(tmp_path / "c.json")
+    net = _DictInput()
+    first = FakeTimes(1)
+    with pytest.warns(UserWarning, match="does not run in layout 'time_last'"):  # the boundary needs a tensor
+        mf.autoselect(net, {"x": example(n=5)}, cache=path, measure_fn=first, progress=False)
+    again = FakeTimes(2)
+    mf.autoselect(net, {"x": example(n=5)}, cache=path, measure_fn=again, progress=False)
+    assert first.calls > 0 and again.calls == 0
+    other = FakeTimes(3)
+    with pytest.warns(UserWarning, match="does not run in layout 'time_last'"):
+        mf.autoselect(net, {"x": example(n=7)}, cache=path, measure_fn=other, progress=False)
+    assert other.calls > 0  # another shape: timed, not taken from the first
+    with pytest.raises(ValueError, match="empty tensor"):
+        mf.autoselect(net, {"x": example(n=0)}, cache=False, measure_fn=FakeTimes(), progress=False)
+
+
 def test_cached_plan_is_checked_on_the_whole_batch_when_the_samples_disagree(tmp_path, monkeypatch):
     path = str(tmp_path / "c.json")
     x = example(n=9)

@@ -198,7 +198,7 @@ class SHD(torch.utils.data.Dataset):
             self.labels = np.asarray(f["labels"], dtype=np.int64)
         if not len(self.times) == len(self.units) == len(self.labels):
             raise DataError(f"{path}: {len(self.times)} spike-time lists, {len(self.units)} unit lists and "
-                             f"{len(self.labels)} labels; they must match")
+                            f"{len(self.labels)} labels; they must match")
         for i, (t, u) in enumerate(zip(self.times, self.units)):
             if t.shape != u.shape:
                 raise DataError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")

@@ -387,8 +387,10 @@ def load_checkpoint(path: str, config: dict, env: Env) -> dict:
         raise SystemExit(f"--resume: no checkpoint at {path}")
     try:  # tensors, numbers, strings and containers only: no code from the file runs
         ckpt = torch.load(path, map_location=env.device, weights_only=True)
+        missing = [k for k in ("config", "model", "optimizer", "scheduler", "epoch", "history") if k not in ckpt]
+        if missing:
+            raise KeyError(f"it has no {', '.join(missing)}")
         saved = ckpt["config"]
-        ckpt["model"], ckpt["optimizer"], ckpt["scheduler"], ckpt["epoch"], ckpt["history"]  # noqa: B018
     except Exception as e:  # noqa: BLE001  (a damaged file raises almost anything)
         raise SystemExit(f"--resume: {path} cannot be read as a checkpoint of these scripts ({type(e).__name__}: "
                          f"{e}); it is damaged or another file: move it away to start over") from e

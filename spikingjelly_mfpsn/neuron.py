@@ -156,7 +156,9 @@ class ChargeNeuronBase(MemoryModule):
 
     def _shape_hint(self, x: torch.Tensor) -> str:
         """Which other input form has the channels where ``x`` has them: the likely mix-up."""
-        fits = lambda axis: x.dim() > axis and x.shape[axis] == self.channels  # noqa: E731
+        def fits(axis: int) -> bool:
+            return x.dim() > axis and x.shape[axis] == self.channels
+
         if self.step_mode == "s" and fits(2):
             return ("; it looks like a time-first sequence (T, N, C, ...), and a single-step neuron takes one "
                     "step (N, C, ...): functional.set_step_mode(net, 'm') runs whole sequences")

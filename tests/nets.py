@@ -1,5 +1,5 @@
 """Small wrapper networks the tests share."""
-import torch.nn as nn
+from torch import nn
 
 
 class Gained(nn.Module):

@@ -211,24 +211,24 @@ def test_the_cache_keeps_the_entries_written_last(tmp_path, monkeypatch):
     reads the whole file); it now keeps the newest, by when they were written, in any process."""
     monkeypatch.setattr(tuner, "MAX_LAYER_ENTRIES", 3)
     monkeypatch.setattr(tuner, "MAX_PLANS", 2)
-    path = str(tmp_path / "c.json")
-    first = tuner.TimingCache(path)
+    path = tmp_path / "c.json"
+    first = tuner.TimingCache(str(path))
     for i in range(4):
         first.put(f"k{i}", {"m": float(i)})
         first.put_plan(f"p{i}", {"layout": "time_first", "methods": {}, "totals": {}})
     first.save()
-    data = json.loads(open(path).read())
+    data = json.loads(path.read_text())
     assert list(data["layers"]) == ["k1", "k2", "k3"] and list(data["plans"]) == ["p2", "p3"]
-    other = tuner.TimingCache(path)  # another process: writes k4, then rewrites k1 with a new time
+    other = tuner.TimingCache(str(path))  # another process: writes k4, then rewrites k1 with a new time
     other.put("k4", {"m": 4.0})
     other.put("k1", {"m": 10.0})
     other.save()
-    assert list(json.loads(open(path).read())["layers"]) == ["k3", "k4", "k1"]
-    third = tuner.TimingCache(path)
+    assert list(json.loads(path.read_text())["layers"]) == ["k3", "k4", "k1"]
+    third = tuner.TimingCache(str(path))
     assert third.get("k1") == {"m": 10.0} and third.get("k2") is None
     first.put("k5", {"m": 5.0})  # an object that read the file earlier adds one: it does not bring back
     first.save()                 # what it read then, nor its older times of entries others rewrote
-    data = json.loads(open(path).read())
+    data = json.loads(path.read_text())
     assert list(data["layers"]) == ["k4", "k1", "k5"] and data["layers"]["k1"] == {"m": 10.0}
 
 

@@ -395,14 +395,16 @@ class _Payload:
 def test_a_damaged_or_foreign_checkpoint_is_refused_by_name(tmp_path, content):
     common = _import_example("common")
     env = common.Env(0, 1, torch.device("cpu"))
-    path = str(tmp_path / "checkpoint.pt")
-    good = dict(model={"w": torch.ones(2)}, optimizer={}, scheduler={}, epoch=1, history=[], config={"c": 1})
+    file = tmp_path / "checkpoint.pt"
+    path = str(file)
+    good = {"model": {"w": torch.ones(2)}, "optimizer": {}, "scheduler": {}, "epoch": 1, "history": [],
+            "config": {"c": 1}}
     if content == "garbage":
-        open(path, "wb").write(b"\x00not a checkpoint" * 20)
+        file.write_bytes(b"\x00not a checkpoint" * 20)
     elif content == "truncated":
         common.save_checkpoint(path, good)
-        raw = open(path, "rb").read()
-        open(path, "wb").write(raw[:len(raw) // 2])
+        raw = file.read_bytes()
+        file.write_bytes(raw[:len(raw) // 2])
     elif content == "a plain state_dict":
         torch.save({"w": torch.ones(2)}, path)
     else:

@@ -49,6 +49,8 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
     """
     if backend != "torch":
         names = ops.names(layout=layout, backend=backend)
+        if not names and not ops.backend_available(backend):
+            raise ops.not_here(backend)
         if not names:
             raise ValueError(f"backend {backend!r} has no implementation for layout {layout!r}")
         return names[0]
@@ -87,8 +89,10 @@ class ChargeNeuronBase(MemoryModule):
     @layout.setter
     def layout(self, value: str) -> None:
         self._layout = ops.check_layout(value)
-        if self._method != "auto" and value not in ops.get(self._method).layouts:
-            # A method pinned for the other layout cannot run this one: back to the default choice.
+        impl = ops.find(self._method)
+        if self._method != "auto" and (impl is None or value not in impl.layouts):
+            # A method pinned for the other layout (or one that does not run here) cannot run this one:
+            # back to the default choice.
             self._method = "auto"
 
     @property
@@ -102,8 +106,9 @@ class ChargeNeuronBase(MemoryModule):
     @backend.setter
     def backend(self, value: str) -> None:
         self._backend = ops.check_backend(value)
-        if self._method != "auto" and ops.get(self._method).backend != value:
-            self._method = "auto"
+        impl = ops.find(self._method)
+        if self._method != "auto" and (impl is None or impl.backend != value):
+            self._method = "auto"  # (a method that does not run here, e.g. in a network saved elsewhere, too)
 
     @property
     def method(self) -> str:

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -330,11 +331,15 @@ def _with_check(plan: dict, digest: Optional[str]) -> dict:
     return {**plan, "checked": (kept + [check])[-CHECKED_STATES:]}
 
 
+_CHOICE = re.compile(r"""(, )?\b(method|backend)=('[^']*'|"[^"]*")""")
+
+
 def _repr_without_method(module: nn.Module) -> str:
     """The layer's description without its current choice (method, and backend where it has one:
-    autoselect's candidates span every backend, so a key must not change once one is chosen)."""
-    with _method(module, "auto", backend="torch"):
-        return module.extra_repr()
+    autoselect's candidates span every backend, so a key must not change once one is chosen). Cut
+    from the description, not set: a network saved where another backend ran may hold a method that
+    cannot be set here."""
+    return _CHOICE.sub("", module.extra_repr())
 
 
 def default_cache_path() -> str:

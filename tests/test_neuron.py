@@ -406,6 +406,41 @@ def test_a_mixed_up_input_form_is_named(step_mode, layout, shape, hint):
         sn(torch.randn(*shape))
 
 
+@pytest.mark.skipif("cpp" not in ops.names(), reason="no C++ compiler here: the network cannot be saved with cpp")
+def test_a_network_saved_with_cpp_loads_where_cpp_does_not_run(monkeypatch):
+    """A whole network pickled with cpp neurons, loaded where the cpp backend is not registered (no
+    compiler): its forward and autoselect say why and how to switch ('method must be one of [...],
+    got cpp' before), and set_backend(net, 'torch') switches it (it left the method on cpp, and its
+    warning said the backend was kept); a layout conversion no longer fails on the pinned method."""
+    import io
+    import torch.nn as nn
+    from spikingjelly.activation_based import layer
+    import spikingjelly_mfpsn as mf
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2, dilation=2, method="cpp"),
+                        layer.Linear(4, 2))
+    functional.set_step_mode(net, "m")
+    x = torch.rand(5, 3, 3)
+    expected = net(x).detach()
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    monkeypatch.delitem(ops.registry._REGISTRY, "cpp")
+    monkeypatch.setitem(ops.registry._UNAVAILABLE_REASONS, "cpp", "no C++ compiler found (a test)")
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    say = r"method 'cpp' cannot run here: no C\+\+ compiler found \(a test\).*set_backend\(net, 'torch'\)"
+    with pytest.raises(ValueError, match=say):
+        loaded(x)
+    with pytest.raises(ValueError, match=say):
+        mf.autoselect(loaded, x, cache=False, progress=False)
+    converted = mf.to_time_last(copy.deepcopy(loaded))  # the pinned method gives way to 'auto' ...
+    with pytest.raises(ValueError, match=say):  # ... of the cpp backend, which is not here either
+        converted(x)
+    mf.functional.set_backend(loaded, "torch")
+    assert (loaded[1].backend, loaded[1].method) == ("torch", "auto")
+    torch.testing.assert_close(loaded(x), expected)
+
+
 def test_nan_weights_are_refused():
     sn = MulFreeChannelwisePSN(channels=2, k=2, step_mode="m")
     with torch.no_grad():

@@ -146,10 +146,27 @@ def register(impl: Implementation) -> Implementation:
 
 
 def get(name: str) -> Implementation:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"method must be one of {sorted(_REGISTRY)} (or 'auto'), got {name!r}") from None
+    impl = _REGISTRY.get(name)
+    if impl is not None:
+        return impl
+    if name in BACKEND_LIBRARIES:  # a kernel backend's implementation (named as its backend), not here
+        raise not_here(name)
+    raise ValueError(f"method must be one of {sorted(_REGISTRY)} (or 'auto'), got {name!r}")
+
+
+def not_here(backend: str) -> ValueError:
+    """The error for a neuron set to a kernel backend that does not run here (e.g. in a network saved
+    on a machine where it ran): why, and the way back to the methods that do."""
+    why = _UNAVAILABLE_REASONS.get(backend) or _INSTALL_HINTS.get(backend, "its backend is not available")
+    return ValueError(f"method {backend!r} cannot run here: {why}. Here the methods are {sorted(_REGISTRY)}; a "
+                      f"network saved where it ran switches with functional.set_backend(net, 'torch') or "
+                      f"set_method(net, 'auto')")
+
+
+def find(name: str) -> Optional[Implementation]:
+    """The implementation registered as ``name`` here, or None (e.g. a kernel backend's, in a network
+    saved on a machine where that backend ran)."""
+    return _REGISTRY.get(name)
 
 
 def names(layout: Optional[str] = None, backend: Optional[str] = None) -> list[str]:

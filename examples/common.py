@@ -94,6 +94,11 @@ def check_common_args(p: argparse.ArgumentParser, args) -> None:
             ops.get(args.method)
         except ValueError as e:
             p.error(f"--method: {e}")
+    if args.device is not None:
+        try:
+            torch.empty(0, device=torch.device(args.device))
+        except (RuntimeError, AssertionError) as e:  # unknown type, or not here (e.g. no CUDA build/device)
+            p.error(f"--device {args.device}: cannot put a tensor there ({e})")
     if args.neuron in ("psn", "sliding_psn") and not models.psn_available(args.neuron):
         p.error(f"--neuron {args.neuron} needs SpikingJelly >= 2.0 (the installed one has no PSN family); "
                 f"use mfpsn, lif or plif")

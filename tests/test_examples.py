@@ -38,6 +38,20 @@ TINY = {
 
 # ----------------------------------------------------------------------------------------- builders
 
+@pytest.mark.parametrize("script", ["train_sequential", "train_shd"])
+@pytest.mark.parametrize("device", ["bogus", "meta:x", "cuda:7"])
+def test_a_device_that_is_not_here_is_refused_by_the_argument_check(script, device, capsys):
+    """--device naming no device type, or one this machine has no (or too few) of, exits with the
+    option's name and torch's reason instead of a traceback after building the network."""
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    module = _import_example(script)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--device", device])
+    assert f"--device {device}: cannot put a tensor there" in capsys.readouterr().err
+    assert module.parse_args(["--device", "cpu"]).device == "cpu"
+
+
 @pytest.mark.parametrize("name", sorted(TINY))
 @pytest.mark.parametrize("neuron", NEURONS)
 def test_builder_forward_backward(name, neuron):

@@ -75,6 +75,10 @@ def main():
                         help="random batches run in train mode to set batch-norm statistics (no weight update)")
     parser.add_argument("--firing-rate", type=float, default=None, help="override the measured SOP firing rates")
     args = parser.parse_args()
+    if args.batch < 1 or args.calibrate < 0:
+        parser.error(f"--batch must be >= 1 and --calibrate >= 0, got {args.batch} and {args.calibrate}")
+    if args.firing_rate is not None and not 0.0 <= args.firing_rate <= 1.0:
+        parser.error(f"--firing-rate must be in [0, 1], got {args.firing_rate}")
     torch.manual_seed(args.seed)
     x = image_to_sequence(torch.randn(args.batch, 3, 32, T))  # normalised-image statistics
     nets = {}

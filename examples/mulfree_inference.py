@@ -28,6 +28,8 @@ def main():
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
     torch.manual_seed(args.seed)
     net = sequential_cifar_net(mfpsn(k=16, sawtooth=True))
     calibrate(net, 2)

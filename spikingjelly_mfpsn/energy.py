@@ -357,6 +357,17 @@ def _spikingjelly_pass(net: nn.Module, x) -> dict[str, dict]:
     return scopes
 
 
+def _check_rates(firing_rate) -> None:
+    """A firing rate is a fraction of the inputs that spike: a number in [0, 1] (or a dict of them)."""
+    if firing_rate is None:
+        return
+    rates = firing_rate.items() if isinstance(firing_rate, dict) else [("firing_rate", firing_rate)]
+    for name, rate in rates:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"firing_rate{'' if name == 'firing_rate' else f'[{name!r}]'} must be a number in "
+                             f"[0, 1] (the fraction of inputs that spike per step), got {rate!r}")
+
+
 def _infer_batch(x: torch.Tensor, layout: str) -> int:
     if x.dim() < 2:
         raise ValueError(f"cannot infer the batch size from x of shape {tuple(x.shape)}; pass batch_size=")
@@ -391,6 +402,7 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch!r}")
     cost_table = check_costs(costs)
+    _check_rates(firing_rate)
     modes = {m: m.training for m in net.modules()}
     net.eval()
     try:
@@ -406,6 +418,11 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
             m.train(training)
     if not records:
         raise ValueError("net ran no Conv/Linear layer and no MF-PSN/PSN neuron: nothing to count")
+    if isinstance(firing_rate, dict):
+        synaptic = [r["name"] for r in records if r["role"] == "synaptic"]
+        unknown = sorted(set(firing_rate) - set(synaptic))
+        if unknown:
+            raise ValueError(f"firing_rate names no synaptic layer {unknown}; the synaptic layers are {synaptic}")
 
     root = type(net).__name__
     layers = []

@@ -251,6 +251,17 @@ def test_bad_arguments():
         energy.estimate(net, x, costs={"add": -1})
     with pytest.raises(ValueError, match="batch_size"):
         energy.estimate(net, x, batch_size=0)
+    # A firing rate is a fraction: a negative one gave negative synaptic energy, one above 1 more SOPs
+    # than dense MACs, and a name of no synaptic layer was ignored.
+    for rate in (-0.5, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match=r"firing_rate must be a number in \[0, 1\]"):
+            energy.estimate(net, x, firing_rate=rate)
+    with pytest.raises(ValueError, match=r"firing_rate\['0'\] must be a number in \[0, 1\]"):
+        energy.estimate(net, x, firing_rate={"0": -1.0})
+    synaptic = [r.name for r in energy.estimate(net, x, use_spikingjelly=False).layers if r.role == "synaptic"]
+    with pytest.raises(ValueError, match="firing_rate names no synaptic layer \\['nope'\\]"):
+        energy.estimate(net, x, firing_rate={synaptic[0]: 0.5, "nope": 0.5})
+    assert energy.estimate(net, x, firing_rate={synaptic[0]: 0.0}, use_spikingjelly=False).layers
     functional.set_step_mode(net, "s")
     with pytest.raises(ValueError, match="whole sequences"):
         energy.estimate(net, x[0])

@@ -38,6 +38,20 @@ TINY = {
 
 # ----------------------------------------------------------------------------------------- builders
 
+@pytest.mark.parametrize("script,args,says", [
+    ("energy_table5.py", ["--batch", "0"], "--batch must be >= 1"),
+    ("energy_table5.py", ["--calibrate", "-1"], "--calibrate >= 0"),
+    ("energy_table5.py", ["--firing-rate", "-0.5"], "--firing-rate must be in [0, 1]"),
+    ("mulfree_inference.py", ["--batch", "0"], "--batch must be >= 1"),
+])
+def test_the_inference_scripts_refuse_bad_arguments(script, args, says):
+    """--batch 0 printed 'equal spikes nan', a negative one a traceback, a negative firing rate a
+    negative energy."""
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 2 and says in r.stderr, (r.returncode, r.stdout[-500:], r.stderr[-500:])
+
+
 @pytest.mark.parametrize("script", ["train_sequential", "train_shd"])
 @pytest.mark.parametrize("device", ["bogus", "meta:x", "cuda:7"])
 def test_a_device_that_is_not_here_is_refused_by_the_argument_check(script, device, capsys):

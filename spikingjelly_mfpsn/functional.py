@@ -18,14 +18,23 @@ from .neuron import MulFreeChannelwisePSN
 logger = _compat.logger
 
 
+def _check_count(value, name: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
 def sawtooth_dilation(index: int, period: int = 3) -> int:
     """Dilation of the ``index``-th (0-based) spiking-neuron layer (paper Eq. 4:
     ``d^0 = 1, d^{l+1} = d^l mod 3 + 1``): 1, 2, 3, 1, 2, 3, ..."""
+    _check_count(index, "index", 0)
+    _check_count(period, "period", 1)
     return index % period + 1
 
 
 def sawtooth(n: int, period: int = 3) -> list[int]:
     """The first ``n`` sawtooth dilations: 1, 2, 3, 1, 2, 3, ..."""
+    _check_count(n, "n", 0)
+    _check_count(period, "period", 1)
     return [sawtooth_dilation(i, period) for i in range(n)]
 
 

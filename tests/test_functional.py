@@ -8,6 +8,7 @@ from spikingjelly.activation_based import functional, layer, neuron, surrogate
 
 import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, replace_neurons, set_backend, set_method
+from spikingjelly_mfpsn.functional import sawtooth, sawtooth_dilation
 
 
 def mlp(step_mode="m"):
@@ -33,6 +34,19 @@ class OutOfOrder(nn.Module):
 
     def forward(self, x):
         return self.late(self.fc2(self.early(self.fc1(x))))
+
+
+def test_sawtooth_dilations_and_their_arguments():
+    assert sawtooth(7) == [1, 2, 3, 1, 2, 3, 1] and sawtooth(5, period=2) == [1, 2, 1, 2, 1] and sawtooth(0) == []
+    assert [sawtooth_dilation(i) for i in range(4)] == [1, 2, 3, 1]
+    # a negative count gave [] silently, period 0 a ZeroDivisionError, a negative period negative dilations
+    for call, match in ((lambda: sawtooth(-1), "n must be an int >= 0"),
+                        (lambda: sawtooth(5, period=0), "period must be an int >= 1"),
+                        (lambda: sawtooth(5, period=-2), "period must be an int >= 1"),
+                        (lambda: sawtooth(2.5), "n must be an int >= 0"),
+                        (lambda: sawtooth_dilation(-1), "index must be an int >= 0")):
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 def test_replaces_every_spiking_neuron_with_sawtooth_dilations():

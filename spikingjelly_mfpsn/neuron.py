@@ -324,6 +324,10 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1] or None, got {momentum!r}")
+        if not (isinstance(eps, (int, float)) and 0.0 < eps < math.inf):
+            raise ValueError(f"eps must be a number > 0 (added to the variance), got {eps!r}")
+        if not (isinstance(v_threshold, (int, float)) and math.isfinite(v_threshold)):
+            raise ValueError(f"v_threshold must be a finite number, got {v_threshold!r}")
         self.k = k
         self.dilation = dilation
         self.quantize = bool(quantize)
@@ -401,14 +405,41 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         return t if t is not None else getattr(self, name)
 
     # ------------------------------------------------------------------ weight and bias
-    def _check_finite(self, w: torch.Tensor) -> None:
+    def _check_finite(self, mean: Optional[torch.Tensor] = None, var: Optional[torch.Tensor] = None,
+                      batch: bool = False) -> None:
+        """Refuse NaN or inf in what this forward folds (weight; gamma, beta and the statistics ``mean``,
+        ``var``, with ``var + eps > 0``; or v_threshold): it would silence a channel. As the C++ kernels
+        check. A folding that overflows is not refused: the quantiser clamps it. ``batch``: the
+        statistics are this batch's."""
         if torch.compiler.is_compiling():
             return
-        if w.is_cuda:
-            torch._assert_async(torch.isfinite(w).all(), "MulFreeChannelwisePSN.weight has NaN/inf")
-        elif not torch.isfinite(w).all():
-            raise ValueError("MulFreeChannelwisePSN.weight contains NaN or inf (diverged training or a bad "
-                             "checkpoint); spikes from it would be meaningless")
+        member = self._member
+        with torch.no_grad():
+            if self.threshold == "bn":
+                parts = (member("weight").reshape(-1), member("gamma"), member("beta"), mean, var)
+                ok = torch.isfinite(torch.cat(parts)).all() & (var + self.eps > 0).all()
+            else:
+                ok = torch.isfinite(torch.cat((member("weight").reshape(-1), member("v_threshold")))).all()
+        if ok.is_cuda:
+            torch._assert_async(ok, "MulFreeChannelwisePSN: NaN/inf in its weight, threshold or statistics")
+        elif not ok:
+            raise ValueError(self._non_finite_message(mean, var, batch))
+
+    def _non_finite_message(self, mean, var, batch: bool) -> str:
+        """What :meth:`_check_finite` refused, by name."""
+        member = self._member
+        names = ("weight", "gamma", "beta") if self.threshold == "bn" else ("weight", "v_threshold")
+        if self.threshold == "bn" and not batch:
+            names += ("running_mean", "running_var")
+        bad = [name for name in names if not torch.isfinite(member(name)).all()]
+        if bad:
+            return (f"MulFreeChannelwisePSN.{', .'.join(bad)} contains NaN or inf (diverged training or a bad "
+                    f"checkpoint); spikes from it would be meaningless")
+        if batch and not (torch.isfinite(mean).all() and torch.isfinite(var).all()):
+            return ("MulFreeChannelwisePSN: the batch statistics of its charge are NaN or inf: NaN or inf in its "
+                    "input, or values large enough to overflow (the running statistics were left as they were)")
+        return (f"MulFreeChannelwisePSN: {'the batch variance' if batch else 'running_var'} + eps <= 0 (min "
+                f"{float(var.min())}): a batch norm cannot be folded into the weight (a bad checkpoint?)")
 
     def _maybe_quantize(self, w: torch.Tensor) -> torch.Tensor:
         return quantize(w, self.ste) if self.quantize else w
@@ -434,10 +465,13 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
 
     def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-mode ``(Wq, b)``: the (quantised) weight and the bias the neuron runs with, so that
-        ``S = Theta(conv(X, Wq) + b)``. Uses running statistics for ``threshold='bn'``."""
+        ``S = Theta(conv(X, Wq) + b)``. Uses running statistics for ``threshold='bn'``. NaN or inf in
+        any of them raises a ``ValueError`` naming the tensor."""
         if self.threshold == "bn":
+            self._check_finite(self.running_mean, self.running_var)
             w, b = self._fuse(self.running_mean, self.running_var)
         else:
+            self._check_finite()
             w, b = self.weight, -self.v_threshold
         return self._maybe_quantize(w), b
 
@@ -490,9 +524,9 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
 
     def _weight_bias_for(self, run_stats):
         """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""
-        self._check_finite(self.weight)
         if self.threshold == "bn" and self.training:
             mean, var, n = run_stats(self.weight)
+            self._check_finite(mean, var, batch=True)  # before the running statistics take anything in
             self._update_running_stats(mean, var, n)
             w, b = self._fuse(mean, var)
             return self._maybe_quantize(w), b

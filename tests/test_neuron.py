@@ -449,6 +449,65 @@ def test_nan_weights_are_refused():
         sn(torch.randn(3, 2, 2))
 
 
+_FOLDED = [("weight", "bn"), ("gamma", "bn"), ("beta", "bn"), ("running_mean", "bn"), ("running_var", "bn"),
+           ("weight", "param"), ("v_threshold", "param")]
+
+
+@pytest.mark.parametrize("method", [m for m in ("shift_add", "conv1d", "cpp") if m in ops.names()])
+@pytest.mark.parametrize("name,threshold", _FOLDED)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+def test_non_finite_parameters_and_statistics_are_refused_by_name(method, name, threshold, value, step_mode):
+    """NaN or inf in anything folded into the weight and bias silenced its channel without a word (only
+    the weight was checked): gamma, beta, v_threshold, and in eval the running statistics (a bad
+    checkpoint). Every path refuses it, the C++ kernels included, naming the tensor, before anything
+    is updated. (The running statistics do not enter a training step: there they are only updated.)"""
+    for training in (True, False):
+        sn = MulFreeChannelwisePSN(3, k=2, dilation=2, step_mode=step_mode, method=method, threshold=threshold)
+        sn.train(training)
+        with torch.no_grad():
+            getattr(sn, name)[1] = value
+        before = {k: v.clone() for k, v in sn.state_dict().items()}
+        x = torch.randn(5, 4, 3)
+        run = (lambda: sn(x)) if step_mode == "m" else (lambda: sn(x[0]))
+        if training and name.startswith("running"):
+            run()  # not folded in training
+            continue
+        with pytest.raises(ValueError, match=rf"MulFreeChannelwisePSN\.{name} contains NaN or inf"):
+            run()
+        after = sn.state_dict()
+        assert all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)  # untouched
+
+
+@pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp") if m in ops.names()])
+def test_a_bad_batch_or_running_variance_is_refused(method):
+    """NaN in the input of a BN-threshold training step made NaN batch statistics, which went into the
+    running ones for good; a running variance with var + eps <= 0 (a bad checkpoint) NaN weights."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method)
+    x = torch.randn(5, 4, 3)
+    x[2, 1, 0] = float("nan")
+    stats = (sn.running_mean.clone(), sn.running_var.clone(), sn.num_batches_tracked.clone())
+    with pytest.raises(ValueError, match="batch statistics of its charge are NaN or inf: NaN or inf in its input"):
+        sn(x)
+    assert all(torch.equal(a, b) for a, b in zip(stats, (sn.running_mean, sn.running_var, sn.num_batches_tracked)))
+    sn.eval()
+    assert sn(x).shape == x.shape  # in eval, the input's NaN gives no spike where it reaches (no statistics)
+    with torch.no_grad():
+        sn.running_var[2] = -1.0
+    with pytest.raises(ValueError, match=r"running_var \+ eps <= 0 \(min -1.0\)"):
+        sn(torch.randn(5, 4, 3))
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(eps=0.0), "eps must be a number > 0"),
+                                          (dict(eps=-1e-5), "eps must be a number > 0"),
+                                          (dict(eps=float("nan")), "eps must be a number > 0"),
+                                          (dict(v_threshold=float("nan")), "v_threshold must be a finite number"),
+                                          (dict(v_threshold=float("inf")), "v_threshold must be a finite number")])
+def test_bad_eps_and_threshold_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MulFreeChannelwisePSN(3, k=2, **kwargs)
+
+
 @pytest.mark.parametrize("method", [m for m in ops.names(layout="time_first") if m not in ("triton", "cupy")])
 @pytest.mark.parametrize("threshold", ["bn", "param"])
 def test_a_gradient_penalty_through_the_neuron(method, threshold):

@@ -690,6 +690,26 @@ void quantize_pow2_(S* w, int64_t n) {
 }
 
 // The BN folded into the weight and a bias (in S, as the reference computes them):
+// Whether no value is NaN or inf (one vectorised pass: no early exit).
+template <typename S>
+bool all_finite(const S* v, int64_t n) {
+    int bad = 0;
+    for (int64_t j = 0; j < n; ++j) bad |= !(std::abs(v[j]) <= std::numeric_limits<S>::max());  // NaN too
+    return !bad;
+}
+
+// Whether W can be folded with (gamma, beta, mean, var): all of them finite and var + eps > 0 (a NaN there
+// would silence a channel; the caller's general path, which checks the same, names what is wrong). A
+// folding that overflows is not refused: the quantiser clamps it to the largest power of two.
+template <typename S>
+bool finite_folding(int64_t C, int K, const S* w, const S* gamma, const S* beta, const S* mean, const S* var,
+                    double eps) {
+    bool ok = all_finite(w, C * K) && all_finite(gamma, C) && all_finite(beta, C) && all_finite(mean, C) &&
+              all_finite(var, C);
+    for (int64_t c = 0; c < C; ++c) ok &= double(var[c]) + eps > 0.0;
+    return ok;
+}
+
 // Wf = gamma / sqrt(var + eps) * W, b = beta - gamma * mean / sqrt(var + eps); wq = Q(Wf) when quantising.
 template <typename S>
 void fold_bn(int64_t C, int K, const S* w, const S* gamma, const S* beta, const S* mean, const S* var, double eps,
@@ -706,12 +726,14 @@ void fold_bn(int64_t C, int K, const S* w, const S* gamma, const S* beta, const 
 // bias-free charge (given: mean and var are read instead, e.g. the running ones in eval mode), the BN
 // folded into the weight and a bias (fold_bn), then S = Theta(charge(X, Wq) + b) into out. With
 // running_mean (and running_var), the batch mean and unbiased variance are blended into them:
-// r += factor * (stat - r).
+// r += factor * (stat - r). Returns 1, with nothing but mean and var written, where the folding is not
+// finite (see finite_folding).
 template <typename S, int KT>
-void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* beta, double eps,
-                int quantize, int given, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var,
-                double factor, int threads) {
+int bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamma, const S* beta, double eps,
+               int quantize, int given, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var,
+               double factor, int threads) {
     if (!given) forward<S, KT>(g, KP, x, w, nullptr, nullptr, 0, mean, var, threads);
+    if (!finite_folding(g.C, g.K, w, gamma, beta, mean, var, eps)) return 1;
     if (running_mean) {
         const int64_t n = g.T * g.N * g.F;
         const S f = S(factor), unbias = S(double(n) / double(std::max<int64_t>(n - 1, 1)));
@@ -722,6 +744,7 @@ void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamm
     }
     fold_bn(g.C, g.K, w, gamma, beta, mean, var, eps, quantize, wq, b);
     forward<S, KT>(g, KP, x, wq, b, out, 1, nullptr, nullptr, threads);
+    return 0;
 }
 
 // One step of an eval-mode neuron (no gradient): out = Theta(sum_i Wq[c, i] * xs[i] + b[c]) over
@@ -729,10 +752,13 @@ void bn_forward(const Geometry& g, int KP, const S* x, const S* w, const S* gamm
 // With gamma, Wq and b are folded from mean and var as in bn_forward; without, Wq = Q(w) (or w) and
 // b = bias. The taps are added in order i = 0..K-1, then b, as the PyTorch single-step path does (the
 // compiler may fuse a multiply and an add: a float32 spike may differ where h is within rounding of 0).
+// Returns 1, with nothing written, where the weights (or the folding) are not finite.
 template <typename S>
-void step_fire(const S* const* xs, const S* w, const S* gamma, const S* beta, const S* mean, const S* var,
-               double eps, int quantize, const S* bias, S* out, int64_t N, int64_t C, int64_t F, int K,
-               int threads) {
+int step_fire(const S* const* xs, const S* w, const S* gamma, const S* beta, const S* mean, const S* var,
+              double eps, int quantize, const S* bias, S* out, int64_t N, int64_t C, int64_t F, int K,
+              int threads) {
+    if (gamma ? !finite_folding(C, K, w, gamma, beta, mean, var, eps) : !(all_finite(w, C * K) && all_finite(bias, C)))
+        return 1;
     std::vector<S> wq(C * K), b(C);
     if (gamma) {
         fold_bn(C, K, w, gamma, beta, mean, var, eps, quantize, wq.data(), b.data());
@@ -764,6 +790,7 @@ void step_fire(const S* const* xs, const S* w, const S* gamma, const S* beta, co
             for (int64_t f = 0; f < F; ++f) h[f] = S(h[f] + bc >= S(0));
         }
     }
+    return 0;
 }
 
 // Its backward: the spike kernel's dL/dX, dL/dWq, dL/db; dL/dWf through the quantiser (ste 1 whole:
@@ -802,14 +829,6 @@ void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gam
     for (int64_t j = 0; j < C * K; ++j) g_w[j] += g_w_stats[j];
 }
 
-// Whether no value is NaN or inf (one vectorised pass: no early exit).
-template <typename S>
-bool all_finite(const S* v, int64_t n) {
-    int bad = 0;
-    for (int64_t j = 0; j < n; ++j) bad |= !(std::abs(v[j]) <= std::numeric_limits<S>::max());  // NaN too
-    return !bad;
-}
-
 Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int time_last) {
     return Geometry{T, N, C, F, K, d, time_last != 0};
 }
@@ -830,7 +849,7 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
     backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
 
 #define MFPSN_BN_FWD(KT, KP)                                                                                  \
-    bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, given, out, mean, var, wq, b, running_mean,       \
+    refused = bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, given, out, mean, var, wq, b, running_mean,       \
                       running_var, factor, threads)
 #define MFPSN_BN_BWD(KT, KP)                                                                                  \
     bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, S(alpha), eps, ste, given, gx, g_w,     \
@@ -860,8 +879,9 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         using S = T_;                                                                                          \
         if (!all_finite(w, C * K)) return 1; /* nothing computed: the caller reports the weights */            \
         const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
+        int refused = 0; /* a folding that is not finite: nothing but mean and var written */                  \
         MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_FWD)                                                               \
-        return 0;                                                                                              \
+        return refused;                                                                                        \
     }                                                                                                          \
     extern "C" void mfpsn_bn_backward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* mean,       \
                                                 const T_* var, const T_* wq, const T_* b, const T_* grad,       \
@@ -877,9 +897,8 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
                                         const T_* mean, const T_* var, double eps, int quantize,                \
                                         const T_* bias, T_* out, int64_t N, int64_t C, int64_t F, int K,         \
                                         int threads) {                                                          \
-        if (!all_finite(w, C * K)) return 1; /* nothing computed: the caller reports the weights */            \
-        step_fire<T_>(xs, w, gamma, beta, mean, var, eps, quantize, bias, out, N, C, F, K, threads);           \
-        return 0;                                                                                              \
+        /* 1: nothing computed, the weights or their folding are not finite (the caller reports them) */        \
+        return step_fire<T_>(xs, w, gamma, beta, mean, var, eps, quantize, bias, out, N, C, F, K, threads);    \
     }
 
 // One library per dtype (-DMFPSN_ONLY_F32 or -DMFPSN_ONLY_F64: each half of the build time), or both.

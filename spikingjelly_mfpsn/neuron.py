@@ -63,6 +63,15 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
     return "conv2d" if layout == "time_last" else "conv1d"
 
 
+def _versions(tensors, *extra) -> Optional[tuple]:
+    """Identity, storage and version counter of each tensor (an in-place change, e.g. an optimiser step or
+    ``load_state_dict``, moves the counter), or None where a tensor keeps none (inference tensors)."""
+    try:
+        return tuple((id(t), t.data_ptr(), t._version) for t in tensors) + extra
+    except RuntimeError:
+        return None
+
+
 class ChargeNeuronBase(MemoryModule):
     """What every MF-PSN variant shares: input checks, method resolution, the multi-step and
     single-step forward around a charge, and the single-step state.
@@ -343,6 +352,7 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         self._backend = ops.check_backend(backend)
         self._method = "auto"
         self.method = method
+        self._checked = None  # what _check_finite last passed in eval (tensor identities and versions)
         # Single-step state: the last (k-1)*d inputs, oldest first (a tuple of tensors).
         self.register_memory("x_queue", ())
 
@@ -414,16 +424,22 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         if torch.compiler.is_compiling():
             return
         member = self._member
-        with torch.no_grad():
+        tensors = (member("weight"), member("v_threshold")) if self.threshold != "bn" else \
+            (member("weight"), member("gamma"), member("beta"), mean, var)
+        key = None if self.training else _versions(tensors, self.eps)
+        if key is not None and key == self.__dict__.get("_checked"):  # (absent from neurons pickled before)
+            return  # the same tensors, unchanged since they passed (eval: every call folds the same)
+        with torch.no_grad():  # one sum: NaN or inf anywhere makes it so (in float64 no finite sum overflows)
+            parts = [t.reshape(-1) for t in tensors]
             if self.threshold == "bn":
-                parts = (member("weight").reshape(-1), member("gamma"), member("beta"), mean, var)
-                ok = torch.isfinite(torch.cat(parts)).all() & (var + self.eps > 0).all()
-            else:
-                ok = torch.isfinite(torch.cat((member("weight").reshape(-1), member("v_threshold")))).all()
-        if ok.is_cuda:
-            torch._assert_async(ok, "MulFreeChannelwisePSN: NaN/inf in its weight, threshold or statistics")
-        elif not ok:
+                parts.append(torch.rsqrt(var + self.eps))  # (not finite where var + eps <= 0)
+            total = torch.cat(parts).sum(dtype=torch.float64)
+        if total.is_cuda:
+            torch._assert_async(torch.isfinite(total), "MulFreeChannelwisePSN: NaN/inf in its weight, threshold "
+                                                       "or statistics")
+        elif not math.isfinite(float(total)):
             raise ValueError(self._non_finite_message(mean, var, batch))
+        self._checked = key
 
     def _non_finite_message(self, mean, var, batch: bool) -> str:
         """What :meth:`_check_finite` refused, by name."""

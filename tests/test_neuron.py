@@ -498,6 +498,28 @@ def test_a_bad_batch_or_running_variance_is_refused(method):
         sn(torch.randn(5, 4, 3))
 
 
+@pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp") if m in ops.names()])
+def test_a_change_after_a_checked_eval_call_is_seen(method):
+    """In eval the check is skipped while the folded tensors are the same, unchanged ones (their version
+    counters): an in-place change or a loaded checkpoint is checked again."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method).eval()
+    x = torch.randn(5, 4, 3)
+    sn(x)
+    sn(x)
+    with torch.no_grad():
+        sn.running_var[0] = float("nan")
+    with pytest.raises(ValueError, match="running_var contains NaN"):
+        sn(x)
+    state = {k: v.clone() for k, v in sn.state_dict().items()}
+    state["running_var"][0], state["gamma"][1] = 1.0, float("inf")
+    sn.load_state_dict(state)
+    with pytest.raises(ValueError, match="gamma contains NaN or inf"):
+        sn(x)
+    state["gamma"][1] = 1.0
+    sn.load_state_dict(state)
+    assert sn(x).shape == x.shape
+
+
 @pytest.mark.parametrize("kwargs,match", [(dict(eps=0.0), "eps must be a number > 0"),
                                           (dict(eps=-1e-5), "eps must be a number > 0"),
                                           (dict(eps=float("nan")), "eps must be a number > 0"),

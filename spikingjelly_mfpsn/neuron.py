@@ -98,10 +98,14 @@ class ChargeNeuronBase(MemoryModule):
     @layout.setter
     def layout(self, value: str) -> None:
         self._layout = ops.check_layout(value)
+        self._keep_method_if(lambda impl: value in impl.layouts)
+
+    def _keep_method_if(self, fits) -> None:
+        """Back to ``method='auto'`` unless the pinned method is registered here and ``fits(impl)``: one
+        pinned for another layout or backend, or one that does not run here (e.g. in a network saved
+        where it ran), cannot run the new configuration."""
         impl = ops.find(self._method)
-        if self._method != "auto" and (impl is None or value not in impl.layouts):
-            # A method pinned for the other layout (or one that does not run here) cannot run this one:
-            # back to the default choice.
+        if self._method != "auto" and (impl is None or not fits(impl)):
             self._method = "auto"
 
     @property
@@ -115,9 +119,7 @@ class ChargeNeuronBase(MemoryModule):
     @backend.setter
     def backend(self, value: str) -> None:
         self._backend = ops.check_backend(value)
-        impl = ops.find(self._method)
-        if self._method != "auto" and (impl is None or impl.backend != value):
-            self._method = "auto"  # (a method that does not run here, e.g. in a network saved elsewhere, too)
+        self._keep_method_if(lambda impl: impl.backend == value)
 
     @property
     def method(self) -> str:

@@ -53,12 +53,12 @@ def test_the_inference_scripts_refuse_bad_arguments(script, args, says):
 
 
 @pytest.mark.parametrize("script", ["train_sequential", "train_shd"])
-@pytest.mark.parametrize("device", ["bogus", "meta:x", "cuda:7"])
+@pytest.mark.parametrize("device", ["bogus", "meta:x", "cuda:one past the last"])
 def test_a_device_that_is_not_here_is_refused_by_the_argument_check(script, device, capsys):
     """--device naming no device type, or one this machine has no (or too few) of, exits with the
     option's name and torch's reason instead of a traceback after building the network."""
-    if device.startswith("cuda") and torch.cuda.device_count() > 7:
-        pytest.skip("this machine has a cuda:7")
+    if device.startswith("cuda"):
+        device = f"cuda:{torch.cuda.device_count()}"  # never here, whatever the machine has
     module = _import_example(script)
     with pytest.raises(SystemExit):
         module.parse_args(["--device", device])

@@ -289,16 +289,15 @@ def net_key(net: nn.Module, x, layouts, fallback: Optional[str] = None) -> str:
 def state_digest(net: nn.Module) -> Optional[str]:
     """SHA-256 of every parameter and buffer of ``net``: names, shapes, dtypes and bytes; None when one
     is not on the CPU (hashing would copy it there)."""
-    h = hashlib.sha256()
-    for name, t in itertools.chain(net.named_parameters(), net.named_buffers()):
-        if t.device.type != "cpu":
-            return None
-        t = t.detach()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        try:
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
-        except (RuntimeError, TypeError):  # e.g. a tensor with a lazy conjugate: no digest, the checked path
-            return None
+    named = list(itertools.chain(net.named_parameters(), net.named_buffers()))
+    if any(t.device.type != "cpu" for _, t in named):
+        return None
+    h = hashlib.sha256("".join(f"{name}:{tuple(t.shape)}:{t.dtype};" for name, t in named).encode())
+    try:  # one buffer of every tensor's bytes, in order (one hash update: a few us per tensor less)
+        data = [t.detach().reshape(-1).view(torch.uint8) for _, t in named]
+        h.update(torch.cat(data).numpy() if data else b"")
+    except (RuntimeError, TypeError):  # e.g. a tensor with a lazy conjugate: no digest, the checked path
+        return None
     return h.hexdigest()
 
 

@@ -110,6 +110,58 @@ def test_bn_cumulative_average_with_momentum_none():
     torch.testing.assert_close(sn.running_mean, torch.stack(means).mean(0))
 
 
+class _Shifted(surrogate.ATan):
+    """A surrogate of SpikingJelly's ATan class family with its own forward: never taken for Theta."""
+
+    def forward(self, x):
+        return super().forward(x - 0.25)
+
+
+def _runnable_methods(layout):
+    return [m for m in ops.names(layout=layout) if ops.backend_available(ops.get(m).backend)
+            and ops.get(m).backend in ("torch", "cpp")]
+
+
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+@pytest.mark.parametrize("surrogate_kind", ["atan", "atan primitive", "subclass"])
+def test_forward_without_a_graph_equals_the_recorded_one(layout, surrogate_kind):
+    """Without a graph to record (no_grad, or nothing requiring a gradient) the charge runs without its
+    autograd Function and Theta(H) without the surrogate's: the same spikes, and in training the same
+    running statistics, as with a graph, and as the paper's equations give; a surrogate the kernels do
+    not know (the smooth primitive, a subclass with its own forward) is still applied."""
+    torch.manual_seed(3)
+    sg = {"atan": surrogate.ATan(), "atan primitive": surrogate.ATan(spiking=False), "subclass": _Shifted()}
+    for method in _runnable_methods(layout):
+        base = MulFreeChannelwisePSN(3, k=3, dilation=2, step_mode="m", layout=layout, method=method,
+                                     surrogate_function=sg[surrogate_kind], exp_init=False)
+        with torch.no_grad():
+            base.gamma.uniform_(0.5, 2)
+            base.beta.uniform_(-1, 0.5)
+        x = seq(7, 4, 3, (2,), layout, dtype=torch.float32)
+        for training in (True, False):
+            recorded, bare, frozen = (copy.deepcopy(base).train(training) for _ in range(3))
+            out = recorded(x.clone().requires_grad_())
+            assert out.requires_grad, method
+            with torch.no_grad():
+                out_no_grad = bare(x)
+            for p in frozen.parameters():
+                p.requires_grad_(False)
+            out_frozen = frozen(x)
+            for other, mod in ((out_no_grad, bare), (out_frozen, frozen)):
+                torch.testing.assert_close(other, out.detach(), msg=f"{method} training={training}")
+                torch.testing.assert_close(mod.running_mean, recorded.running_mean)
+                torch.testing.assert_close(mod.running_var, recorded.running_var)
+            stats = None if training else (base.running_mean, base.running_var)
+            h, _ = reference.mfpsn_charge(x.double(), base.weight.double(), 2, layout, "bn",
+                                          gamma=base.gamma.double(), beta=base.beta.double(),
+                                          stats=None if stats is None else tuple(t.double() for t in stats))
+            want = {"atan": lambda h: (h >= 0).double(), "atan primitive": reference.atan_primitive,
+                    "subclass": lambda h: (h - 0.25 >= 0).double()}[surrogate_kind](h)
+            near = (h.abs() < 1e-4) | ((h - 0.25).abs() < 1e-4)  # float32 rounding may flip these
+            torch.testing.assert_close(out_no_grad.double()[~near], want[~near], atol=1e-5, rtol=1e-4,
+                                       msg=f"{method} training={training}")
+
+
 def test_train_runs_two_charges_eval_one(monkeypatch):
     calls = []
 

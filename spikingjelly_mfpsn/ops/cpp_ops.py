@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .registry import Implementation, first_order_only, note_unavailable, register, surrogate_kind
+from .registry import Implementation, first_order_only, needs_grad, note_unavailable, register, surrogate_kind
 
 SOURCE_FILE = Path(__file__).with_name("cpu") / "mfpsn_cpu.cpp"
 BUILD_ENV = "SPIKINGJELLY_MFPSN_BUILD"
@@ -339,6 +339,16 @@ class _NonFiniteWeight(Exception):
 _STE_CODES = {None: 0, "whole": 1, "round": 2}
 
 
+def _bn_fire_forward(x, weight, gamma, beta, cfg, geometry=None):
+    """:func:`bn_forward` of contiguous tensors with ``_CppBNFire``'s ``cfg``, no graph; raises
+    ``_NonFiniteWeight`` where the kernel refused the weights."""
+    eps, ste, dilation, layout, _, _, running, given = cfg
+    result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running, geometry, given)
+    if result is None:
+        raise _NonFiniteWeight()
+    return result
+
+
 class _CppBNFire(torch.autograd.Function):
     """The forward of a BN-threshold neuron as one autograd node and one kernel call each way: the
     batch statistics of charge(X, W) (training) or the given ones (eval: the running statistics,
@@ -359,11 +369,7 @@ class _CppBNFire(torch.autograd.Function):
         eps, ste, dilation, layout, kind, alpha, running, given = cfg
         x, weight = x.contiguous(), weight.contiguous()  # (bn_fire lets only contiguous gamma, beta in)
         geometry = _geometry(x, weight.shape[1], dilation, layout)
-        result = bn_forward(x, weight, gamma, beta, eps, ste is not None, dilation, layout, running, geometry,
-                            given)
-        if result is None:
-            raise _NonFiniteWeight()
-        out, mean, var, wq, b = result
+        out, mean, var, wq, b = _bn_fire_forward(x, weight, gamma, beta, cfg, geometry)
         ctx.save_for_backward(x, weight, gamma, mean, var)
         ctx.folded = (wq, b)
         ctx.args = (kind, alpha, eps, _STE_CODES[ste], given is not None, dilation, layout)
@@ -500,9 +506,13 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     for t in raw:  # read through raw pointers
         if t.dtype != dtype or t.device != device or not t.is_contiguous():
             return None
+    cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
     try:
-        out = _CppBNFire.apply(x, weight, gamma, beta, (float(eps), ste, dilation, layout, kind,
-                                                        float(surrogate_function.alpha), running, given))
+        if needs_grad(x, weight, gamma, beta):
+            out = _CppBNFire.apply(x, weight, gamma, beta, cfg)
+        else:  # no graph to record: the kernel alone
+            out, mean, var, _, _ = _bn_fire_forward(x.contiguous(), weight.contiguous(), gamma, beta, cfg)
+            out = out if given is not None else (out, mean, var)  # (as _CppBNFire returns)
     except _NonFiniteWeight:
         return None
     return out if given is None else (out, *given)
@@ -518,7 +528,7 @@ def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[
     inputs = [t for t in taps if t is not None]
     if not surrogate_kind(surrogate_function) or torch.compiler.is_compiling():
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors + inputs):
+    if needs_grad(*tensors, *inputs):
         return None
     if x.dtype not in DTYPES or x.device.type != "cpu" \
             or any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in tensors + inputs):

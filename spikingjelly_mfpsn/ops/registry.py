@@ -8,7 +8,8 @@ Every implementation obeys one contract, :meth:`Implementation.apply`:
 
 * ``x``: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), any strides;
 * ``weight``: ``(C, k)``, already quantised if quantisation is on; ``bias``: ``(C,)`` or ``None``;
-* returns ``H``, contiguous, of ``x``'s shape, differentiable w.r.t. ``x``, ``weight`` and ``bias``.
+* returns ``H``, a new contiguous tensor of ``x``'s shape, differentiable w.r.t. ``x``, ``weight`` and
+  ``bias``.
 
 An implementation may also fuse the spike: ``fire(x, weight, bias, dilation, layout, surrogate_function)``
 returns ``surrogate_function(H)`` (same values and gradients) or ``None`` when it cannot fuse that call;
@@ -93,6 +94,12 @@ def surrogate_kind(surrogate_function) -> int:
     if surrogate_function._forward_hooks or surrogate_function._forward_pre_hooks:
         return 0
     return kind
+
+
+def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd records a call on these tensors (None entries ignored): else an implementation
+    may skip its autograd Function, whose call alone costs about 10 us."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,10 @@ def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], di
         s = impl.fire(x, weight, bias, dilation, layout, surrogate_function)
         if s is not None:
             return s
-    return surrogate_function(impl.apply(x, weight, bias, dilation, layout))
+    h = impl.apply(x, weight, bias, dilation, layout)
+    if not h.requires_grad and surrogate_kind(surrogate_function):
+        return h.ge_(0)  # no backward to come: SpikingJelly's spiking forward, Theta(H), without its Function
+    return surrogate_function(h)
 
 
 def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str,

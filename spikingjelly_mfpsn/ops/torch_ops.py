@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .reduce import channel_dot, channel_sum
-from .registry import Implementation, channel_dim, channel_view_shape, register, tap_schedule, time_dim
+from .registry import Implementation, channel_dim, channel_view_shape, needs_grad, register, tap_schedule, time_dim
 
 # A (C, T, T) Toeplitz weight beyond this many elements is refused by Vmap+MM.
 MAX_MM_ELEMENTS = 1 << 28
@@ -114,20 +114,26 @@ def _taps(weight: torch.Tensor, x: torch.Tensor, dilation: int, layout: str):
         yield i, weight[:, i].view(shape), lag
 
 
+def _shift_add(x, weight, bias, dilation, layout):
+    """The charge, with no graph: k shifted slices of X, each scaled by its tap and accumulated in place."""
+    td = time_dim(layout) % x.dim()
+    t = x.shape[td]
+    h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if bias is not None:
+        h.copy_(bias.view(channel_view_shape(x.dim(), layout)).expand(x.shape))
+    else:
+        h.zero_()
+    for _, w_i, lag in _taps(weight, x, dilation, layout):
+        h.narrow(td, lag, t - lag).addcmul_(x.narrow(td, 0, t - lag), w_i)
+    return h
+
+
 class _ShiftAdd(torch.autograd.Function):
-    """k shifted slices of X, each scaled by its tap and accumulated in place; saves only X and W."""
+    """:func:`_shift_add` with its own backward; saves only X and W."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dilation, layout):
-        td = time_dim(layout) % x.dim()
-        t = x.shape[td]
-        h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        if bias is not None:
-            h.copy_(bias.view(channel_view_shape(x.dim(), layout)).expand(x.shape))
-        else:
-            h.zero_()
-        for _, w_i, lag in _taps(weight, x, dilation, layout):
-            h.narrow(td, lag, t - lag).addcmul_(x.narrow(td, 0, t - lag), w_i)
+        h = _shift_add(x, weight, bias, dilation, layout)
         ctx.save_for_backward(x, weight)
         ctx.dilation, ctx.layout, ctx.has_bias = dilation, layout, bias is not None
         return h
@@ -156,6 +162,8 @@ class _ShiftAdd(torch.autograd.Function):
 
 def shift_add(x, weight, bias, dilation, layout):
     """Accumulate k time-shifted slices of X scaled by their taps; no reshape, no transpose."""
+    if not needs_grad(x, weight, bias):
+        return _shift_add(x, weight, bias, dilation, layout)
     return _ShiftAdd.apply(x, weight, bias, dilation, layout)
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .registry import Implementation, first_order_only, register, surrogate_kind
+from .registry import Implementation, first_order_only, needs_grad, register, surrogate_kind
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_PI: tl.constexpr = tl.constexpr(math.pi / 2)
@@ -322,7 +322,7 @@ def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torc
     if not kind or torch.result_type(x, weight) == torch.float64:
         return None  # float64: the surrogate constants are float32 kernel scalars
     # H is written only when a backward pass will need it.
-    keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    keep_h = needs_grad(x, weight, bias)
     return _TritonCharge.apply(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha), keep_h)
 
 

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch.autograd.graph import increment_version
@@ -81,14 +81,14 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compile(cxx: str, out: Path, flags: list[str]) -> None:
-    """Compile the source to ``out`` (atomically: a temporary file renamed into place)."""
+def _compile(cxx: str, out: Path, flags: list[str], source: Path = SOURCE_FILE, libs: Sequence[str] = ()) -> None:
+    """Compile ``source`` to ``out`` (atomically: a temporary file renamed into place), linked with ``libs``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for extra in (["-fopenmp"], []):  # without OpenMP the kernels run on one thread
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cxx, *flags, *extra, str(SOURCE_FILE), "-o", tmp]
+        cmd = [cxx, *flags, *extra, str(source), "-o", tmp, *libs]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode == 0:
             os.replace(tmp, out)
@@ -117,6 +117,35 @@ _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
 
 
+def _built(name: str, flags: list[str], load, source: Path = SOURCE_FILE, libs: Sequence[str] = (),
+           key_parts: Sequence[str] = ()):
+    """``load(path)`` of ``source`` compiled with ``flags``: built once per source, compiler, flags, CPU (and
+    ``key_parts``) into the build directory as ``{name}_{key}.so``; a file that does not load (truncated,
+    foreign) is built again once. Call under ``_LOCK``."""
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("backend 'cpp' needs a C++ compiler (g++, clang++ or $CXX)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    texts = [SOURCE_FILE.read_text()] + ([source.read_text()] if source != SOURCE_FILE else [])
+    key = hashlib.sha256("\0".join([*texts, cxx, version, " ".join([*flags, *libs]), _cpu_id(), *key_parts])
+                         .encode()).hexdigest()[:16]
+    path = build_dir() / f"{name}_{key}.so"
+    if not path.exists():
+        path = _writable(path)
+        _compile(cxx, path, flags, source, libs)
+    try:
+        return load(path)
+    except OSError as e:  # a truncated or foreign file: build it again once
+        with contextlib.suppress(OSError):
+            path.unlink()
+        path = _writable(path)
+        _compile(cxx, path, flags, source, libs)
+        try:
+            return load(path)
+        except OSError:
+            raise BuildError(f"the compiled library at {path} does not load: {e}") from e
+
+
 def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
     """The compiled kernels for ``dtype`` (float32 or float64), built on first use: one library per
     dtype (each about half of the build), so a float32 network never waits for float64's kernels."""
@@ -126,31 +155,63 @@ def library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
         return lib
     with _LOCK:
         if suffix not in _LIBS:
-            cxx = compiler()
-            if cxx is None:
-                raise BuildError("backend 'cpp' needs a C++ compiler (g++, clang++ or $CXX)")
-            flags = [*_FLAGS, f"-DMFPSN_ONLY_{suffix.upper()}"]
-            version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-            key = hashlib.sha256("\0".join([SOURCE_FILE.read_text(), cxx, version, " ".join(flags), _cpu_id()])
-                                 .encode()).hexdigest()[:16]
-            path = build_dir() / f"mfpsn_cpu_{suffix}_{key}.so"
-            if not path.exists():
-                path = _writable(path)
-                _compile(cxx, path, flags)
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:  # a truncated or foreign file: build it again once
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                path = _writable(path)
-                _compile(cxx, path, flags)
-                try:
-                    lib = ctypes.CDLL(str(path))
-                except OSError:
-                    raise BuildError(f"the compiled kernels at {path} do not load: {e}") from e
+            lib = _built(f"mfpsn_cpu_{suffix}", [*_FLAGS, f"-DMFPSN_ONLY_{suffix.upper()}"],
+                         lambda path: ctypes.CDLL(str(path)))
             _declare(lib, suffix)
             _LIBS[suffix] = lib
         return _LIBS[suffix]
+
+
+NODE_SOURCE = SOURCE_FILE.with_name("mfpsn_node.cpp")
+_NODES: dict[str, Optional[object]] = {}  # dtype suffix -> the node's operator, or None where it did not build
+NODE_UNAVAILABLE: dict[str, str] = {}  # dtype suffix -> why the node did not build
+
+
+def node(dtype: torch.dtype):
+    """The C++ autograd node of the BN-threshold step for ``dtype`` (``cpu/mfpsn_node.cpp``: the kernels of
+    :func:`library` behind a torch operator, compiled against this torch's headers, once per torch version;
+    about 20 s), or None where it does not build here (the reason in ``NODE_UNAVAILABLE``, and a warning
+    once): then training runs the same kernels through the Python autograd Function ``_CppBNFire``."""
+    suffix = DTYPES[dtype]
+    if suffix in _NODES:  # the hot path
+        return _NODES[suffix]
+    with _LOCK:
+        if suffix not in _NODES:
+            try:
+                _NODES[suffix] = _built(f"mfpsn_node_{suffix}", _node_flags(suffix), _load_node(suffix), NODE_SOURCE,
+                                        _node_libs(), [torch.__version__, str(_torch_dir())])
+            except (BuildError, OSError, RuntimeError) as e:
+                _NODES[suffix] = None
+                NODE_UNAVAILABLE[suffix] = str(e)
+                lines = [ln for ln in str(e).splitlines() if ln.strip() and not ln.startswith("$ ")]
+                reason = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else type(e).__name__)
+                warnings.warn(f"backend 'cpp': its autograd node does not build against this torch ({reason.strip()}; "
+                              f"all of it in spikingjelly_mfpsn.ops.cpp_ops.NODE_UNAVAILABLE): training runs the "
+                              f"same kernels through a Python autograd Function instead (about 30 us more per "
+                              f"neuron call)")
+        return _NODES[suffix]
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).parent
+
+
+def _node_flags(suffix: str) -> list[str]:
+    include = _torch_dir() / "include"
+    return [*_FLAGS, f"-DMFPSN_ONLY_{suffix.upper()}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
+
+
+def _node_libs() -> list[str]:
+    lib = _torch_dir() / "lib"
+    return [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"]
+
+
+def _load_node(suffix: str):
+    def load(path: Path):
+        torch.ops.load_library(str(path))
+        return getattr(torch.ops.spikingjelly_mfpsn_cpu, f"bn_fire_{suffix}")
+    return load
 
 
 def _declare(lib: ctypes.CDLL, suffix: str) -> None:
@@ -493,6 +554,18 @@ def stats(x, weight, dilation, layout):
     return _CppStats.apply(x, weight, dilation, layout)
 
 
+def _node_fire(op, x, weight, gamma, beta, cfg):
+    """``_CppBNFire.apply`` through the C++ node ``op`` (see :func:`node`)."""
+    eps, ste, dilation, layout, kind, alpha, running, given = cfg
+    rm, rv, factor = running if running is not None else (None, None, 0.0)
+    gm, gv = given if given is not None else (None, None)
+    outs = op(x.contiguous(), weight.contiguous(), gamma, beta, rm, rv, gm, gv, eps, _STE_CODES[ste], dilation,
+              layout == "time_last", kind, alpha, factor)
+    if not outs:
+        raise _NonFiniteWeight()
+    return outs[0] if given is not None else tuple(outs)
+
+
 def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None, given=None):
     """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
     surrogate the kernel does not know, an empty batch, BN parameters or statistics of another dtype or
@@ -509,7 +582,9 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
     try:
         if needs_grad(x, weight, gamma, beta):
-            out = _CppBNFire.apply(x, weight, gamma, beta, cfg)
+            op = node(dtype)
+            out = _CppBNFire.apply(x, weight, gamma, beta, cfg) if op is None else _node_fire(op, x, weight, gamma,
+                                                                                              beta, cfg)
         else:  # no graph to record: the kernel alone
             out, mean, var, _, _ = _bn_fire_forward(x.contiguous(), weight.contiguous(), gamma, beta, cfg)
             out = out if given is not None else (out, mean, var)  # (as _CppBNFire returns)

@@ -634,8 +634,13 @@ IMPLEMENTATION = Implementation("cpp", "cpp", ("time_first", "time_last"), charg
 
 def register_if_available() -> Optional[str]:
     """Register ``'cpp'`` when a compiler exists; otherwise record why not. Returns that reason."""
-    if compiler() is None:
+    reason = None
+    if not SOURCE_FILE.is_file():
+        reason = (f"its kernels' source {SOURCE_FILE.name} is missing from this installation of "
+                  f"spikingjelly_mfpsn (reinstall the package)")
+    elif compiler() is None:
         reason = "no C++ compiler found (set $CXX or install g++ or clang++)"
+    if reason is not None:
         note_unavailable("cpp", reason)
         return reason
     register(IMPLEMENTATION)

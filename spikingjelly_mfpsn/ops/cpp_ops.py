@@ -20,6 +20,11 @@ What it fuses, so that the X-sized tensors of a BN-threshold training step are r
 * ``step_fire``: one single-step call without gradients (streaming inference), folding, quantiser,
   the k taps and the spikes in one call.
 
+In training, ``bn_fire``'s autograd node is C++ (``cpu/mfpsn_node.cpp``, built against the installed
+torch at the first training call on a dtype: :func:`node`); where that does not build, the Python
+autograd Function ``_CppBNFire`` calls the same kernels through ctypes. With no graph to record, the
+kernel runs alone.
+
 Float32 and float64; per-channel sums are accumulated in float64.
 """
 from __future__ import annotations

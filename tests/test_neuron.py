@@ -659,3 +659,19 @@ def test_quantize_rejects_an_unknown_ste_with_and_without_a_graph():
         spikingjelly_mfpsn.quantize(w, "soft")
     with torch.no_grad(), pytest.raises(ValueError, match="ste"):
         spikingjelly_mfpsn.quantize(w, "soft")
+
+
+def test_theta_without_a_graph_never_writes_into_the_input():
+    """An implementation registered from outside may hand back its input (here: the identity, as a view):
+    Theta(H) without a graph is then taken out of place, and the input keeps its values."""
+    ops.register(ops.Implementation("identity_view", "torch", ("time_first",),
+                                    lambda x, weight, bias, dilation, layout: x.view(x.shape), "H = X"))
+    try:
+        x = torch.randn(4, 2, 3)
+        kept = x.clone()
+        with torch.no_grad():
+            s = ops.fire(x, torch.ones(3, 1), None, 1, "time_first", "identity_view", surrogate.ATan())
+        assert torch.equal(x, kept)
+        assert torch.equal(s, (kept >= 0).to(kept.dtype))
+    finally:
+        ops.registry._REGISTRY.pop("identity_view", None)

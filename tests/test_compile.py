@@ -22,14 +22,17 @@ def small_net():
 @pytest.mark.parametrize("method", ["auto", "conv1d", "vmap_mm"] + (["cpp"] if "cpp" in ops.names() else []))
 @pytest.mark.parametrize("layout", ["time_first", "time_last"])
 @pytest.mark.parametrize("training", [True, False])
-def test_no_graph_break_inside_the_neuron(method, layout, training):
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_no_graph_break_inside_the_neuron(method, layout, training, grad):
+    """Also under no_grad (compiled inference), where eager calls skip the autograd Functions."""
     import torch._dynamo as dynamo
     sn = MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m", method=method, layout=layout)
     sn.train(training)
     x = torch.randn(6, 4, 8, 5) if layout == "time_first" else torch.randn(4, 8, 5, 6)
-    sn(x)
-    dynamo.reset()
-    explanation = dynamo.explain(sn)(x)
+    with torch.set_grad_enabled(grad):
+        sn(x)
+        dynamo.reset()
+        explanation = dynamo.explain(sn)(x)
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
 
 

@@ -250,10 +250,11 @@ def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], di
         if s is not None:
             return s
     h = impl.apply(x, weight, bias, dilation, layout)
-    if not h.requires_grad and surrogate_kind(surrogate_function) \
+    if not h.requires_grad and surrogate_kind(surrogate_function) and not torch.compiler.is_compiling() \
             and h.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
         # No backward to come: SpikingJelly's spiking forward, Theta(H), without its Function, in place in
-        # H (never in the input, should a registered implementation hand back a view of it).
+        # H (never in the input, should a registered implementation hand back a view of it). Eager only:
+        # a compiled graph fuses the surrogate's forward anyway, and dynamo cannot trace storage pointers.
         return h.ge_(0)
     return surrogate_function(h)
 

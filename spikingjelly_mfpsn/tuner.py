@@ -168,25 +168,28 @@ class _SeedGradient(torch.autograd.Function):
 
 def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter,
             abandon_above: float = math.inf, input_grad: bool = True) -> float:
-    """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m+1`` runs.
+    """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m`` timed runs,
+    after a warm-up run (which may pay one-off costs, and is never timed).
 
     The backward gets a gradient of ones of the output's shape (of each tensor of a structured output:
     tuples, lists, dicts; made once, outside the timed region; no
     kernel's work depends on the gradient's values, and drawing random ones took 0.9 ms per call for a
     digits-sized layer, 7 % of a cold autoselect).
-    Once every timed run so far (all but the first, which may pay one-off costs) was slower than
-    ``abandon_above``, the measurement ends early and returns the fastest of them: the candidate is
-    already known to lose. A single slow run (noise only ever slows a run down) does not end it. A run
-    whose forward alone settles that skips its backward, and counts with its forward time (so an
-    abandoned candidate's time is a lower bound).
+    Once every timed run so far was slower than ``abandon_above``, the measurement ends early and returns
+    the fastest of them: the candidate is already known to lose. A single slow run (noise only ever slows
+    a run down) does not end it, except the first. A run whose forward alone settles that skips its
+    backward, and counts with its forward time (so an abandoned candidate's time is a lower bound). A
+    warm-up whose forward alone is slower than ``abandon_above`` skips its backward too: the next forward,
+    free of one-off costs, either loses as well (the candidate is abandoned after two forwards) or warms
+    up the backward.
     ``input_grad``: the inputs require grad (a layer inside a network); ``False`` for a whole
     network fed data. With gradients disabled (``torch.no_grad()``, ``torch.inference_mode()``), the
     forward alone is timed: what an inference loop runs.
     """
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     backward = torch.is_grad_enabled()
-    times, z = [], None
-    for _ in range(2 * m + 1):
+    times, z, warm, slow_warmups = [], None, False, 0
+    while len(times) < 2 * m:
         inputs = _clone_args(args, input_grad and backward)
         _compat.functional.reset_net(module)
         t0 = timer()
@@ -194,7 +197,13 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         _sync(device)
         t1 = timer()
         elapsed = t1 - t0
-        lost = bool(times) and min(times[1:] + [elapsed]) > abandon_above  # lost, whatever its backward takes
+        if warm:
+            lost = min(times + [elapsed]) > abandon_above  # lost, whatever its backward takes
+        else:
+            lost = elapsed > abandon_above
+            slow_warmups += lost
+            if slow_warmups == 2:  # a second forward, without one-off costs, lost as well
+                break
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not lost and backward and outs:
             if z is None or [t.shape for t in z] != [t.shape for t in outs]:
@@ -204,11 +213,15 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
             seed.backward()
             _sync(device)
             elapsed += timer() - t2
+        if not warm:
+            warm = not lost or not backward  # (without gradients, a forward is the whole run)
+            continue
         times.append(elapsed)
-        if len(times) > 1 and min(times[1:]) > abandon_above:
-            _compat.functional.reset_net(module)
-            return min(times[1:])
+        if min(times) > abandon_above:
+            break
     _compat.functional.reset_net(module)
+    if len(times) < 2 * m:  # abandoned
+        return min(times) if times else elapsed
     return sum(times[-m:]) / m
 
 

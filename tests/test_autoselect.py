@@ -658,34 +658,46 @@ def test_plan_stored_under_other_library_versions_is_not_used(tmp_path, monkeypa
 
 # ------------------------------------------------------------------ measure
 class ScriptedClock:
-    """A timer under which run i of ``measure`` takes ``runs[i]`` seconds: all of it in the forward, or
-    ``(forward, backward)`` seconds."""
+    """A timer under which the timed sections of ``measure`` (each a forward, or a backward, read as a start
+    and an end) take ``sections[i]`` seconds in turn; ``reads`` counts the clock reads."""
 
-    def __init__(self, runs):
-        self.runs, self.calls = [r if isinstance(r, tuple) else (r, 0.0) for r in runs], 0
+    def __init__(self, sections):
+        self.sections, self.reads = list(sections), 0
 
     def __call__(self):
-        run, phase = divmod(self.calls, 4)  # t0, t1 (forward), t2, t3 (backward) per run
-        self.calls += 1
-        fwd, bwd = self.runs[run]
-        return 1000.0 * run + (0.0, fwd, fwd, fwd + bwd)[phase]
+        section, end = divmod(self.reads, 2)
+        self.reads += 1
+        return 1000.0 * section + (self.sections[section] if end else 0.0)
 
 
 def test_measure_is_the_mean_of_the_last_m_and_ignores_a_single_slow_run():
-    clock = ScriptedClock([9.0, 1.0, 10.0, 1.0, 2.0])  # a warm-up, then one run slowed down by noise
+    # a warm-up slow in its backward (one-off costs), then four timed runs, one slowed down by noise
+    clock = ScriptedClock([0.5, 8.5, 0.5, 0.5, 5.0, 5.0, 0.5, 0.5, 1.0, 1.0])
     t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
-    assert t == pytest.approx(1.5) and clock.calls == 20
+    assert t == pytest.approx(1.5) and clock.reads == 20
 
 
 def test_measure_abandons_a_candidate_whose_timed_runs_all_lose():
-    clock = ScriptedClock([9.0, 4.0, 5.0, 1.0, 1.0])
-    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
-    assert t == 4.0 and clock.calls == 6  # stopped after the first timed run's forward: no backward
-    clock = ScriptedClock([9.0, (2.0, 2.0), 5.0, 1.0, 1.0])  # its forward alone does not lose, the run does
-    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0)
-    assert t == 4.0 and clock.calls == 8
-    clock = ScriptedClock([9.0, 2.0, 5.0, 1.0, 1.0])
-    assert tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), m=2, timer=clock, abandon_above=3.0) == 1.0
+    m = dict(m=2, abandon_above=3.0)
+    # the warm-up's forward alone loses, and the next forward too: abandoned after two forwards, no backward
+    clock = ScriptedClock([9.0, 4.0, 1.0, 1.0])
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), timer=clock, **m)
+    assert t == 4.0 and clock.reads == 4
+    # a warm-up within the threshold, then a first timed forward that loses alone: no backward for it
+    clock = ScriptedClock([1.0, 8.0, 4.0, 1.0])
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), timer=clock, **m)
+    assert t == 4.0 and clock.reads == 6
+    # its forward alone does not lose, the run does
+    clock = ScriptedClock([1.0, 8.0, 2.0, 2.0, 1.0, 1.0])
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), timer=clock, **m)
+    assert t == 4.0 and clock.reads == 8
+    # a warm-up forward slowed by one-off costs alone: the next run warms up the backward, then it is timed
+    clock = ScriptedClock([9.0, 1.0, 1.0] + [0.5, 0.5, 2.0, 3.0, 0.5, 0.5, 0.5, 0.5])
+    t = tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), timer=clock, **m)
+    assert t == 1.0 and clock.reads == 22
+    # a single slow timed run later on does not end it
+    clock = ScriptedClock([1.0, 1.0, 1.0, 1.0, 5.0, 5.0, 0.5, 0.5, 0.5, 0.5])
+    assert tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), timer=clock, **m) == 1.0
 
 
 class _CountBackward(torch.autograd.Function):

@@ -3,7 +3,7 @@ in each layout, and apply the fastest configuration.
 
 For each layout: convert the net, capture every layer's input with forward hooks, and time each of the
 layer's candidate methods (forward, then backward with a gradient of ones of the output's shape;
-``2m+1`` runs, the mean of the last ``m``, device synchronised). The fastest candidate per layer is
+a warm-up and ``2m`` timed runs, the mean of the last ``m``, device synchronised). The fastest candidate per layer is
 kept and summed per layout; the layout with the smaller sum wins. Before it is applied, the chosen
 configuration is checked against the network's outputs on the example input.
 
@@ -887,7 +887,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     :param net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
     :param x_example: an input of the real shape (and dtype/device) the network will train on; a
         tuple holds the positional inputs of a network of several (called as ``net(*x_example)``)
-    :param m: each candidate runs ``2m+1`` times; the mean of the last ``m`` counts
+    :param m: each candidate runs a warm-up and ``2m`` timed runs; the mean of the last ``m`` counts
     :param layouts: layouts to consider
     :param cache: ``True`` (the default file, ``$SPIKINGJELLY_MFPSN_CACHE`` or
         ``~/.cache/spikingjelly_mfpsn/autoselect.json``), a path, or ``False``

@@ -122,9 +122,10 @@ def _runnable_methods(layout):
             and ops.get(m).backend in ("torch", "cpp")]
 
 
+@pytest.mark.parametrize("threshold", ["bn", "param"])
 @pytest.mark.parametrize("layout", ["time_first", "time_last"])
 @pytest.mark.parametrize("surrogate_kind", ["atan", "atan primitive", "subclass"])
-def test_forward_without_a_graph_equals_the_recorded_one(layout, surrogate_kind):
+def test_forward_without_a_graph_equals_the_recorded_one(layout, surrogate_kind, threshold):
     """Without a graph to record (no_grad, or nothing requiring a gradient) the charge runs without its
     autograd Function and Theta(H) without the surrogate's: the same spikes, and in training the same
     running statistics, as with a graph, and as the paper's equations give; a surrogate the kernels do
@@ -133,10 +134,13 @@ def test_forward_without_a_graph_equals_the_recorded_one(layout, surrogate_kind)
     sg = {"atan": surrogate.ATan(), "atan primitive": surrogate.ATan(spiking=False), "subclass": _Shifted()}
     for method in _runnable_methods(layout):
         base = MulFreeChannelwisePSN(3, k=3, dilation=2, step_mode="m", layout=layout, method=method,
-                                     surrogate_function=sg[surrogate_kind], exp_init=False)
+                                     surrogate_function=sg[surrogate_kind], exp_init=False, threshold=threshold)
         with torch.no_grad():
-            base.gamma.uniform_(0.5, 2)
-            base.beta.uniform_(-1, 0.5)
+            if threshold == "bn":
+                base.gamma.uniform_(0.5, 2)
+                base.beta.uniform_(-1, 0.5)
+            else:
+                base.v_threshold.uniform_(-0.5, 0.5)
         x = seq(7, 4, 3, (2,), layout, dtype=torch.float32)
         for training in (True, False):
             recorded, bare, frozen = (copy.deepcopy(base).train(training) for _ in range(3))
@@ -149,12 +153,16 @@ def test_forward_without_a_graph_equals_the_recorded_one(layout, surrogate_kind)
             out_frozen = frozen(x)
             for other, mod in ((out_no_grad, bare), (out_frozen, frozen)):
                 torch.testing.assert_close(other, out.detach(), msg=f"{method} training={training}")
-                torch.testing.assert_close(mod.running_mean, recorded.running_mean)
-                torch.testing.assert_close(mod.running_var, recorded.running_var)
-            stats = None if training else (base.running_mean, base.running_var)
-            h, _ = reference.mfpsn_charge(x.double(), base.weight.double(), 2, layout, "bn",
-                                          gamma=base.gamma.double(), beta=base.beta.double(),
-                                          stats=None if stats is None else tuple(t.double() for t in stats))
+                for a, b in zip(mod.buffers(), recorded.buffers()):  # (the running statistics)
+                    torch.testing.assert_close(a, b)
+            if threshold == "bn":
+                stats = None if training else (base.running_mean, base.running_var)
+                h, _ = reference.mfpsn_charge(x.double(), base.weight.double(), 2, layout, "bn",
+                                              gamma=base.gamma.double(), beta=base.beta.double(),
+                                              stats=None if stats is None else tuple(t.double() for t in stats))
+            else:
+                h, _ = reference.mfpsn_charge(x.double(), base.weight.double(), 2, layout, "param",
+                                              v_threshold=base.v_threshold.double())
             want = {"atan": lambda h: (h >= 0).double(), "atan primitive": reference.atan_primitive,
                     "subclass": lambda h: (h - 0.25 >= 0).double()}[surrogate_kind](h)
             near = (h.abs() < 1e-4) | ((h - 0.25).abs() < 1e-4)  # float32 rounding may flip these

@@ -22,8 +22,8 @@ What it fuses, so that the X-sized tensors of a BN-threshold training step are r
 
 In training, ``bn_fire``'s autograd node is C++ (``cpu/mfpsn_node.cpp``, built against the installed
 torch at the first training call on a dtype: :func:`node`); where that does not build, the Python
-autograd Function ``_CppBNFire`` calls the same kernels through ctypes. With no graph to record, the
-kernel runs alone.
+autograd Function ``_CppBNFire`` calls the same kernels through ctypes. With no graph to record, every
+entry (``charge``, ``fire``, ``stats``, ``bn_fire``) runs its kernel alone, without an autograd node.
 
 Float32 and float64; per-channel sums are accumulated in float64.
 """
@@ -537,6 +537,8 @@ _stats_op.register_autograd(_stats_op_backward, setup_context=_stats_op_setup)
 def _charge(x, weight, bias, dilation, layout, kind, alpha):
     if torch.compiler.is_compiling():
         return _charge_op(x, weight, bias, dilation, layout, kind, alpha)
+    if not needs_grad(x, weight, bias):  # no graph to record: the kernel alone
+        return _charge_fwd(x, weight, bias, dilation, layout, kind)
     return _CppCharge.apply(x, weight, bias, dilation, layout, kind, alpha)
 
 
@@ -556,6 +558,8 @@ def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torc
 def stats(x, weight, dilation, layout):
     if torch.compiler.is_compiling():
         return _stats_op(x, weight, dilation, layout)
+    if not needs_grad(x, weight):
+        return _stats_fwd(x, weight, dilation, layout)
     return _CppStats.apply(x, weight, dilation, layout)
 
 

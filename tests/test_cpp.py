@@ -3,7 +3,9 @@ the neuron with backend='cpp', the build cache, and what happens without a compi
 
 The plain charge of 'cpp' is also held to the reference on the full grid of tests/test_ops.py.
 """
+import contextlib
 import copy
+import ctypes
 import math
 import os
 import shutil
@@ -125,7 +127,7 @@ def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
     """Plain charge and fused ATan fire on each order the kernels specialise (4, 8), the generic
     kernel (12), and orders whose oldest taps never reach the sequence (their dW must be 0)."""
     torch.manual_seed(k * 10 + t)
-    x = make_input(t, 3, 21, (), layout, dtype, False)  # 21 lanes: one vector of 16 and 5 single lanes
+    x = make_input(t, 3, 21, (), layout, dtype, False)  # 21 lanes: whole vectors and single lanes, any width
     w, b = torch.randn(21, k, dtype=dtype), torch.randn(21, dtype=dtype) * 0.5
     args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
     h = ops.charge(*args, dilation, layout, "cpp")
@@ -141,6 +143,62 @@ def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
         w_leaf = w.detach().clone().requires_grad_()
         ops.charge(x, w_leaf, b, dilation, layout, "cpp").pow(2).sum().backward()
         assert torch.equal(w_leaf.grad[:, unreached], torch.zeros_like(w_leaf.grad[:, unreached]))
+
+
+def _kernels_of_width(nbytes, dtype, monkeypatch):
+    """Route 'cpp' for ``dtype`` through kernels built with ``nbytes``-byte vectors (the default build where
+    that is its width), the training step included (the C++ node holds its own copy of the default ones)."""
+    suffix = cpp_ops.DTYPES[dtype]
+    lib = cpp_ops.library(dtype)
+    if lib.mfpsn_vec_bytes() != nbytes:
+        with cpp_ops._LOCK:
+            lib = cpp_ops._built(f"mfpsn_cpu_{suffix}_v{nbytes}",
+                                 [*cpp_ops._FLAGS, f"-DMFPSN_ONLY_{suffix.upper()}", f"-DMFPSN_VEC_BYTES={nbytes}"],
+                                 lambda path: ctypes.CDLL(str(path)))
+        cpp_ops._declare(lib, suffix)
+        monkeypatch.setitem(cpp_ops._LIBS, suffix, lib)
+    assert cpp_ops.library(dtype).mfpsn_vec_bytes() == nbytes
+    monkeypatch.setitem(cpp_ops._NODES, suffix, None)
+
+
+def test_the_default_vector_width_is_one_register_of_this_cpu():
+    """The kernels' vectors are as wide as one register of the CPU they are built for (-march=native):
+    wider ones spill the tap loops' registers (several times slower), narrower ones leave lanes idle."""
+    flags = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags |= set(line.split(":", 1)[1].split())
+    if not flags:
+        pytest.skip("no /proc/cpuinfo feature flags to compare with on this system")
+    want = 64 if "avx512f" in flags else 32 if "avx" in flags else 16
+    assert cpp_ops.library(torch.float32).mfpsn_vec_bytes() == want
+
+
+@pytest.mark.parametrize("nbytes", [16, 32, 64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_vector_width_matches_the_reference(nbytes, layout, monkeypatch):
+    """Kernels built for another CPU's vector width (AVX-512's 64 bytes, AVX's 32, SSE's and NEON's 16) give
+    the reference's charge, spikes and gradients on this one, whole vectors and single lanes (21 lanes),
+    every kernel order (3 padded to 4, 8, 11 generic), and the fused BN training step equals the general
+    path built from the same kernels."""
+    _kernels_of_width(nbytes, torch.float32, monkeypatch)
+    tol = TOL[torch.float32]
+    for k, dilation in [(3, 2), (8, 1), (11, 1)]:
+        torch.manual_seed(k)
+        x = make_input(9, 3, 21, (), layout, torch.float32, False)
+        w, b = torch.randn(21, k), torch.randn(21) * 0.5
+        args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
+        h = ops.charge(*args, dilation, layout, "cpp")
+        h_ref = reference.charge(*args_ref, dilation, layout)
+        torch.testing.assert_close(h.double(), h_ref, **tol)
+        check_grads(h, h_ref, args, args_ref, tol)
+        args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
+        s = ops.fire(*args, dilation, layout, "cpp", surrogate.ATan())
+        check_grads(s, surrogate.ATan()(reference.charge(*args_ref, dilation, layout)), args, args_ref, tol)
+    ref, fast, shape, tol = _fused_and_general(layout, True, "whole", surrogate.ATan(), torch.float32, monkeypatch)
+    for _ in range(2):
+        _same_step(ref, fast, torch.randn(shape) * 2, tol)
 
 
 def test_fire_falls_back_for_other_surrogates():

@@ -302,17 +302,24 @@ Table<S> tap_weights(const Geometry& g, const S* weight, int KP) {
     return {std::move(out), ptr};
 }
 
-// W lanes at a time: V is a GCC/Clang vector of 64 bytes of S (the compiler splits it into the
-// machine's vector registers), or S itself for the last lanes of a row.
+// W lanes at a time: V is a GCC/Clang vector of MFPSN_VEC_BYTES bytes of S, or S itself for the last
+// lanes of a row. By default one vector register of the target: AVX-512's 64 bytes, AVX's 32, else 16
+// (SSE, NEON). A vector wider than the registers is split by the compiler into several, and the
+// unrolled tap loops' windows and weights then no longer fit in the 16 AVX registers. Timed side by
+// side on an AVX2 x86-64 CPU (a training step of the neuron, k 2-8, T 4 and 16): 64-byte vectors
+// 1.5-2.8x slower than 32-byte ones, 16-byte ones 1.1-1.5x. tests/test_cpp.py checks every width.
+#ifndef MFPSN_VEC_BYTES
+#if defined(__AVX512F__)
+#define MFPSN_VEC_BYTES 64
+#elif defined(__AVX__)
+#define MFPSN_VEC_BYTES 32
+#else
+#define MFPSN_VEC_BYTES 16
+#endif
+#endif
 template <typename S>
-struct VecOf;
-template <>
-struct VecOf<float> {
-    typedef float type __attribute__((vector_size(64)));
-};
-template <>
-struct VecOf<double> {
-    typedef double type __attribute__((vector_size(64)));
+struct VecOf {
+    typedef S type __attribute__((vector_size(MFPSN_VEC_BYTES)));
 };
 template <typename S>
 using Vec = typename VecOf<S>::type;
@@ -900,6 +907,9 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
         /* 1: nothing computed, the weights or their folding are not finite (the caller reports them) */        \
         return step_fire<T_>(xs, w, gamma, beta, mean, var, eps, quantize, bias, out, N, C, F, K, threads);    \
     }
+
+// The width of the kernels' vectors, in bytes (see Vec).
+extern "C" int mfpsn_vec_bytes() { return MFPSN_VEC_BYTES; }
 
 // One library per dtype (-DMFPSN_ONLY_F32 or -DMFPSN_ONLY_F64: each half of the build time), or both.
 #ifndef MFPSN_ONLY_F64

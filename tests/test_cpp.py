@@ -119,15 +119,21 @@ def test_fused_fire_matches_surrogate(layout, sg, dtype, t, n, c, feat):
     check_grads(s, s_ref, args, args_ref, TOL[dtype])
 
 
+# Lanes per step for the kernel-width tests: whole cache lines of vectors side by side (16 floats or 8
+# doubles), a whole vector after them, and single lanes, at every vector width (16, 32 or 64 bytes).
+LANES = 29
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("k,dilation,t", [(4, 1, 9), (8, 1, 9), (8, 2, 5), (12, 1, 20), (12, 1, 7), (3, 4, 3)])
+@pytest.mark.parametrize("k,dilation,t", [(2, 1, 9), (4, 1, 9), (8, 1, 9), (8, 2, 5), (12, 1, 20), (12, 1, 7),
+                                          (3, 4, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
-    """Plain charge and fused ATan fire on each order the kernels specialise (4, 8), the generic
+    """Plain charge and fused ATan fire on each order the kernels specialise (2, 4, 8), the generic
     kernel (12), and orders whose oldest taps never reach the sequence (their dW must be 0)."""
     torch.manual_seed(k * 10 + t)
-    x = make_input(t, 3, 21, (), layout, dtype, False)  # 21 lanes: whole vectors and single lanes, any width
-    w, b = torch.randn(21, k, dtype=dtype), torch.randn(21, dtype=dtype) * 0.5
+    x = make_input(t, 3, LANES, (), layout, dtype, False)
+    w, b = torch.randn(LANES, k, dtype=dtype), torch.randn(LANES, dtype=dtype) * 0.5
     args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
     h = ops.charge(*args, dilation, layout, "cpp")
     h_ref = reference.charge(*args_ref, dilation, layout)
@@ -176,15 +182,15 @@ def test_the_default_vector_width_is_one_register_of_the_target():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_vector_width_matches_the_reference(nbytes, layout, monkeypatch):
     """Kernels built for another CPU's vector width (AVX-512's 64 bytes, AVX's 32, SSE's and NEON's 16) give
-    the reference's charge, spikes and gradients on this one, whole vectors and single lanes (21 lanes),
-    every kernel order (3 padded to 4, 8, 11 generic), and the fused BN training step equals the general
-    path built from the same kernels."""
+    the reference's charge, spikes and gradients on this one, lines of vectors side by side, whole vectors
+    and single lanes (LANES), every kernel order (2, 3 padded to 4, 8, 11 generic), and the fused BN
+    training step equals the general path built from the same kernels."""
     _kernels_of_width(nbytes, torch.float32, monkeypatch)
     tol = TOL[torch.float32]
-    for k, dilation in [(3, 2), (8, 1), (11, 1)]:
+    for k, dilation in [(2, 1), (3, 2), (8, 1), (11, 1)]:
         torch.manual_seed(k)
-        x = make_input(9, 3, 21, (), layout, torch.float32, False)
-        w, b = torch.randn(21, k), torch.randn(21) * 0.5
+        x = make_input(9, 3, LANES, (), layout, torch.float32, False)
+        w, b = torch.randn(LANES, k), torch.randn(LANES) * 0.5
         args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
         h = ops.charge(*args, dilation, layout, "cpp")
         h_ref = reference.charge(*args_ref, dilation, layout)

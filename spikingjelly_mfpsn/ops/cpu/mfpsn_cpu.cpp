@@ -8,9 +8,10 @@
 // pointers, one row of L lanes per step. Time-first rows are read and written in place; time-last
 // tiles are gathered into a small [T][L] buffer and scattered back.
 // Within a tile, every kernel runs column-wise, one dilation phase (steps r, r + d, r + 2d, ...) at a
-// time: a vector of lanes goes through the phase's steps with the taps' weights, the sums and a
-// window of the phase's last K inputs in registers (every tap reads within the phase), so each step
-// loads one input row and writes at most one output row. The backward goes down in time, with a
+// time: a vector of lanes (or, for low orders, a cache line's worth of vectors side by side) goes
+// through the phase's steps with the taps' weights, the sums and a window of the phase's last K
+// inputs in registers (every tap reads within the phase), so each step loads one input row and writes
+// at most one output row. The backward goes down in time, with a
 // second window of the later steps' dH, so dL/dX comes out of the same sweep. (Phases as the outer
 // loop: each pass then walks only T / d rows of the tile; timed side by side on an x86-64 CPU, the
 // phases inside each lane's sweep were up to 1.4x slower at d = 3 on large tensors.)
@@ -387,7 +388,7 @@ struct TileArgs {
     const S* const* w;     // [K] per-lane weights
     const S *b, *a, *c;    // per-lane bias; mode-3 coefficients
     S* part;               // [count][m] per-lane partial sums of this tile
-    Vec<S>* vec;           // [2 forward, 4 backward][K] column-wise scratch for KT == 0: vectors
+    Vec<S>* vec;           // [2 forward, 4 backward][vectors side by side][K] scratch for KT == 0: vectors
     S* one;                // the same for single lanes
     int64_t T, m, d;
     int K;
@@ -395,123 +396,186 @@ struct TileArgs {
     S alpha;
 };
 
+// Vectors a column sweep can run side by side: a 64-byte cache line of lanes (one vector with AVX-512,
+// two with AVX, four with 16-byte vectors). A sweep of one vector narrower than a line leaves the rest
+// of each line it reads and writes to the next sweep, and the rows of a time-first tensor, a multiple
+// of a large power of two bytes apart (64 x 256 floats per step: 64 KiB), fall in the same cache sets,
+// so by then the lines are gone and are read again. Timed on an AVX2 x86-64 CPU, each kernel alone
+// (32-byte vectors, T = 16): two vectors side by side ran the order-2 forward sweeps 1.3-1.5x faster
+// and the backward ones 1.2-1.6x on 64 x 256 and 16 x 4096 lanes per step (1.0-1.1x on 63 x 260).
+// Side by side, a sweep keeps every vector's weights, windows and sums in registers; where that is
+// more than the 16 AVX registers hold, the spills cost more than the lines save: so lines are swept
+// only by kernels of orders up to side_by_side's bound (order 4 forward: 1.1-1.6x faster at T = 32,
+// 0.9-1.2x at T = 16; order 4 backward and order 8: 0.9-1.6x, slower more often than not).
+#ifndef MFPSN_LINE_VECS
+#define MFPSN_LINE_VECS (MFPSN_VEC_BYTES >= 64 ? 1 : 64 / MFPSN_VEC_BYTES)
+#endif
+// Vectors side by side for a kernel of KT unrolled taps (0: the generic kernel) that keeps about
+// `per_tap` vectors per tap in registers (forward: weight and window; backward: those, dH's window
+// and dW's sums).
+constexpr int side_by_side(int KT, int per_tap) { return KT >= 1 && KT * per_tap <= 8 ? MFPSN_LINE_VECS : 1; }
+
 // Run a column-wise kernel over a tile, phase by phase (steps r, r + d, ...; the phases read and write
-// disjoint rows): for each, over the m lanes, whole vectors, then the last lanes one by one.
-template <typename S, int KT, void (*Vector)(const TileArgs<S>&, int64_t, int64_t),
-          void (*One)(const TileArgs<S>&, int64_t, int64_t)>
+// disjoint rows): for each, over the m lanes, whole lines of vectors, whole vectors, then the last
+// lanes one by one. Kernel::lanes<V, U>(p, l, r) runs U vectors V (or U = 1 single lanes, V = S) from
+// lane l.
+template <typename S, typename Kernel>
 void columns(const TileArgs<S>& p) {
-    constexpr int64_t W = sizeof(Vec<S>) / sizeof(S);
+    using V = Vec<S>;
+    constexpr int64_t W = sizeof(V) / sizeof(S);
+    constexpr int U = Kernel::line;
     for (int64_t r = 0; r < std::min(p.d, p.T); ++r) {
         int64_t l = 0;
-        for (; l + W <= p.m; l += W) Vector(p, l, r);
-        for (; l < p.m; ++l) One(p, l, r);
+        if constexpr (U > 1)
+            for (; l + U * W <= p.m; l += U * W) Kernel::template lanes<V, U>(p, l, r);
+        for (; l + W <= p.m; l += W) Kernel::template lanes<V, 1>(p, l, r);
+        for (; l < p.m; ++l) Kernel::template lanes<S, 1>(p, l, r);
     }
 }
 
-// Column-wise kernels: lanes l .. l+W (V a vector of W lanes, or S for one lane) over the steps of
-// phase r, with the per-tap values, the windows and the sums in registers (KT > 0), or in the tile's
-// scratch (KT == 0).
-template <typename S, typename V>
+// Column-wise kernels: lanes l .. l + U * W (U vectors V of W lanes, or one lane, V = S) over the steps
+// of phase r, with the per-tap values, the windows and the sums in registers (KT > 0), or in the
+// tile's scratch (KT == 0). Vector u's values of tap j are at [u * K + j] (separate vectors, not one
+// wide type: GCC keeps arrays of a wider struct or vector type in memory, 2-4x slower).
+template <typename S, typename V, int U>
 inline V* scratch(const TileArgs<S>& p, int which) {
     if constexpr (std::is_same_v<V, S>)
         return p.one + which * p.K;
     else
-        return p.vec + which * p.K;
+        return p.vec + which * p.K * U;
 }
 
 // Forward, in ascending time: H (or S) written to out, if any; with SUMS, sum H and sum H^2 added to
-// part (a compile-time choice: the spikes' pass does not form them). win[j] holds X[t - (K-1-j) * d]
-// (zero before step 0).
-template <typename S, typename V, int KT, bool SUMS>
+// part (a compile-time choice: the spikes' pass does not form them). win[u * K + j] holds vector u's
+// X[t - (K-1-j) * d] (zero before step 0).
+template <typename S, typename V, int KT, bool SUMS, int U>
 void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
+    constexpr int64_t W = sizeof(V) / sizeof(S);
     const int K = KT > 0 ? KT : p.K;
-    V w_[KT > 0 ? KT : 1], win_[KT > 0 ? KT : 1];
-    V* w = KT > 0 ? w_ : scratch<S, V>(p, 0);
-    V* win = KT > 0 ? win_ : scratch<S, V>(p, 1);
-    for (int j = 0; j < K; ++j) w[j] = load<V>(p.w[j] + l);
-    const V zero = V{} * S(0), b = load<V>(p.b + l);
+    V w_[KT > 0 ? U * KT : 1], win_[KT > 0 ? U * KT : 1];
+    V* w = KT > 0 ? w_ : scratch<S, V, U>(p, 0);
+    V* win = KT > 0 ? win_ : scratch<S, V, U>(p, 1);
+    const V zero = V{} * S(0);
+    V b[U], s1[U], s2[U];
+    for (int u = 0; u < U; ++u) {
+        for (int j = 0; j < K; ++j) {
+            w[u * K + j] = load<V>(p.w[j] + l + u * W);
+            win[u * K + j] = zero;
+        }
+        b[u] = load<V>(p.b + l + u * W);
+        s1[u] = s2[u] = zero;
+    }
     S* const* xr = p.x->rows();
     S* const* outs = p.out ? p.out->rows() : nullptr;
     const int64_t T = p.T, d = p.d;
-    V s1 = zero, s2 = zero;
-    for (int j = 0; j < K; ++j) win[j] = zero;
     for (int64_t t = r; t < T; t += d) {
-        for (int j = 0; j + 1 < K; ++j) win[j] = win[j + 1];
-        win[K - 1] = load<V>(xr[t] + l);
-        V h = b;
-        for (int j = 0; j < K; ++j) h += w[j] * win[j];
-        if (outs) store(outs[t] + l, p.spike ? heaviside<S, V>(h) : h);
-        if constexpr (SUMS) {
-            s1 += h;
-            s2 += h * h;
+        for (int u = 0; u < U; ++u) {
+            V* x = win + u * K;
+            for (int j = 0; j + 1 < K; ++j) x[j] = x[j + 1];
+            x[K - 1] = load<V>(xr[t] + l + u * W);
+            V h = b[u];
+            for (int j = 0; j < K; ++j) h += w[u * K + j] * x[j];
+            if (outs) store(outs[t] + l + u * W, p.spike ? heaviside<S, V>(h) : h);
+            if constexpr (SUMS) {
+                s1[u] += h;
+                s2[u] += h * h;
+            }
         }
     }
-    if constexpr (SUMS) {
-        store(p.part + l, load<V>(p.part + l) + s1);
-        store(p.part + p.m + l, load<V>(p.part + p.m + l) + s2);
-    }
+    if constexpr (SUMS)
+        for (int u = 0; u < U; ++u) {
+            S* part = p.part + l + u * W;
+            store(part, load<V>(part) + s1[u]);
+            store(part + p.m, load<V>(part + p.m) + s2[u]);
+        }
 }
 
 // Backward, in descending time: dH[t] from the recomputed H (mode 0: dH = dL/dH itself), the db and
 // dW sums to part, and with out, dL/dX[t] = sum_j W[j] * dH[t + (K-1-j) * d] written to out (or added
-// to what it holds). xw[j] holds X[t - (K-1-j) * d], dw[j] dH[t + (K-1-j) * d] (zero past step T-1).
-template <typename S, typename V, int KT, int MODE>
+// to what it holds). For vector u, xw[u * K + j] holds X[t - (K-1-j) * d], dw[u * K + j]
+// dH[t + (K-1-j) * d] (zero past step T-1).
+template <typename S, typename V, int KT, int MODE, int U>
 void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
+    constexpr int64_t W = sizeof(V) / sizeof(S);
     const int K = KT > 0 ? KT : p.K;
-    V w_[KT > 0 ? KT : 1], sw_[KT > 0 ? KT : 1], xw_[KT > 0 ? KT : 1], dw_[KT > 0 ? KT : 1];
-    V* w = KT > 0 ? w_ : scratch<S, V>(p, 0);
-    V* sw = KT > 0 ? sw_ : scratch<S, V>(p, 1);
-    V* xw = KT > 0 ? xw_ : scratch<S, V>(p, 2);
-    V* dw = KT > 0 ? dw_ : scratch<S, V>(p, 3);
+    V w_[KT > 0 ? U * KT : 1], sw_[KT > 0 ? U * KT : 1], xw_[KT > 0 ? U * KT : 1], dw_[KT > 0 ? U * KT : 1];
+    V* w = KT > 0 ? w_ : scratch<S, V, U>(p, 0);
+    V* sw = KT > 0 ? sw_ : scratch<S, V, U>(p, 1);
+    V* xw = KT > 0 ? xw_ : scratch<S, V, U>(p, 2);
+    V* dw = KT > 0 ? dw_ : scratch<S, V, U>(p, 3);
     const V zero = V{} * S(0);
-    for (int j = 0; j < K; ++j) {
-        w[j] = load<V>(p.w[j] + l);
-        sw[j] = zero;
-    }
-    const V b = load<V>(p.b + l), a = load<V>(p.a + l), c = load<V>(p.c + l);
     const S sg_c = S(M_PI / 2) * p.alpha, sg_half = S(0.5) * p.alpha;
     S* const* xr = p.x->rows();
     S* const* gr = p.grad ? p.grad->rows() : nullptr;
     S* const* outs = p.out ? p.out->rows() : nullptr;
     const int64_t T = p.T, d = p.d;
-    V sb = zero;
     int64_t t = r + (T - 1 - r) / d * d;  // the phase's last step
-    for (int j = 0; j < K; ++j) {
-        const int64_t s = t - (K - 1 - j) * d;
-        xw[j] = s >= 0 ? load<V>(xr[s] + l) : zero;
-        dw[j] = zero;
+    V sb[U];
+    for (int u = 0; u < U; ++u) {
+        for (int j = 0; j < K; ++j) {
+            const int64_t s = t - (K - 1 - j) * d;
+            w[u * K + j] = load<V>(p.w[j] + l + u * W);
+            sw[u * K + j] = dw[u * K + j] = zero;
+            xw[u * K + j] = s >= 0 ? load<V>(xr[s] + l + u * W) : zero;
+        }
+        sb[u] = zero;
     }
     for (;;) {
-        V dh;
-        if constexpr (MODE == 0) {
-            dh = load<V>(gr[t] + l);
-        } else {
-            V h = b;
-            for (int j = 0; j < K; ++j) h += w[j] * xw[j];
-            if constexpr (MODE == 3)
-                dh = a * h + c;
-            else
-                dh = load<V>(gr[t] + l) * surrogate_grad<S, V, MODE>(h, p.alpha, sg_c, sg_half);
-        }
-        sb += dh;
-        for (int j = 0; j < K; ++j) sw[j] += dh * xw[j];
-        for (int j = 0; j + 1 < K; ++j) dw[j] = dw[j + 1];
-        dw[K - 1] = dh;
-        if (outs) {
-            V gx = p.accumulate ? load<V>(outs[t] + l) : zero;
-            for (int j = 0; j < K; ++j) gx += w[j] * dw[j];
-            store(outs[t] + l, gx);
+        for (int u = 0; u < U; ++u) {
+            const int64_t o = l + u * W;
+            const V* wu = w + u * K;
+            V* x = xw + u * K;
+            V* dhw = dw + u * K;
+            V dh;
+            if constexpr (MODE == 0) {
+                dh = load<V>(gr[t] + o);
+            } else {
+                V h = MODE == 3 ? zero : load<V>(p.b + o);  // mode 3: Y, no bias
+                for (int j = 0; j < K; ++j) h += wu[j] * x[j];
+                if constexpr (MODE == 3)
+                    dh = load<V>(p.a + o) * h + load<V>(p.c + o);
+                else
+                    dh = load<V>(gr[t] + o) * surrogate_grad<S, V, MODE>(h, p.alpha, sg_c, sg_half);
+            }
+            sb[u] += dh;
+            for (int j = 0; j < K; ++j) sw[u * K + j] += dh * x[j];
+            for (int j = 0; j + 1 < K; ++j) dhw[j] = dhw[j + 1];
+            dhw[K - 1] = dh;
+            if (outs) {
+                V gx = p.accumulate ? load<V>(outs[t] + o) : zero;
+                for (int j = 0; j < K; ++j) gx += wu[j] * dhw[j];
+                store(outs[t] + o, gx);
+            }
         }
         t -= d;
         if (t < 0) break;
-        for (int j = K - 1; j > 0; --j) xw[j] = xw[j - 1];
         const int64_t s = t - (K - 1) * d;
-        xw[0] = s >= 0 ? load<V>(xr[s] + l) : zero;
+        for (int u = 0; u < U; ++u) {
+            V* x = xw + u * K;
+            for (int j = K - 1; j > 0; --j) x[j] = x[j - 1];
+            x[0] = s >= 0 ? load<V>(xr[s] + l + u * W) : zero;
+        }
     }
     if (!p.sums) return;
-    store(p.part + l, load<V>(p.part + l) + sb);
-    for (int j = 0; j < K; ++j) store(p.part + (j + 1) * p.m + l, load<V>(p.part + (j + 1) * p.m + l) + sw[j]);
+    for (int u = 0; u < U; ++u) {
+        S* part = p.part + l + u * W;
+        store(part, load<V>(part) + sb[u]);
+        for (int j = 0; j < K; ++j) store(part + (j + 1) * p.m, load<V>(part + (j + 1) * p.m) + sw[u * K + j]);
+    }
 }
+
+template <typename S, int KT, bool SUMS>
+struct Forward {
+    static constexpr int line = side_by_side(KT, 2);
+    template <typename V, int U>
+    static void lanes(const TileArgs<S>& p, int64_t l, int64_t r) { forward_lanes<S, V, KT, SUMS, U>(p, l, r); }
+};
+template <typename S, int KT, int MODE>
+struct Backward {
+    static constexpr int line = side_by_side(KT, 4);
+    template <typename V, int U>
+    static void lanes(const TileArgs<S>& p, int64_t l, int64_t r) { backward_lanes<S, V, KT, MODE, U>(p, l, r); }
+};
 
 template <typename S, int KT>
 void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* out, int spike, S* mean, S* var,
@@ -524,7 +588,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
     {
         Tile<S> xs(g, L), os(g, L);
         Partials<S> part(g, 2, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * 2 * g.C : nullptr);
-        std::vector<Vec<S>> vec(2 * KP);
+        std::vector<Vec<S>> vec(2 * KP * MFPSN_LINE_VECS);
         std::vector<S> one(2 * KP);
         std::vector<const S*> wj(KP);
         TileArgs<S> p{&xs, nullptr, out ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr, nullptr,
@@ -541,9 +605,9 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
             p.b = bl.data() + o0;
             p.m = m;
             if (sums)
-                columns<S, KT, forward_lanes<S, Vec<S>, KT, true>, forward_lanes<S, S, KT, true>>(p);
+                columns<S, Forward<S, KT, true>>(p);
             else
-                columns<S, KT, forward_lanes<S, Vec<S>, KT, false>, forward_lanes<S, S, KT, false>>(p);
+                columns<S, Forward<S, KT, false>>(p);
             if (out) os.flush(out, n, o0, m);
         }
         if (sums) part.flush();
@@ -583,7 +647,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     {
         Tile<S> xs(g, L), gs(g, L), os(g, L);
         Partials<S> part(g, KP + 1, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * (KP + 1) * g.C : nullptr);
-        std::vector<Vec<S>> vec(4 * KP);
+        std::vector<Vec<S>> vec(4 * KP * MFPSN_LINE_VECS);
         std::vector<S> one(4 * KP);
         std::vector<const S*> wj(KP);
         TileArgs<S> p{&xs, mode != 3 ? &gs : nullptr, gx ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr,
@@ -606,10 +670,10 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             p.c = cl.data() + o0;
             p.m = m;
             switch (mode) {  // the mode a compile-time constant: no branches in the sweep
-                case 0: columns<S, KT, backward_lanes<S, Vec<S>, KT, 0>, backward_lanes<S, S, KT, 0>>(p); break;
-                case 1: columns<S, KT, backward_lanes<S, Vec<S>, KT, 1>, backward_lanes<S, S, KT, 1>>(p); break;
-                case 2: columns<S, KT, backward_lanes<S, Vec<S>, KT, 2>, backward_lanes<S, S, KT, 2>>(p); break;
-                default: columns<S, KT, backward_lanes<S, Vec<S>, KT, 3>, backward_lanes<S, S, KT, 3>>(p);
+                case 0: columns<S, Backward<S, KT, 0>>(p); break;
+                case 1: columns<S, Backward<S, KT, 1>>(p); break;
+                case 2: columns<S, Backward<S, KT, 2>>(p); break;
+                default: columns<S, Backward<S, KT, 3>>(p);
             }
             if (gx) os.flush(gx, n, o0, m);
         }

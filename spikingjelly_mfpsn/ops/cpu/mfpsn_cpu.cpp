@@ -392,7 +392,7 @@ struct TileArgs {
     S* one;                // the same for single lanes
     int64_t T, m, d;
     int K;
-    bool spike, sums, accumulate;  // S instead of H; sums to part; dL/dX added to what out holds
+    bool sums, accumulate;  // sums to part; dL/dX added to what out holds
     S alpha;
 };
 
@@ -445,10 +445,12 @@ inline V* scratch(const TileArgs<S>& p, int which) {
         return p.vec + which * p.K * U;
 }
 
-// Forward, in ascending time: H (or S) written to out, if any; with SUMS, sum H and sum H^2 added to
-// part (a compile-time choice: the spikes' pass does not form them). win[u * K + j] holds vector u's
-// X[t - (K-1-j) * d] (zero before step 0).
-template <typename S, typename V, int KT, bool SUMS, int U>
+// Forward, in ascending time, by OUT (a compile-time choice: no branch in the sweep): SUMS adds sum H
+// and sum H^2 to part and writes nothing; CHARGE writes H to out; SPIKES writes S. win[u * K + j] holds
+// vector u's X[t - (K-1-j) * d] (zero before step 0).
+enum Out { SUMS, CHARGE, SPIKES };
+
+template <typename S, typename V, int KT, int OUT, int U>
 void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
     constexpr int64_t W = sizeof(V) / sizeof(S);
     const int K = KT > 0 ? KT : p.K;
@@ -475,14 +477,15 @@ void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
             x[K - 1] = load<V>(xr[t] + l + u * W);
             V h = b[u];
             for (int j = 0; j < K; ++j) h += w[u * K + j] * x[j];
-            if (outs) store(outs[t] + l + u * W, p.spike ? heaviside<S, V>(h) : h);
-            if constexpr (SUMS) {
+            if constexpr (OUT == CHARGE) store(outs[t] + l + u * W, h);
+            if constexpr (OUT == SPIKES) store(outs[t] + l + u * W, heaviside<S, V>(h));
+            if constexpr (OUT == SUMS) {
                 s1[u] += h;
                 s2[u] += h * h;
             }
         }
     }
-    if constexpr (SUMS)
+    if constexpr (OUT == SUMS)
         for (int u = 0; u < U; ++u) {
             S* part = p.part + l + u * W;
             store(part, load<V>(part) + s1[u]);
@@ -510,8 +513,11 @@ void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
     S* const* outs = p.out ? p.out->rows() : nullptr;
     const int64_t T = p.T, d = p.d;
     int64_t t = r + (T - 1 - r) / d * d;  // the phase's last step
-    V sb[U];
+    V sb[U], b[U], a[U], c[U];
     for (int u = 0; u < U; ++u) {
+        b[u] = load<V>(p.b + l + u * W);
+        a[u] = load<V>(p.a + l + u * W);
+        c[u] = load<V>(p.c + l + u * W);
         for (int j = 0; j < K; ++j) {
             const int64_t s = t - (K - 1 - j) * d;
             w[u * K + j] = load<V>(p.w[j] + l + u * W);
@@ -530,10 +536,10 @@ void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
             if constexpr (MODE == 0) {
                 dh = load<V>(gr[t] + o);
             } else {
-                V h = MODE == 3 ? zero : load<V>(p.b + o);  // mode 3: Y, no bias
+                V h = b[u];
                 for (int j = 0; j < K; ++j) h += wu[j] * x[j];
                 if constexpr (MODE == 3)
-                    dh = load<V>(p.a + o) * h + load<V>(p.c + o);
+                    dh = a[u] * h + c[u];
                 else
                     dh = load<V>(gr[t] + o) * surrogate_grad<S, V, MODE>(h, p.alpha, sg_c, sg_half);
             }
@@ -564,11 +570,11 @@ void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
     }
 }
 
-template <typename S, int KT, bool SUMS>
+template <typename S, int KT, int OUT>
 struct Forward {
     static constexpr int line = side_by_side(KT, 2);
     template <typename V, int U>
-    static void lanes(const TileArgs<S>& p, int64_t l, int64_t r) { forward_lanes<S, V, KT, SUMS, U>(p, l, r); }
+    static void lanes(const TileArgs<S>& p, int64_t l, int64_t r) { forward_lanes<S, V, KT, OUT, U>(p, l, r); }
 };
 template <typename S, int KT, int MODE>
 struct Backward {
@@ -592,7 +598,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
         std::vector<S> one(2 * KP);
         std::vector<const S*> wj(KP);
         TileArgs<S> p{&xs, nullptr, out ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr, nullptr,
-                      vec.data(), one.data(), g.T, 0, g.d, KP, spike != 0, sums, false, S(0)};
+                      vec.data(), one.data(), g.T, 0, g.d, KP, sums, false, S(0)};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             int64_t n, o0;
@@ -604,10 +610,11 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
             for (int j = 0; j < KP; ++j) wj[j] = wl.data() + j * cf + o0;
             p.b = bl.data() + o0;
             p.m = m;
-            if (sums)
-                columns<S, Forward<S, KT, true>>(p);
-            else
-                columns<S, Forward<S, KT, false>>(p);
+            if (sums) columns<S, Forward<S, KT, SUMS>>(p);
+            if (out && spike)
+                columns<S, Forward<S, KT, SPIKES>>(p);
+            else if (out)
+                columns<S, Forward<S, KT, CHARGE>>(p);
             if (out) os.flush(out, n, o0, m);
         }
         if (sums) part.flush();
@@ -651,7 +658,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
         std::vector<S> one(4 * KP);
         std::vector<const S*> wj(KP);
         TileArgs<S> p{&xs, mode != 3 ? &gs : nullptr, gx ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr,
-                      nullptr, vec.data(), one.data(), g.T, 0, g.d, KP, false, sums, accumulate != 0, alpha};
+                      nullptr, vec.data(), one.data(), g.T, 0, g.d, KP, sums, accumulate != 0, alpha};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             int64_t n, o0;

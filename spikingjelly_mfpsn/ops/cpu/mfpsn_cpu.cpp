@@ -401,12 +401,13 @@ struct TileArgs {
 // of each line it reads and writes to the next sweep, and the rows of a time-first tensor, a multiple
 // of a large power of two bytes apart (64 x 256 floats per step: 64 KiB), fall in the same cache sets,
 // so by then the lines are gone and are read again. Timed on an AVX2 x86-64 CPU, each kernel alone
-// (32-byte vectors, T = 16): two vectors side by side ran the order-2 forward sweeps 1.3-1.5x faster
-// and the backward ones 1.2-1.6x on 64 x 256 and 16 x 4096 lanes per step (1.0-1.1x on 63 x 260).
-// Side by side, a sweep keeps every vector's weights, windows and sums in registers; where that is
-// more than the 16 AVX registers hold, the spills cost more than the lines save: so lines are swept
-// only by kernels of orders up to side_by_side's bound (order 4 forward: 1.1-1.6x faster at T = 32,
-// 0.9-1.2x at T = 16; order 4 backward and order 8: 0.9-1.6x, slower more often than not).
+// against single vectors (32-byte vectors, 2 threads, T = 16 and 32, 64 x 256, 63 x 260 and
+// 16 x 4096 lanes per step): two side by side took 0.53-0.88x the time in the statistics passes
+// (orders 2 and 4), 0.56-0.95x in the spike passes on the FC shapes but 0.81-1.21x on the conv one,
+// and 0.83-1.05x in the order-2 backward passes. Side by side, a sweep keeps every vector's weights,
+// windows and sums in registers; where that is more than the 16 AVX registers hold, the spills cost
+// more than the lines save, so lines are swept only by kernels of orders up to side_by_side's bound
+// (side by side, the order-4 backward and the order-8 sweeps took 0.85-1.64x the time).
 #ifndef MFPSN_LINE_VECS
 #define MFPSN_LINE_VECS (MFPSN_VEC_BYTES >= 64 ? 1 : 64 / MFPSN_VEC_BYTES)
 #endif

@@ -402,7 +402,7 @@ struct TileArgs {
 // of a large power of two bytes apart (64 x 256 floats per step: 64 KiB), fall in the same cache sets,
 // so by then the lines are gone and are read again. Timed on an AVX2 x86-64 CPU, each kernel alone
 // against single vectors (32-byte vectors, 2 threads, T = 16 and 32, 64 x 256, 63 x 260 and
-// 16 x 4096 lanes per step): two side by side took 0.53-0.88x the time in the statistics passes
+// 16 x 4096 lanes per step): two side by side took 0.53-0.96x the time in the statistics passes
 // (orders 2 and 4), 0.56-0.95x in the spike passes on the FC shapes but 0.81-1.21x on the conv one,
 // and 0.83-1.05x in the order-2 backward passes. Side by side, a sweep keeps every vector's weights,
 // windows and sums in registers; where that is more than the 16 AVX registers hold, the spills cost

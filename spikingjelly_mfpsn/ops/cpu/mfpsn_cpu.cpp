@@ -398,7 +398,7 @@ struct TileArgs {
     const S* const* w;     // [K] per-lane weights
     const S *b, *a, *c;    // per-lane bias; mode-3 coefficients
     S* part;               // [count][m] per-lane partial sums of this tile
-    Vec<S>* vec;           // [2 forward, 4 backward][vectors side by side][K] scratch for KT == 0: vectors
+    Vec<S>* vec;           // [2 forward, 4 backward][K] scratch for KT == 0: vectors
     S* one;                // the same for single lanes
     int64_t T, m, d;
     int K;
@@ -447,14 +447,15 @@ void columns(const TileArgs<S>& p) {
 
 // Column-wise kernels: lanes l .. l + U * W (U vectors V of W lanes, or one lane, V = S) over the steps
 // of phase r, with the per-tap values, the windows and the sums in registers (KT > 0), or in the
-// tile's scratch (KT == 0). Vector u's values of tap j are at [u * K + j] (separate vectors, not one
-// wide type: GCC keeps arrays of a wider struct or vector type in memory, 2-4x slower).
-template <typename S, typename V, int U>
+// tile's scratch (KT == 0, one vector at a time: side_by_side(0, .) is 1). Vector u's values of tap j
+// are at [u * K + j] (separate vectors, not one wide type: GCC keeps arrays of a wider struct or
+// vector type in memory, 2-4x slower).
+template <typename S, typename V>
 inline V* scratch(const TileArgs<S>& p, int which) {
     if constexpr (std::is_same_v<V, S>)
         return p.one + which * p.K;
     else
-        return p.vec + which * p.K * U;
+        return p.vec + which * p.K;
 }
 
 // Ask for the line MFPSN_PREFETCH bytes past p (RW 1: to be written). A time-first tile's sweep reads
@@ -479,11 +480,12 @@ enum Out { SUMS, CHARGE, SPIKES };
 
 template <typename S, typename V, int KT, int OUT, int U>
 void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
+    static_assert(KT > 0 || U == 1, "the generic kernel's scratch holds one vector's values");
     constexpr int64_t W = sizeof(V) / sizeof(S);
     const int K = KT > 0 ? KT : p.K;
     V w_[KT > 0 ? U * KT : 1], win_[KT > 0 ? U * KT : 1];
-    V* w = KT > 0 ? w_ : scratch<S, V, U>(p, 0);
-    V* win = KT > 0 ? win_ : scratch<S, V, U>(p, 1);
+    V* w = KT > 0 ? w_ : scratch<S, V>(p, 0);
+    V* win = KT > 0 ? win_ : scratch<S, V>(p, 1);
     const V zero = V{} * S(0);
     V b[U], s1[U], s2[U];
     for (int u = 0; u < U; ++u) {
@@ -530,13 +532,14 @@ void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
 // dH[t + (K-1-j) * d] (zero past step T-1).
 template <typename S, typename V, int KT, int MODE, int U>
 void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
+    static_assert(KT > 0 || U == 1, "the generic kernel's scratch holds one vector's values");
     constexpr int64_t W = sizeof(V) / sizeof(S);
     const int K = KT > 0 ? KT : p.K;
     V w_[KT > 0 ? U * KT : 1], sw_[KT > 0 ? U * KT : 1], xw_[KT > 0 ? U * KT : 1], dw_[KT > 0 ? U * KT : 1];
-    V* w = KT > 0 ? w_ : scratch<S, V, U>(p, 0);
-    V* sw = KT > 0 ? sw_ : scratch<S, V, U>(p, 1);
-    V* xw = KT > 0 ? xw_ : scratch<S, V, U>(p, 2);
-    V* dw = KT > 0 ? dw_ : scratch<S, V, U>(p, 3);
+    V* w = KT > 0 ? w_ : scratch<S, V>(p, 0);
+    V* sw = KT > 0 ? sw_ : scratch<S, V>(p, 1);
+    V* xw = KT > 0 ? xw_ : scratch<S, V>(p, 2);
+    V* dw = KT > 0 ? dw_ : scratch<S, V>(p, 3);
     const V zero = V{} * S(0);
     const S sg_c = S(M_PI / 2) * p.alpha, sg_half = S(0.5) * p.alpha;
     S* const* xr = p.x->rows();
@@ -630,7 +633,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
     {
         Tile<S> xs(g, L), os(g, L);
         Partials<S> part(g, 2, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * 2 * g.C : nullptr);
-        std::vector<Vec<S>> vec(2 * KP * MFPSN_LINE_VECS);
+        std::vector<Vec<S>> vec(2 * KP);
         std::vector<S> one(2 * KP);
         std::vector<const S*> wj(KP);
         TileArgs<S> p{&xs, nullptr, out ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr, nullptr,
@@ -690,7 +693,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
     {
         Tile<S> xs(g, L), gs(g, L), os(g, L);
         Partials<S> part(g, KP + 1, sums ? L : 0, sums ? acc.data() + size_t(thread_id()) * (KP + 1) * g.C : nullptr);
-        std::vector<Vec<S>> vec(4 * KP * MFPSN_LINE_VECS);
+        std::vector<Vec<S>> vec(4 * KP);
         std::vector<S> one(4 * KP);
         std::vector<const S*> wj(KP);
         TileArgs<S> p{&xs, mode != 3 ? &gs : nullptr, gx ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr,

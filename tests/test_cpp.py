@@ -150,6 +150,24 @@ def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
         assert torch.equal(w_leaf.grad[:, unreached], torch.zeros_like(w_leaf.grad[:, unreached]))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("spike", [0, 1])
+@pytest.mark.parametrize("k", [2, 8, 11])
+def test_forward_kernel_asked_for_statistics_and_an_output_at_once(layout, spike, k):
+    """The C forward asked for the statistics and H (or S) in one call (the Python wrapper asks for one
+    or the other; each tile then runs the sums' sweep and the output's) gives what two calls give."""
+    torch.manual_seed(k)
+    x = make_input(12, 3, LANES, (), layout, torch.float32, False).contiguous()
+    w, b = torch.randn(LANES, k), torch.randn(LANES) * 0.5
+    want_out = cpp_ops.forward(x, w, b, 2, layout, spike=bool(spike))
+    want_mean, want_var = cpp_ops.forward(x, w, b, 2, layout, stats=True)
+    out, mean, var = torch.full_like(x, math.nan), torch.full((LANES,), math.nan), torch.full((LANES,), math.nan)
+    cpp_ops.library(torch.float32).mfpsn_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(), spike,
+                                                     mean.data_ptr(), var.data_ptr(), *cpp_ops._geometry(x, k, 2, layout))
+    assert torch.equal(out, want_out)
+    assert torch.equal(mean, want_mean) and torch.equal(var, want_var)
+
+
 def _kernels_of_width(nbytes, dtype, monkeypatch):
     """Route 'cpp' for ``dtype`` through kernels built with ``nbytes``-byte vectors (the default build where
     that is its width), the training step included (the C++ node holds its own copy of the default ones)."""

@@ -208,6 +208,12 @@ class ChargeNeuronBase(MemoryModule):
         return x if x.dtype == dtype else x.to(dtype)
 
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        if isinstance(x_seq, torch.Tensor) and (self._method != "auto" or self._backend != "torch"):
+            # First an implementation that checks everything itself, with none of the checks below
+            # (``direct``): a training step of a small layer spends about as long in them as in its kernels.
+            fused = self._fused_spikes(x_seq, self.resolve_method(x_seq), direct=True)
+            if fused is not None:
+                return fused
         self._check_input(x_seq)
         layout = self._layout
         method = self.resolve_method(x_seq, layout)
@@ -225,8 +231,9 @@ class ChargeNeuronBase(MemoryModule):
 
         return self._spikes(x_seq, run_stats, run_fire)
 
-    def _fused_spikes(self, xp: torch.Tensor, method: str) -> Optional[torch.Tensor]:
-        """Spikes from an implementation's fused whole forward (``ops.bn_fire``), or None."""
+    def _fused_spikes(self, xp: torch.Tensor, method: str, direct: bool = False) -> Optional[torch.Tensor]:
+        """Spikes from an implementation's fused whole forward (``ops.bn_fire``; with ``direct``,
+        ``ops.bn_fire_direct`` on an input nothing has checked yet), or None."""
         return None
 
     def _fused_step(self, taps: list) -> Optional[torch.Tensor]:
@@ -407,13 +414,15 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         return None if isinstance(w, nn.parameter.UninitializedParameter) else w.shape[0]
 
     def _member(self, name: str):
-        """``getattr(self, name)`` for a parameter or buffer, read from the module's dicts: an attribute
-        lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each, which shows
-        at small layers. Anything not in them (e.g. a weight under ``torch.nn.utils.parametrize``, which
+        """``getattr(self, name)`` for a parameter, buffer or submodule, read from the module's dicts: an
+        attribute lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each,
+        which shows at small layers. Anything not in them (e.g. a weight under ``torch.nn.utils.parametrize``, which
         becomes a property) through ``getattr``."""
         t = self._parameters.get(name)
         if t is None:
             t = self._buffers.get(name)
+            if t is None:
+                t = self._modules.get(name)
         return t if t is not None else getattr(self, name)
 
     # ------------------------------------------------------------------ weight and bias
@@ -509,20 +518,24 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
                 raise ValueError("a shift amount does not fit in int8; the weights span too many octaves")
             return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
 
-    def _fused_spikes(self, xp: torch.Tensor, method: str) -> Optional[torch.Tensor]:
+    def _fused_spikes(self, xp: torch.Tensor, method: str, direct: bool = False) -> Optional[torch.Tensor]:
         """BN-threshold spikes through the implementation's fused forward where it has one (same math as
         :meth:`_weight_bias_for` and ``ops.fire``): in training from the batch statistics, blended into
         the running ones; in eval from the running statistics. Not under autocast, which takes the
-        general path and its fp32 promotion."""
-        if self.threshold != "bn" or torch.is_autocast_enabled(xp.device.type):
+        general path and its fp32 promotion. ``direct``: through ``ops.bn_fire_direct``, whose
+        implementations check every tensor themselves (``xp`` is unchecked, not promoted)."""
+        if self.threshold != "bn" or torch.is_autocast_enabled("cpu" if xp.is_cpu else xp.device.type):
             return None
         member = self._member
+        weight = member("weight")
+        if direct and isinstance(weight, nn.parameter.UninitializedParameter):
+            return None
         stats = (member("running_mean"), member("running_var"))
         training = self.training
         running = (*stats, self._running_factor(uncounted=1)) if training else None
-        out = ops.bn_fire(xp, member("weight"), member("gamma"), member("beta"), self.eps,
-                          self.ste if self.quantize else None, self.dilation, self._layout, method,
-                          self.surrogate_function, running, None if training else stats)
+        out = (ops.bn_fire_direct if direct else ops.bn_fire)(
+            xp, weight, member("gamma"), member("beta"), self.eps, self.ste if self.quantize else None,
+            self.dilation, self._layout, method, member("surrogate_function"), running, None if training else stats)
         if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
             return None
         if training:

@@ -293,7 +293,7 @@ def _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch, k=5, dilat
     fast.method = "cpp"
     if dtype == torch.float32:
         ref.method = "cpp"
-        monkeypatch.setattr(ref, "_fused_spikes", lambda xp, method: None)
+        monkeypatch.setattr(ref, "_fused_spikes", lambda *args, **kwargs: None)
     shape = (11, 3, 6, 5) if layout == "time_first" else (3, 6, 5, 11)
     # At order 1 the BN leaves the loss all but invariant to the weight's scale: its gradient is the small
     # difference of two much larger terms (the folding's and the statistics'; without the quantiser they
@@ -802,6 +802,105 @@ def test_the_cpp_node_equals_the_python_function(layout, dtype, given, ste, sg, 
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+def test_the_direct_bn_fire_refuses_what_it_cannot_run():
+    """ops.bn_fire_direct runs with no check in Python (a neuron's hot path): the C++ node checks every
+    tensor and runs nothing it cannot take. Each argument that does not fit returns None, with nothing
+    written (the running statistics as they were) and no read out of bounds; a fitting one equals the
+    checked ops.bn_fire."""
+    if cpp_ops.node(torch.float32) is None:
+        pytest.fail(f"the C++ node does not build here: {cpp_ops.NODE_UNAVAILABLE}")
+    x = torch.randn(6, 3, 4, requires_grad=True)
+    w, gamma, beta = leaves(torch.rand(4, 2), torch.rand(4) + 0.5, torch.rand(4) - 1)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    sg = surrogate.ATan()
+
+    def call(x=x, w=w, gamma=gamma, beta=beta, running=(rm, rv, 0.1), given=None, dilation=1, eps=1e-5,
+             layout="time_first", sg=sg):
+        return ops.bn_fire_direct(x, w, gamma, beta, eps, "whole", dilation, layout, "cpp", sg, running, given)
+
+    got = call(running=(rm.clone(), rv.clone(), 0.1))
+    want = ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first", "cpp", sg, (rm.clone(), rv.clone(), 0.1))
+    assert got is not None and "CppNode" in got[0].grad_fn.name()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    strided = torch.randn(4, 6, 3).permute(1, 2, 0).requires_grad_()  # (6, 3, 4), not contiguous: runs
+    torch.testing.assert_close(call(x=strided, running=None)[0], call(x=strided.contiguous(), running=None)[0])
+    bad = {"2 dims": dict(x=torch.randn(6, 4, requires_grad=True)),
+           "7 dims": dict(x=torch.randn(2, 3, 4, 1, 1, 1, 1, requires_grad=True)),
+           "other channels": dict(x=torch.randn(6, 3, 5, requires_grad=True)),
+           "channels on the time-last dim": dict(layout="time_last"),
+           "empty": dict(x=torch.randn(0, 3, 4, requires_grad=True)),
+           "float64 x": dict(x=x.detach().double().requires_grad_()),
+           "meta x": dict(x=torch.empty(6, 3, 4, device="meta", requires_grad=True)),
+           "1-dim weight": dict(w=leaves(torch.rand(4))[0]),
+           "order 0": dict(w=leaves(torch.rand(4, 0))[0]),
+           "weight of other channels": dict(w=leaves(torch.rand(5, 2))[0]),
+           "short gamma": dict(gamma=leaves(torch.rand(3))[0]),
+           "strided gamma": dict(gamma=leaves(torch.rand(8))[0][::2]),
+           "float64 beta": dict(beta=leaves(torch.rand(4).double())[0]),
+           "2-dim beta": dict(beta=leaves(torch.rand(4, 1))[0]),
+           "short running mean": dict(running=(torch.zeros(3), rv, 0.1)),
+           "strided running var": dict(running=(rm, torch.ones(8)[::2], 0.1)),
+           "short given mean": dict(running=None, given=(torch.zeros(3), rv)),
+           "dilation 0": dict(dilation=0),
+           "eps 0": dict(eps=0.0),
+           "eps NaN": dict(eps=float("nan")),
+           "no gradient to record": dict(x=x.detach(), w=w.detach(), gamma=gamma.detach(), beta=beta.detach()),
+           "another surrogate": dict(sg=surrogate.PiecewiseQuadratic()),
+           "NaN weight": dict(w=leaves(torch.tensor([[float("nan"), 1.0]] * 4))[0])}
+    for name, kwargs in bad.items():
+        before = (rm.clone(), rv.clone(), rm._version, rv._version)
+        assert call(**kwargs) is None, name
+        assert torch.equal(rm, before[0]) and torch.equal(rv, before[1]), name
+        assert (rm._version, rv._version) == before[2:], name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_neuron_on_cpp_skips_its_python_checks_and_falls_back_on_what_the_node_refuses(layout, monkeypatch):
+    """A training step of a BN neuron on 'cpp' goes straight to the C++ node (which checks the input),
+    past the neuron's and the registry's checks; whatever the node refuses (another dtype, a strided
+    gamma, channels that do not match, NaN weights) takes the checked path as before: the same spikes,
+    gradients, statistics and errors as the torch neuron, num_batches_tracked counted once per step."""
+    torch.manual_seed(5)
+    ref = neuron.MulFreeChannelwisePSN(4, k=3, step_mode="m", layout=layout, exp_init=False,
+                                       method="shift_add").double()
+    fast = copy.deepcopy(ref)
+    fast.method = "cpp"
+    x = torch.randn((7, 3, 4) if layout == "time_first" else (3, 4, 7), dtype=torch.float64)
+    with monkeypatch.context() as m:
+        m.setattr(fast, "_check_input", lambda *a: pytest.fail("checked in Python"))
+        checked = ops.bn_fire  # (the torch neuron's method has none: None)
+        m.setattr(ops, "bn_fire", lambda *a: pytest.fail("the registry's checks") if a[8] == "cpp" else checked(*a))
+        _same_step(ref, fast, x, TOL[torch.float64])
+    for xs in (x.float(), x.half()):  # refused by the node, promoted on the checked path
+        torch.testing.assert_close(fast(xs), ref(xs))
+    wrong = torch.randn((7, 3, 5) if layout == "time_first" else (3, 5, 7), dtype=torch.float64)
+    for bad in (wrong, torch.randn(7, 4, dtype=torch.float64)):
+        with pytest.raises(ValueError) as want:
+            ref(bad)
+        with pytest.raises(ValueError) as got:
+            fast(bad)
+        assert str(got.value) == str(want.value)
+    fast.gamma = torch.nn.Parameter(torch.ones(8, dtype=torch.float64)[::2])  # not contiguous: refused
+    ref.gamma = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sr, sf = ref(xr), fast(xf)
+    assert not fused(sf)
+    torch.testing.assert_close(sf, sr)
+    g = torch.randn_like(sr)
+    (sr * g).sum().backward()
+    (sf * g).sum().backward()
+    torch.testing.assert_close(xf.grad, xr.grad, **TOL[torch.float64])
+    for a, b in zip(ref.buffers(), fast.buffers()):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+    assert int(fast.num_batches_tracked) == int(ref.num_batches_tracked) == 4
+    with torch.no_grad():
+        fast.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        fast(x.requires_grad_())
+    assert int(fast.num_batches_tracked) == 4  # nothing counted
 
 
 def test_the_cpp_node_refuses_a_double_backward_and_in_place_changes():

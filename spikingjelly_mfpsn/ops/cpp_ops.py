@@ -563,16 +563,27 @@ def stats(x, weight, dilation, layout):
     return _CppStats.apply(x, weight, dilation, layout)
 
 
-def _node_fire(op, x, weight, gamma, beta, cfg):
-    """``_CppBNFire.apply`` through the C++ node ``op`` (see :func:`node`)."""
-    eps, ste, dilation, layout, kind, alpha, running, given = cfg
+def bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None,
+                   given=None):
+    """Registry contract (``ops.bn_fire_direct``): :func:`bn_fire` through the C++ node alone, for callers
+    that skip every check (a neuron's hot path). The node checks the tensors itself (device, dtype,
+    shapes, contiguity; see ``runnable`` in ``cpu/mfpsn_node.cpp``) and runs nothing it cannot take,
+    nor a folding with NaN or inf: None then (the caller's general path runs, or reports them), and
+    where no gradient is recorded (the kernel-only path), no node builds, for a surrogate the kernel
+    does not know, or under torch.compile."""
+    kind = surrogate_kind(surrogate_function)
+    if not kind or torch.compiler.is_compiling() or x.dtype not in DTYPES or not needs_grad(x, weight, gamma, beta):
+        return None
+    op = node(x.dtype)
+    if op is None:
+        return None
     rm, rv, factor = running if running is not None else (None, None, 0.0)
     gm, gv = given if given is not None else (None, None)
-    outs = op(x.contiguous(), weight.contiguous(), gamma, beta, rm, rv, gm, gv, eps, _STE_CODES[ste], dilation,
-              layout == "time_last", kind, alpha, factor)
+    outs = op(x, weight, gamma, beta, rm, rv, gm, gv, float(eps), _STE_CODES[ste], dilation, layout == "time_last",
+              kind, float(surrogate_function.alpha), factor)
     if not outs:
-        raise _NonFiniteWeight()
-    return outs[0] if given is not None else tuple(outs)
+        return None
+    return tuple(outs) if given is None else (outs[0], gm, gv)
 
 
 def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None, given=None):
@@ -583,6 +594,9 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     kind = surrogate_kind(surrogate_function)
     if not kind or torch.compiler.is_compiling() or not x.numel():
         return None
+    grad = needs_grad(x, weight, gamma, beta)
+    if grad and node(x.dtype) is not None:
+        return bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
     dtype, device = x.dtype, x.device
     raw = (gamma, beta) + (() if running is None else running[:2]) + (() if given is None else tuple(given))
     for t in raw:  # read through raw pointers
@@ -590,10 +604,8 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
             return None
     cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
     try:
-        if needs_grad(x, weight, gamma, beta):
-            op = node(dtype)
-            out = _CppBNFire.apply(x, weight, gamma, beta, cfg) if op is None else _node_fire(op, x, weight, gamma,
-                                                                                              beta, cfg)
+        if grad:
+            out = _CppBNFire.apply(x, weight, gamma, beta, cfg)
         else:  # no graph to record: the kernel alone
             out, mean, var, _, _ = _bn_fire_forward(x.contiguous(), weight.contiguous(), gamma, beta, cfg)
             out = out if given is not None else (out, mean, var)  # (as _CppBNFire returns)
@@ -638,7 +650,7 @@ def requirements(x, weight, dilation, layout) -> list[str]:
 
 IMPLEMENTATION = Implementation("cpp", "cpp", ("time_first", "time_last"), charge,
                                 "fused C++/OpenMP CPU kernels: charge, spike and batch statistics",
-                                requirements, fire, stats, bn_fire, step_fire)
+                                requirements, fire, stats, bn_fire, step_fire, bn_fire_direct=bn_fire_direct)
 
 
 def register_if_available() -> Optional[str]:

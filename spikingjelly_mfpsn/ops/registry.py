@@ -99,7 +99,12 @@ def surrogate_kind(surrogate_function) -> int:
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether autograd records a call on these tensors (None entries ignored): else an implementation
     may skip its autograd Function, whose call alone costs about 10 us."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # (a loop: a generator costs about as much as the rest)
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,8 @@ class Implementation:
     bn_fire: Optional[Callable[..., Optional[tuple]]] = field(default=None, compare=False)
     step_fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
     autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
+    # Optional: bn_fire for callers that skip every check (see :func:`bn_fire_direct`).
+    bn_fire_direct: Optional[Callable[..., Optional[tuple]]] = field(default=None, compare=False)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                               layout: str) -> list[str]:
@@ -284,6 +291,20 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
         return None
     impl = _checked(x, weight, None, dilation, layout, method)
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
+
+
+def bn_fire_direct(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
+                   ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function,
+                   running: Optional[tuple] = None, given: Optional[tuple] = None) -> Optional[tuple]:
+    """:func:`bn_fire` without the checks of this module or of the caller: through an implementation whose
+    ``bn_fire_direct`` checks every argument itself and runs nothing it cannot take (returning None), so
+    any input is safe; None as well for a method without one, which the caller's checked path then runs.
+    A neuron's hot path: a training step of a small layer spends about as long in Python checks as in
+    its kernels."""
+    impl = _REGISTRY.get(method)
+    run = impl.bn_fire_direct if impl is not None else None
+    return None if run is None else run(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function,
+                                        running, given)
 
 
 def step_fire(taps: list, weight: torch.Tensor, bias: Optional[torch.Tensor], bn: Optional[tuple], quantize: bool,

@@ -6,8 +6,9 @@
 //
 // bn_fire(x, weight, gamma, beta, running_mean?, running_var?, given_mean?, given_var?, eps, ste,
 //         dilation, time_last, kind, alpha, factor) -> [spikes, mean, var], or [spikes] with given
-//         statistics; [] where the kernel refused the folding (NaN or inf: nothing written, nothing updated).
-// x and weight contiguous, the other tensors contiguous, of x's dtype and on the CPU (the caller checks).
+//         statistics; [] where it cannot run them (nothing written, nothing updated): arguments it does not
+//         take (see runnable: it checks every tensor itself, so a caller may pass anything) or a folding
+//         the kernel refused (NaN or inf). The caller then takes its general path, which reports them.
 #include "mfpsn_cpu.cpp"
 
 #include <ATen/Parallel.h>
@@ -95,14 +96,39 @@ struct BNFire : public torch::autograd::Function<BNFire<S>> {
     }
 };
 
+// Whether the node runs these arguments: x (T, N, C, ...) or time-last (N, C, ..., T) with 0-3 feature
+// dims, not empty; weight (C, K >= 1) with x's C; gamma, beta and the statistics given or updated of
+// shape (C,) and contiguous (read and written through raw pointers); all on the CPU, of dtype S; an
+// order, surrogate and quantiser it knows.
+template <typename S>
+bool runnable(const Tensor& x, const Tensor& w, const Tensor& gamma, const Tensor& beta,
+              const c10::optional<Tensor>& running_mean, const c10::optional<Tensor>& running_var,
+              const c10::optional<Tensor>& given_mean, const c10::optional<Tensor>& given_var, double eps,
+              int64_t ste, int64_t d, bool time_last, int64_t kind) {
+    const auto dtype = c10::CppTypeToScalarType<S>::value;
+    const auto on_cpu = [&](const Tensor& t) { return t.defined() && t.device().is_cpu() && t.scalar_type() == dtype; };
+    if (!on_cpu(x) || x.dim() < 3 || x.dim() > 6 || x.numel() == 0) return false;
+    if (!on_cpu(w) || w.dim() != 2 || w.size(1) < 1 || w.size(0) != x.size(time_last ? 1 : 2)) return false;
+    const int64_t C = w.size(0);
+    const auto per_channel = [&](const Tensor& t) { return on_cpu(t) && t.dim() == 1 && t.size(0) == C && t.is_contiguous(); };
+    const auto optional = [&](const c10::optional<Tensor>& a, const c10::optional<Tensor>& b) {
+        return a.has_value() == b.has_value() && (!a || (per_channel(*a) && per_channel(*b)));
+    };
+    return per_channel(gamma) && per_channel(beta) && optional(running_mean, running_var) &&
+           optional(given_mean, given_var) && eps > 0 && d >= 1 && ste >= 0 && ste <= 2 && (kind == 1 || kind == 2);
+}
+
 template <typename S>
 std::vector<Tensor> bn_fire(const Tensor& x, const Tensor& w, const Tensor& gamma, const Tensor& beta,
                             const c10::optional<Tensor>& running_mean, const c10::optional<Tensor>& running_var,
                             const c10::optional<Tensor>& given_mean, const c10::optional<Tensor>& given_var,
                             double eps, int64_t ste, int64_t d, bool time_last, int64_t kind, double alpha,
                             double factor) {
-    return BNFire<S>::apply(x, w, gamma, beta, running_mean, running_var, given_mean, given_var, eps, ste, d,
-                            time_last, kind, alpha, factor);
+    if (!runnable<S>(x, w, gamma, beta, running_mean, running_var, given_mean, given_var, eps, ste, d, time_last,
+                     kind))
+        return {};
+    return BNFire<S>::apply(x.contiguous(), w.contiguous(), gamma, beta, running_mean, running_var, given_mean,
+                            given_var, eps, ste, d, time_last, kind, alpha, factor);
 }
 
 }  // namespace

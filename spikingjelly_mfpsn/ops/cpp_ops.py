@@ -569,10 +569,10 @@ def bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate
     that skip every check (a neuron's hot path). The node checks the tensors itself (device, dtype,
     shapes, contiguity; see ``runnable`` in ``cpu/mfpsn_node.cpp``) and runs nothing it cannot take,
     nor a folding with NaN or inf: None then (the caller's general path runs, or reports them), and
-    where no gradient is recorded (the kernel-only path), no node builds, for a surrogate the kernel
-    does not know, or under torch.compile."""
+    where no node builds, for a surrogate the kernel does not know, or under torch.compile. With no
+    gradient to record (``torch.no_grad()``, nothing requiring one) the node runs without a graph."""
     kind = surrogate_kind(surrogate_function)
-    if not kind or torch.compiler.is_compiling() or x.dtype not in DTYPES or not needs_grad(x, weight, gamma, beta):
+    if not kind or torch.compiler.is_compiling() or x.dtype not in DTYPES:
         return None
     op = node(x.dtype)
     if op is None:
@@ -594,8 +594,7 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     kind = surrogate_kind(surrogate_function)
     if not kind or torch.compiler.is_compiling() or not x.numel():
         return None
-    grad = needs_grad(x, weight, gamma, beta)
-    if grad and node(x.dtype) is not None:
+    if node(x.dtype) is not None:  # (it checks the tensors itself)
         return bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
     dtype, device = x.dtype, x.device
     raw = (gamma, beta) + (() if running is None else running[:2]) + (() if given is None else tuple(given))
@@ -604,7 +603,7 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
             return None
     cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
     try:
-        if grad:
+        if needs_grad(x, weight, gamma, beta):
             out = _CppBNFire.apply(x, weight, gamma, beta, cfg)
         else:  # no graph to record: the kernel alone
             out, mean, var, _, _ = _bn_fire_forward(x.contiguous(), weight.contiguous(), gamma, beta, cfg)

@@ -416,8 +416,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
     def _member(self, name: str):
         """``getattr(self, name)`` for a parameter, buffer or submodule, read from the module's dicts: an
         attribute lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each,
-        which shows at small layers. Anything not in them (e.g. a weight under ``torch.nn.utils.parametrize``, which
-        becomes a property) through ``getattr``."""
+        which shows at small layers. Anything not in them (e.g. a weight under
+        ``torch.nn.utils.parametrize``, which becomes a property) through ``getattr``."""
         t = self._parameters.get(name)
         if t is None:
             t = self._buffers.get(name)

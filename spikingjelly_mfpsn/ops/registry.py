@@ -19,7 +19,8 @@ An implementation may also fuse the batch statistics of the bias-free charge: ``
 dilation, layout)`` returns the per-channel ``(mean, biased variance)`` of ``H`` without writing ``H``
 (same values and gradients as :func:`~spikingjelly_mfpsn.ops.reduce.batch_stats` of the charge).
 And it may run a BN-threshold neuron's whole forward in one step, ``bn_fire`` (see
-:func:`bn_fire`), or return ``None`` to leave it to the general path.
+:func:`bn_fire`), or return ``None`` to leave it to the general path; ``bn_fire_direct`` is the same
+step for callers that check nothing (see :func:`bn_fire_direct`): it must check every tensor itself.
 
 An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
 returns human-readable reasons (empty when it supports the call).
@@ -297,8 +298,8 @@ def bn_fire_direct(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, b
                    ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function,
                    running: Optional[tuple] = None, given: Optional[tuple] = None) -> Optional[tuple]:
     """:func:`bn_fire` without the checks of this module or of the caller: through an implementation whose
-    ``bn_fire_direct`` checks every argument itself and runs nothing it cannot take (returning None), so
-    any input is safe; None as well for a method without one, which the caller's checked path then runs.
+    ``bn_fire_direct`` checks every tensor itself and runs nothing it cannot take (returning None), so any
+    tensors are safe; None as well for a method without one, which the caller's checked path then runs.
     A neuron's hot path: a training step of a small layer spends about as long in Python checks as in
     its kernels."""
     impl = _REGISTRY.get(method)

@@ -524,7 +524,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         the running ones; in eval from the running statistics. Not under autocast, which takes the
         general path and its fp32 promotion. ``direct``: through ``ops.bn_fire_direct``, whose
         implementations check every tensor themselves (``xp`` is unchecked, not promoted)."""
-        if self.threshold != "bn" or torch.is_autocast_enabled("cpu" if xp.is_cpu else xp.device.type):
+        if self.threshold != "bn" or (direct and not ops.has_bn_fire_direct(method)) \
+                or torch.is_autocast_enabled("cpu" if xp.is_cpu else xp.device.type):
             return None
         member = self._member
         weight = member("weight")

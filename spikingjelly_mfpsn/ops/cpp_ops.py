@@ -591,11 +591,13 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     surrogate the kernel does not know, an empty batch, BN parameters or statistics of another dtype or
     device than x (or not contiguous), weights with NaN or inf (the general path reports them) or under
     torch.compile (which traces the separate custom ops)."""
-    kind = surrogate_kind(surrogate_function)
-    if not kind or torch.compiler.is_compiling() or not x.numel():
+    if torch.compiler.is_compiling() or not x.numel():
         return None
     if node(x.dtype) is not None:  # (it checks the tensors itself)
         return bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
+    kind = surrogate_kind(surrogate_function)
+    if not kind:
+        return None
     dtype, device = x.dtype, x.device
     raw = (gamma, beta) + (() if running is None else running[:2]) + (() if given is None else tuple(given))
     for t in raw:  # read through raw pointers

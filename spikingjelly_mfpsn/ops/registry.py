@@ -294,6 +294,12 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
 
 
+def has_bn_fire_direct(method: str) -> bool:
+    """Whether ``method`` names an implementation with a ``bn_fire_direct`` (see :func:`bn_fire_direct`)."""
+    impl = _REGISTRY.get(method)
+    return impl is not None and impl.bn_fire_direct is not None
+
+
 def bn_fire_direct(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
                    ste: Optional[str], dilation: int, layout: str, method: str, surrogate_function,
                    running: Optional[tuple] = None, given: Optional[tuple] = None) -> Optional[tuple]:

@@ -63,15 +63,6 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
     return "conv2d" if layout == "time_last" else "conv1d"
 
 
-def _versions(tensors, *extra) -> Optional[tuple]:
-    """Identity, storage and version counter of each tensor (an in-place change, e.g. an optimiser step or
-    ``load_state_dict``, moves the counter), or None where a tensor keeps none (inference tensors)."""
-    try:
-        return tuple((id(t), t.data_ptr(), t._version) for t in tensors) + extra
-    except RuntimeError:
-        return None
-
-
 class ChargeNeuronBase(MemoryModule):
     """What every MF-PSN variant shares: input checks, method resolution, the multi-step and
     single-step forward around a charge, and the single-step state.
@@ -361,7 +352,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         self._backend = ops.check_backend(backend)
         self._method = "auto"
         self.method = method
-        self._checked = None  # what _check_finite last passed in eval (tensor identities and versions)
         # Single-step state: the last (k-1)*d inputs, oldest first (a tuple of tensors).
         self.register_memory("x_queue", ())
 
@@ -437,9 +427,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         member = self._member
         tensors = (member("weight"), member("v_threshold")) if self.threshold != "bn" else \
             (member("weight"), member("gamma"), member("beta"), mean, var)
-        key = None if self.training else _versions(tensors, self.eps)
-        if key is not None and key == self.__dict__.get("_checked"):  # (absent from neurons pickled before)
-            return  # the same tensors, unchanged since they passed (eval: every call folds the same)
+        # Every call, in eval too: a check skipped while the tensors keep their version counters would miss
+        # a change through ``.data`` (e.g. ``p.data.copy_(loaded)``), which moves no counter.
         with torch.no_grad():  # one sum: NaN or inf anywhere makes it so (in float64 no finite sum overflows)
             parts = [t.reshape(-1) for t in tensors]
             if self.threshold == "bn":
@@ -450,7 +439,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
                                                        "or statistics")
         elif not math.isfinite(float(total)):
             raise ValueError(self._non_finite_message(mean, var, batch))
-        self._checked = key
 
     def _non_finite_message(self, mean, var, batch: bool) -> str:
         """What :meth:`_check_finite` refused, by name."""

@@ -1,5 +1,6 @@
 """MulFreeChannelwisePSN against the paper's equations, step modes, state, errors and export."""
 
+import contextlib
 import copy
 
 import pytest
@@ -558,14 +559,26 @@ def test_a_bad_batch_or_running_variance_is_refused(method):
         sn(torch.randn(5, 4, 3))
 
 
+@pytest.mark.parametrize("no_grad", [False, True])
 @pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp") if m in ops.names()])
-def test_a_change_after_a_checked_eval_call_is_seen(method):
-    """In eval the check is skipped while the folded tensors are the same, unchanged ones (their version
-    counters): an in-place change or a loaded checkpoint is checked again."""
+def test_a_change_after_a_checked_eval_call_is_seen(method, no_grad):
+    """Eval calls after one that passed the check see every later change: in place, through ``.data``
+    (which moves no version counter, e.g. weights copied in by hand from a diverged checkpoint) or a
+    loaded state dict."""
     sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method).eval()
     x = torch.randn(5, 4, 3)
-    sn(x)
-    sn(x)
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        sn(x)
+        sn(x)
+        sn.weight.data[1, 0] = float("nan")
+        with pytest.raises(ValueError, match="weight contains NaN"):
+            sn(x)
+        sn.weight.data[1, 0] = 0.5
+        sn.gamma.data.copy_(torch.tensor([1.0, float("inf"), 1.0]))
+        with pytest.raises(ValueError, match="gamma contains NaN or inf"):
+            sn(x)
+        sn.gamma.data.fill_(1.0)
+        sn(x)
     with torch.no_grad():
         sn.running_var[0] = float("nan")
     with pytest.raises(ValueError, match="running_var contains NaN"):

@@ -475,15 +475,25 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
                 unbiased = var.detach() * (n / max(n - 1, 1))
                 self.running_var.lerp_(unbiased.to(self.running_var), factor)
 
-    def _fuse(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fold_bn(self.weight, self.gamma, self.beta, mean, var, self.eps)
+    def _fuse(self, mean: torch.Tensor, var: torch.Tensor, batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The BN folded into ``(W', b)``, refusing what :meth:`_check_finite` refuses. On the CPU one sum
+        over W', b and var decides (NaN or inf in the weight, gamma, beta, mean or var, or
+        ``var + eps <= 0``, leaves one of them non-finite: a third of the full check's time); only then
+        are the tensors checked by name, and a folding that overflows from finite ones passes."""
+        w, b = fold_bn(self.weight, self.gamma, self.beta, mean, var, self.eps)
+        if w.is_cpu and not torch.compiler.is_compiling():
+            with torch.no_grad():
+                total = torch.cat((w.reshape(-1), b.reshape(-1), var.reshape(-1))).sum(dtype=torch.float64)
+            if math.isfinite(float(total)):
+                return w, b
+        self._check_finite(mean, var, batch)
+        return w, b
 
     def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-mode ``(Wq, b)``: the (quantised) weight and the bias the neuron runs with, so that
         ``S = Theta(conv(X, Wq) + b)``. Uses running statistics for ``threshold='bn'``. NaN or inf in
         any of them raises a ``ValueError`` naming the tensor."""
         if self.threshold == "bn":
-            self._check_finite(self.running_mean, self.running_var)
             w, b = self._fuse(self.running_mean, self.running_var)
         else:
             self._check_finite()
@@ -546,9 +556,8 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""
         if self.threshold == "bn" and self.training:
             mean, var, n = run_stats(self.weight)
-            self._check_finite(mean, var, batch=True)  # before the running statistics take anything in
+            w, b = self._fuse(mean, var, batch=True)  # (checked before the running statistics take anything in)
             self._update_running_stats(mean, var, n)
-            w, b = self._fuse(mean, var)
             return self._maybe_quantize(w), b
         return self.fused_weight_bias()
 

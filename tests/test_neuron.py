@@ -593,6 +593,25 @@ def test_a_change_after_a_checked_eval_call_is_seen(method, no_grad):
     assert sn(x).shape == x.shape
 
 
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+def test_a_folding_that_overflows_from_finite_tensors_is_not_refused(step_mode):
+    """What is refused is NaN or inf in the tensors folded, not a folding that overflows from finite ones
+    (the quantiser clamps it): a huge finite gamma runs on the torch path (whose check looks at the
+    folded weight and bias first, then at the tensors by name) as in the C++ kernels, with the same
+    spikes."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 3)
+    outs = []
+    for method in [m for m in ("shift_add", "cpp") if m in ops.names()]:
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode, method=method).eval()
+        with torch.no_grad():
+            sn.gamma[1] = 3e38
+            sn.running_var.fill_(1e-3)
+        assert torch.isinf(sn.gamma[1] * torch.rsqrt(sn.running_var[1] + sn.eps))  # the folding overflows
+        outs.append(sn(x) if step_mode == "m" else torch.stack([sn(xt) for xt in x]))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 @pytest.mark.parametrize("kwargs,match", [(dict(eps=0.0), "eps must be a number > 0"),
                                           (dict(eps=-1e-5), "eps must be a number > 0"),
                                           (dict(eps=float("nan")), "eps must be a number > 0"),

@@ -715,3 +715,24 @@ def test_theta_without_a_graph_never_writes_into_the_input():
         assert torch.equal(s, (kept >= 0).to(kept.dtype))
     finally:
         ops.registry._REGISTRY.pop("identity_view", None)
+
+
+@pytest.mark.parametrize("method,layout", [(m, layout) for m in ops.names() if ops.get(m).backend != "cupy"
+                                           for layout in ops.get(m).layouts])
+@pytest.mark.parametrize("eps", [1e-5, 1e-12])
+def test_a_constant_channel_has_no_batch_variance(method, layout, eps):
+    """A charge that is the same at every sample and step, far from 0 (X = 1000.3 everywhere, k = 1): its
+    batch variance is 0, not what E[H^2] - E[H]^2 cancels to (the C++ kernels gave 0.24) or the square of
+    a float mean an ulp off (the torch path gave up to 9e-8), and every method gives the reference's
+    spikes, even with a tiny eps where a variance of 1e-8 would be 10^4 eps."""
+    sn = MulFreeChannelwisePSN(3, k=1, step_mode="m", method=method, layout=layout, eps=eps, momentum=1.0)
+    with torch.no_grad():
+        sn.gamma.copy_(torch.tensor([1.0, 0.7, 1.3]))
+    shape = (32, 100, 3, 3) if layout == "time_first" else (100, 3, 3, 32)
+    s = sn(torch.full(shape, 1000.3))
+    assert float(sn.running_var.max()) <= 1e-12
+    xr = torch.full(shape, 1000.3, dtype=torch.float32).double()
+    w, gamma, beta = (t.detach().double() for t in (sn.weight, sn.gamma, sn.beta))
+    h, _ = reference.mfpsn_charge(xr, w, 1, layout, "bn", gamma=gamma, beta=beta, eps=eps,
+                                  stats=(w[:, 0] * xr.flatten()[0], torch.zeros(3, dtype=torch.float64)))
+    assert torch.equal(s.double(), (h >= 0).double())

@@ -38,9 +38,10 @@ class BatchStats(torch.autograd.Function):
     """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis`` (0 and 0 for
     an empty batch, as the C++ kernels give).
 
-    Two-pass (mean, then the squared norm of ``y - mean``) so large means do not cancel; the backward
-    is one fused pass, ``dy = a[c] * y + b[c]``. Much faster on CPUs than ``torch.var_mean`` over
-    strided dims.
+    Corrected two-pass (the mean, then the sum and squared norm of ``z = y - mean``, with
+    ``var = (|z|^2 - (sum z)^2 / n) / n``) so large means do not cancel, and a channel that is the same
+    everywhere gets a variance of 0 even where the float mean is an ulp off; the backward is one fused
+    pass, ``dy = a[c] * y + b[c]``. Much faster on CPUs than ``torch.var_mean`` over strided dims.
     """
 
     @staticmethod
@@ -50,7 +51,9 @@ class BatchStats(torch.autograd.Function):
         n = max(y.numel() // max(y.shape[channel_axis], 1), 1)  # an empty batch: mean 0, var 0, not NaN
         mean = channel_sum(y, channel_axis) / n
         z = y - mean.view(shape)
-        var = channel_dot(z, z, channel_axis) / n
+        off = channel_sum(z, channel_axis) / n
+        var = (channel_dot(z, z, channel_axis) / n - off * off).clamp_(min=0)
+        mean = mean + off
         ctx.save_for_backward(y, mean)
         ctx.shape, ctx.n = shape, n
         return mean, var

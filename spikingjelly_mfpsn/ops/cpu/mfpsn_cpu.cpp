@@ -23,7 +23,8 @@
 //
 //   charge:  H[t] = sum_i W[c, i] * X[t - (K-1-i) * d] + b[c]          (X[t < 0] = 0)
 //   fire:    S[t] = (H[t] >= 0)
-//   stats:   per-channel mean and biased variance of Y = charge without bias (Y is not written; float64 sums)
+//   stats:   per-channel mean and biased variance of Y = charge without bias (Y is not written; float64
+//            sums of Y - shift, shift a sample of Y per channel: see output_sample)
 //   backward, dH formed on the fly from a recomputed H (kept in registers only):
 //     mode 0  dH = G                         (plain charge)
 //     mode 1  dH = G * atan'(H)              (fire with SpikingJelly's ATan surrogate)
@@ -622,12 +623,35 @@ struct Backward {
     static void lanes(const TileArgs<S>& p, int64_t l, int64_t r) { backward_lanes<S, V, KT, MODE, U>(p, l, r); }
 };
 
+// Per channel, the output of the first block's first lane of that channel at the last step (0 for an
+// empty tensor): the statistics' sums are taken about it, so that a charge far from 0 that hardly varies
+// does not cancel in E[H^2] - E[H]^2 (X = 1000.3 everywhere and k = 1 gave a variance of 0.24).
+template <typename S>
+std::vector<S> output_sample(const Geometry& g, const S* x, const S* w, const S* b) {
+    std::vector<S> h(g.C, S(0));
+    if (g.T * g.N * g.F == 0) return h;
+    for (int64_t c = 0; c < g.C; ++c) {
+        S acc = b ? b[c] : S(0);
+        for (int j = 0; j < g.K; ++j) {
+            const int64_t t = g.T - 1 - int64_t(g.K - 1 - j) * g.d;
+            if (t >= 0) acc += w[c * g.K + j] * x[g.at(t, 0, c * g.F)];
+        }
+        h[c] = acc;
+    }
+    return h;
+}
+
 template <typename S, int KT>
 void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* out, int spike, S* mean, S* var,
              int threads) {
     const bool sums = mean != nullptr;
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per;
     const Table<S> wl = tap_weights(g, w, KP), bl = per_lane(g, b);
+    // The statistics' sweep adds up H - shift: its bias is b - shift.
+    const std::vector<S> shift = sums ? output_sample(g, x, w, b) : std::vector<S>();
+    std::vector<S> centred(shift.size());
+    for (size_t c = 0; c < shift.size(); ++c) centred[c] = (b ? b[c] : S(0)) - shift[c];
+    const Table<S> sl = per_lane(g, sums ? centred.data() : b);
     std::vector<double> acc(sums ? size_t(threads) * 2 * g.C : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
@@ -647,9 +671,10 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
             if (out) os.write(out, n, o0, m);
             if (sums) p.part = part.take(o0, m, g.T);
             for (int j = 0; j < KP; ++j) wj[j] = wl.data() + j * cf + o0;
-            p.b = bl.data() + o0;
             p.m = m;
+            p.b = sl.data() + o0;
             if (sums) columns<S, Forward<S, KT, SUMS>>(p);
+            p.b = bl.data() + o0;
             if (out && spike)
                 columns<S, Forward<S, KT, SPIKES>>(p);
             else if (out)
@@ -658,13 +683,13 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
         }
         if (sums) part.flush();
     }
-    if (sums) {  // per-channel mean and biased variance from the float64 sums
+    if (sums) {  // per-channel mean and biased variance from the float64 sums about the shift
         std::vector<double> total(2 * g.C);
         reduce_threads(g, acc, threads, 2, total.data(), 1, g.C);
         const double n = double(std::max<int64_t>(g.T * g.N * g.F, 1));
         for (int64_t c = 0; c < g.C; ++c) {
             const double m = total[c] / n;
-            mean[c] = S(m);
+            mean[c] = S(double(shift[c]) + m);
             var[c] = S(std::max(total[g.C + c] / n - m * m, 0.0));
         }
     }

@@ -2,9 +2,11 @@
 
 A pass is reading or writing one tensor of the size of the input X. PyTorch operators are counted
 as they run (a ``TorchDispatchMode``: every non-view operator reads each tensor argument once and
-writes each result once, broadcast arguments counted by their storage); a Triton kernel is counted
-from its launch arguments (each tensor it loads is read once -- the k shifted loads of one tile hit
-the cache -- and each tensor it stores is written once), a C++ kernel (backend 'cpp') likewise. Tensors of parameter size are included
+writes each result once, broadcast arguments counted by their storage); every Triton launch is
+counted by one rule, from what its kernel declares it reads and writes (``triton_ops.TRAFFIC``: each
+tensor it loads is read once -- the k shifted loads of one tile hit the cache -- and each tensor it
+stores is written once; a launch of a kernel that declares nothing is an error), a C++ kernel
+(backend 'cpp') likewise. Tensors of parameter size are included
 but amount to a few hundredths of a pass.
 
 Run on the CPU through Triton's interpreter::
@@ -27,7 +29,8 @@ import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly.activation_based import neuron  # noqa: E402
 from spikingjelly_mfpsn import ops  # noqa: E402
 
-FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "promote_types",
+        "result_type",
         "lift_fresh", "_local_scalar_dense", "set_", "resize_"}
 WRITE_ONLY = {"fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros"}
 
@@ -43,53 +46,67 @@ class Traffic(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.read = self.written = 0
+        self.launches = 0  # operators that run a kernel (neither views nor allocations) and Triton launches
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if not self.paused and not func.is_view and name not in FREE:
+            self.launches += 1  # an operator that runs a kernel
             if name not in WRITE_ONLY:
                 self.read += sum(_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
             self.written += sum(_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
-def _kernel_traffic(kwargs: dict, args: list, arg_names: list) -> tuple[int, int]:
-    """(bytes read, bytes written) of one launch of a charge kernel, from what it loads and stores."""
-    a = dict(zip(arg_names, args))
-    a.update(kwargs)
-    if "G" in a:  # backward: loads G, H (fused surrogate), X (weight gradient); stores GX
-        read = [a["G"]] + [a["H"]] * (a["SG"] != 0) + [a["X"]] * bool(a["NEED_GW"])
-        return sum(map(_bytes, read)), _bytes(a["GX"]) * bool(a["NEED_GX"])
-    return _bytes(a["X"]), _bytes(a["H"]) * bool(a["STORE_H"]) + _bytes(a["S"]) * bool(a["SPIKE"])
+def _declared(entries, args: dict) -> list:
+    """The tensors of a launch that a ``TRAFFIC`` entry names (``"NAME"``, ``"NAME if FLAG"`` or ``"NAME if
+    not FLAG"``)."""
+    out = []
+    for entry in entries:
+        name, _, cond = entry.partition(" if ")
+        negate = cond.startswith("not ")
+        flag = cond[4:] if negate else cond
+        if not cond or bool(args[flag]) != negate:
+            out.append(args[name])
+    return out
 
 
 @contextlib.contextmanager
 def count_triton(mode: Traffic):
-    """Count the Triton launches into ``mode`` from their arguments, not from the interpreter's insides."""
+    """Count every Triton launch into ``mode`` by one rule: what its kernel declares it reads and writes
+    (``triton_ops.TRAFFIC``), never the interpreter's own copies. A launch of a kernel that declares
+    nothing raises: it could not be counted."""
     from spikingjelly_mfpsn.ops import triton_ops
-    tuners = [*triton_ops._FWD.values(), *triton_ops._BWD.values()]
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
 
-    def counted(tuner, run):
-        def launch(*args, **kwargs):
-            read, written = _kernel_traffic(kwargs, list(args), tuner.arg_names)
-            mode.read += read
-            mode.written += written
-            mode.paused = True  # the interpreter's own host copies are not the kernel's traffic
-            try:
-                return run(*args, **kwargs)
-            finally:
-                mode.paused = False
-        return launch
+    cls = interpreter.InterpretedFunction if triton_ops.INTERPRETED else jit.JITFunction
+    real = cls.run
 
-    for tuner in tuners:
-        tuner.run = counted(tuner, tuner.run)
+    def run(self, *args, **kwargs):
+        name = self.fn.__name__
+        if name not in triton_ops.TRAFFIC:
+            raise RuntimeError(f"a launch of the Triton kernel {name} cannot be counted: it declares no traffic "
+                               f"in triton_ops.TRAFFIC")
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        reads, writes = triton_ops.TRAFFIC[name]
+        mode.read += sum(map(_bytes, _declared(reads, named)))
+        mode.written += sum(map(_bytes, _declared(writes, named)))
+        mode.launches += 1
+        mode.paused = True  # the interpreter's own host copies are not the kernel's traffic
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            mode.paused = False
+
+    cls.run = run
     try:
         yield mode
     finally:
-        for tuner in tuners:
-            del tuner.run  # back to the class's method
+        cls.run = real
 
 
 @contextlib.contextmanager
@@ -146,25 +163,29 @@ def count_cpp(mode: Traffic):
         cpp_ops.node = real_node
 
 
-def step_passes(method: str, layout: str, threshold: str, shape) -> tuple[float, float]:
-    """(forward, backward) passes of one training step of the neuron with ``method``."""
+def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2) -> tuple[float, float, int, int]:
+    """(forward passes, backward passes, forward launches, backward launches) of one training step of the
+    neuron with ``method``: a launch is a PyTorch operator that runs a kernel (neither a view nor an
+    allocation) or a Triton kernel."""
     torch.manual_seed(0)
     backend = ops.get(method).backend
-    sn = neuron.MulFreeChannelwisePSN(shape[ops.channel_dim(layout)], k=2, dilation=1, step_mode="m",
+    sn = neuron.MulFreeChannelwisePSN(shape[ops.channel_dim(layout)], k=k, dilation=1, step_mode="m",
                                       layout=layout, threshold=threshold, backend=backend, method=method)
     x = torch.randn(shape, requires_grad=True)
     g = torch.randn(shape)
-    sn(x)  # warm-up (lazy state, autotuning)
+    sn(x).backward(g)  # warm-up (lazy state, autotuning)
+    sn.zero_grad(set_to_none=True)  # as optimizer.zero_grad() leaves them: a step's gradients are new tensors
+    x.grad = None  # (x stands for an activation, whose gradient is not accumulated)
 
     def passes(fn):
         counter = {"triton": count_triton, "cpp": count_cpp}.get(backend)
         with Traffic() as mode, (counter(mode) if counter else contextlib.nullcontext()):
             out = fn()
-        return (mode.read + mode.written) / _bytes(x), out
+        return (mode.read + mode.written) / _bytes(x), mode.launches, out
 
-    fwd, s = passes(lambda: sn(x))
-    bwd, _ = passes(lambda: s.backward(g))
-    return fwd, bwd
+    fwd, fwd_launches, s = passes(lambda: sn(x))
+    bwd, bwd_launches, _ = passes(lambda: s.backward(g))
+    return fwd, bwd, fwd_launches, bwd_launches
 
 
 def main():
@@ -173,13 +194,14 @@ def main():
     args = parser.parse_args()
     t, n, c, m = (int(v) for v in args.shape.split(","))
     shapes = {"time_first": (t, n, c, m), "time_last": (n, c, m, t)}
-    print(f"passes over an X-sized tensor, one training step, k=2, X {shapes['time_first']} (time-first order)")
-    print(f"{'layout':<11} {'method':<12} {'threshold':<9} {'forward':>8} {'backward':>9} {'total':>6}")
+    print(f"passes over an X-sized tensor and kernel launches, one training step, k=2, X {shapes['time_first']} "
+          f"(time-first order)")
+    print(f"{'layout':<11} {'method':<12} {'threshold':<9} {'forward':>8} {'backward':>9} {'total':>6} {'launches':>9}")
     for layout in ops.LAYOUTS:
         for method in ops.names(layout=layout):
             for threshold in ("param", "bn"):
-                f, b = step_passes(method, layout, threshold, shapes[layout])
-                print(f"{layout:<11} {method:<12} {threshold:<9} {f:8.1f} {b:9.1f} {f + b:6.1f}")
+                f, b, lf, lb = step_passes(method, layout, threshold, shapes[layout])
+                print(f"{layout:<11} {method:<12} {threshold:<9} {f:8.1f} {b:9.1f} {f + b:6.1f} {lf + lb:9d}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,21 @@ class Pow2WholeSTE(torch.autograd.Function):
         return g
 
 
+class Pow2RoundSTE(torch.autograd.Function):
+    """Q(w) forward; backward as if only the rounding were the identity: g * |Q(w)| / |w| (0 at w = 0)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        return pow2(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        ratio = [abs(q) / abs(v) if v != 0 else 0.0 for q, v in zip(pow2(w).reshape(-1).tolist(), w.reshape(-1).tolist())]
+        return g * torch.tensor(ratio, dtype=g.dtype).reshape(w.shape)
+
+
 def atan_primitive(h, alpha=2.0):
     """SpikingJelly's ATan surrogate primitive: arctan(pi/2 * alpha * h) / pi + 1/2."""
     import math
@@ -66,13 +81,14 @@ def atan_primitive(h, alpha=2.0):
 
 
 def mfpsn_charge(x, weight, dilation, layout, threshold, quantize=True, gamma=None, beta=None,
-                 v_threshold=None, stats=None, eps=1e-5):
+                 v_threshold=None, stats=None, eps=1e-5, ste="whole"):
     """The neuron's H (threshold 0) written straight from the paper's equations.
 
     threshold 'bn': stats=None means batch statistics of conv(X, W) (training); otherwise (mean, var).
+    ste: the quantiser's gradient, 'whole' (identity) or 'round' (Pow2RoundSTE).
     Returns (H, (mean, var) used).
     """
-    q = Pow2WholeSTE.apply if quantize else (lambda w: w)
+    q = (Pow2WholeSTE.apply if ste == "whole" else Pow2RoundSTE.apply) if quantize else (lambda w: w)
     if threshold == "param":
         return charge(x, q(weight), -v_threshold, dilation, layout), None
     if stats is None:

@@ -514,7 +514,7 @@ _FOLDED = [("weight", "bn"), ("gamma", "bn"), ("beta", "bn"), ("running_mean", "
            ("weight", "param"), ("v_threshold", "param")]
 
 
-@pytest.mark.parametrize("method", [m for m in ("shift_add", "conv1d", "cpp") if m in ops.names()])
+@pytest.mark.parametrize("method", [m for m in ("shift_add", "conv1d", "cpp", "triton") if m in ops.names()])
 @pytest.mark.parametrize("name,threshold", _FOLDED)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("step_mode", ["m", "s"])
@@ -540,7 +540,7 @@ def test_non_finite_parameters_and_statistics_are_refused_by_name(method, name, 
         assert all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)  # untouched
 
 
-@pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp") if m in ops.names()])
+@pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp", "triton") if m in ops.names()])
 def test_a_bad_batch_or_running_variance_is_refused(method):
     """NaN in the input of a BN-threshold training step made NaN batch statistics, which went into the
     running ones for good; a running variance with var + eps <= 0 (a bad checkpoint) NaN weights."""
@@ -560,7 +560,7 @@ def test_a_bad_batch_or_running_variance_is_refused(method):
 
 
 @pytest.mark.parametrize("no_grad", [False, True])
-@pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp") if m in ops.names()])
+@pytest.mark.parametrize("method", [m for m in ("shift_add", "cpp", "triton") if m in ops.names()])
 def test_a_change_after_a_checked_eval_call_is_seen(method, no_grad):
     """Eval calls after one that passed the check see every later change: in place, through ``.data``
     (which moves no version counter, e.g. weights copied in by hand from a diverged checkpoint) or a
@@ -602,7 +602,7 @@ def test_a_folding_that_overflows_from_finite_tensors_is_not_refused(step_mode):
     torch.manual_seed(0)
     x = torch.randn(5, 4, 3)
     outs = []
-    for method in [m for m in ("shift_add", "cpp") if m in ops.names()]:
+    for method in [m for m in ("shift_add", "cpp", "triton") if m in ops.names()]:
         sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode, method=method).eval()
         with torch.no_grad():
             sn.gamma[1] = 3e38

@@ -3,6 +3,7 @@
 conftest.py sets TRITON_INTERPRET=1 before anything imports triton (with TRITON_INTERPRET=0 on a
 machine with a GPU the same tests run the compiled kernels on CUDA tensors).
 """
+import contextlib
 import copy
 import itertools
 import os
@@ -30,6 +31,7 @@ else:
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device to run the kernels on",
                 allow_module_level=True)
 
+pytestmark = pytest.mark.cuda  # (with TRITON_INTERPRET=0 on a GPU machine these run the compiled kernels)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ops.LAYOUTS
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
@@ -176,7 +178,7 @@ def check_fire(sg, layout, dtype=torch.float32, fused=True):
     args = [t.detach().double().requires_grad_() for t in (x, w, b)]
     h_ref = reference.charge(*args, 2, layout)
     s_ref = sg(h_ref)
-    tol = TOL[torch.float32] if dtype == torch.float32 else HALF_TOL[dtype]
+    tol = TOL[dtype] if dtype in TOL else HALF_TOL[dtype]
     # Spikes must match away from the threshold (rounding may flip |H| ~ 0); a 0/1 mismatch is 1.
     clear = h_ref.detach().abs() > 1e-3
     torch.testing.assert_close(s.double()[clear], s_ref.detach()[clear], **tol)
@@ -269,11 +271,11 @@ def test_autotune_prunes_wasteful_tiles(layout):
         assert kept and min(triton_ops._padded_work(cf, r, c, t) for cf in kept) == least
 
 
-def test_backward_grid_fills_the_target():
-    tile = dict(BR=16, BC=1, BT=64)
-    assert triton_ops._backward_grid(tile, r=4096, c=8, t=256, target=432) == (8, 54)
-    assert triton_ops._backward_grid(tile, r=16, c=8, t=64, target=432) == (8, 1)  # one tile each
-    assert triton_ops._backward_grid(tile, r=4096, c=1000, t=256, target=432) == (1000, 1)
+def test_reduction_grid_fills_the_target():
+    tile = (16, 1, 64)
+    assert triton_ops._reduction_grid(tile, r=4096, c=8, t=256, target=432) == (8, 54)
+    assert triton_ops._reduction_grid(tile, r=16, c=8, t=64, target=432) == (8, 1)  # one tile each
+    assert triton_ops._reduction_grid(tile, r=4096, c=1000, t=256, target=432) == (1000, 1)
 
 
 # ---------------------------------------------------------------- what the implementation refuses
@@ -312,28 +314,44 @@ def test_without_triton_nothing_else_breaks():
 
 
 def test_kernels_compile_for_a_gpu():
-    """The interpreter is lenient: also compile every kernel variant to GPU code (no GPU needed)."""
+    """The interpreter is lenient: also compile every kernel to GPU code (no GPU needed), for sm_80 and
+    sm_90 in turn, each in a variant of its flags."""
     code = textwrap.dedent("""
         import triton, triton.language as tl
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from spikingjelly_mfpsn.ops import triton_ops as T
-        def compile(fn, ptr_types, consts):
+        FLOATS = ("c1_hi", "c1_lo", "c2_hi", "c2_lo", "eps_hi", "eps_lo", "f_hi", "f_lo")
+        def compile(fn, ptr_types, consts, arch):
             sig = {a: "i32" for a in fn.arg_names}
-            sig.update(ptr_types, alpha="fp32")
+            sig.update(ptr_types, **{a: "fp32" for a in FLOATS if a in sig})
             sig.update({k: "constexpr" for k in consts})
             sig = {a: sig[a] for a in fn.arg_names}
-            triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 80, 32))
-        for layout, dt, acc in (("time_first", "fp16", tl.float32), ("time_last", "bf16", tl.float32),
-                                ("time_first", "fp64", tl.float64)):
+            triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32))
+        for layout, dt, acc, arch, k, stats in (("time_first", "fp16", tl.float32, 80, 1, True),
+                                                ("time_last", "bf16", tl.float32, 90, 3, False),
+                                                ("time_first", "fp64", tl.float64, 90, 2, True)):
             tile = T._configs(layout)[0].kwargs
             p = "*" + dt
-            compile(T._charge_fwd_kernel, dict(X=p, W=p, B=p, H=p, S=p),
-                    dict(HAS_BIAS=True, STORE_H=True, SPIKE=dt != "fp64", ACC=acc, **tile))
+            w = "*fp64" if dt == "fp64" else "*fp32"
             part = "*fp64" if dt == "fp64" else "*fp32"
-            compile(T._charge_bwd_kernel, dict(G=p, H=p, X=p, W=p, GX=p, PW=part, PB=part),
-                    dict(SG={"fp16": 1, "bf16": 2, "fp64": 0}[dt], NEED_GX=True, NEED_GW=True,
-                         NEED_GB=dt != "fp64", ACC=acc, BK=4, **tile))
+            compile(T._charge_fwd_kernel, dict(X=p, W=p, B=p, H=p, S=p),
+                    dict(HAS_BIAS=True, STORE_H=True, SPIKE=True, ACC=acc, **tile), arch)
+            compile(T._charge_bwd_kernel, dict(G=p, B=p, X=p, W=p, GX=p, PW=part, PB=part),
+                    dict(SG={"fp16": 1, "bf16": 2, "fp64": 0}[dt], HAS_BIAS=True, NEED_GX=True,
+                         NEED_GW=True, NEED_GB=True, ACC=acc, BK=4, **tile), arch)
+            compile(T._bn_moments_kernel, dict(X=p, W=w, PART=part), dict(K=k, ACC=acc, **tile), arch)
+            compile(T._bn_fold_kernel, dict(PART=part, X=p, W=w, GAMMA=w, BETA=w, RM=w, RV=w, MEAN=w, VAR=w,
+                                            WQ=w, B=w, OK="*i8"),
+                    dict(K=k, GIVEN=not stats, RUNNING=stats, QUANT=True, ACC=acc, F64=dt == "fp64", BC=64,
+                         BS=32), arch)
+            compile(T._bn_grad_moments_kernel, dict(G=p, X=p, W=w, WQ=w, B=w, MEAN=w, PART=part),
+                    dict(K=k, BK=4, SG=2 if dt == "bf16" else 1, STATS=stats, ACC=acc, **tile), arch)
+            compile(T._bn_grad_fold_kernel, dict(PART=part, W=w, GAMMA=w, MEAN=w, VAR=w, WQ=w, GW=w, GGAMMA=w,
+                                                 GBETA=w, COEF=part),
+                    dict(K=k, BK=4, ROUND=stats, STATS=stats, F64=dt == "fp64", BC=16, BS=16), arch)
+            compile(T._bn_grad_x_kernel, dict(G=p, X=p, W=w, WQ=w, B=w, MEAN=w, COEF=part, GX=p),
+                    dict(K=k, SG=1, STATS=stats, ACC=acc, **tile), arch)
         print("compiled")
     """)
     from triton.backends import backends
@@ -343,3 +361,228 @@ def test_kernels_compile_for_a_gpu():
     env.update(PYTHONPATH=ROOT, TRITON_DEFAULT_FP_FUSION="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the fused BN-threshold training step
+def bn_neuron(layout, k, dilation, dtype, ste="whole", sg=None, channels=6, **kwargs):
+    """A BN-threshold neuron on 'triton' with random weights, gamma and beta."""
+    sn = neuron.MulFreeChannelwisePSN(channels, k=k, dilation=dilation, step_mode="m", layout=layout,
+                                      quantize=ste is not None, ste=ste or "whole", exp_init=False, method="triton",
+                                      surrogate_function=sg or surrogate.ATan(), **kwargs).to(DEVICE, dtype)
+    with torch.no_grad():
+        sn.gamma.uniform_(0.5, 1.5)
+        sn.beta.uniform_(-1.0, 0.5)
+    return sn
+
+
+def no_general_path(monkeypatch):
+    """Make the neuron's general path (batch statistics, then the charge) fail: only a fused step runs."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general path ran")
+    monkeypatch.setattr(ops, "batch_stats", refuse)
+    monkeypatch.setattr(ops, "fire", refuse)
+
+
+def bn_step_against_reference(sn, x, ste, sg, tol, margin):
+    """One training step of ``sn`` against the plain reference in float64: spikes where the reference's
+    |H| > margin, dL/dX and the gradients of weight, gamma and beta, and the running statistics."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, sn.weight, sn.gamma, sn.beta)]
+    running = (sn.running_mean.double().clone(), sn.running_var.double().clone())
+    h, (mean, var) = reference.mfpsn_charge(leaves[0], leaves[1], sn.dilation, sn.layout, "bn",
+                                            quantize=ste is not None, gamma=leaves[2], beta=leaves[3],
+                                            eps=sn.eps, ste=ste or "whole")
+    s_ref = sg(h)
+    xt = x.detach().clone().requires_grad_()
+    s = sn(xt)
+    assert s.shape == x.shape and s.dtype == x.dtype
+    clear = h.detach().abs() > margin
+    assert torch.equal(s.double()[clear], s_ref.detach()[clear])
+    g = torch.randn(s.shape, dtype=torch.float64, device=DEVICE)
+    (s * g.to(s.dtype)).sum().backward()
+    (s_ref * g).sum().backward()
+    for got, want, what in zip((xt.grad, sn.weight.grad, sn.gamma.grad, sn.beta.grad), [t.grad for t in leaves],
+                               ("x", "weight", "gamma", "beta")):
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"grad {what}: {m}")
+    n = x.numel() // sn.channels
+    want_mean = 0.9 * running[0] + 0.1 * mean.detach()
+    want_var = 0.9 * running[1] + 0.1 * var.detach() * n / (n - 1)
+    torch.testing.assert_close(sn.running_mean.double(), want_mean, **tol)
+    torch.testing.assert_close(sn.running_var.double(), want_var, **tol)
+    sn.zero_grad()
+
+
+def bn_shape(layout, t=19, n=3, c=6, m=13):
+    # Several tiles along rows (n * m = 39), channels and time, and several splits per channel block.
+    return (t, n, c, m) if layout == "time_first" else (n, c, m, t)
+
+
+F32_BN_TOL = dict(rtol=2e-4, atol=2e-4)  # order 1: a weight gradient that is the small difference of two
+# large terms (the folding's and the statistics'), see tests/test_cpp.py
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k,dilation", [(1, 1), (2, 1), (3, 2), (5, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_bn_step_matches_reference(layout, k, dilation, dtype, monkeypatch):
+    """BN-threshold training on 'triton' runs the fused step (batch statistics, folding, quantiser and
+    spikes in three kernels; three backward) and equals the plain reference: spikes, every gradient and
+    the running statistics, over two steps."""
+    torch.manual_seed(k * 10 + dilation)
+    sn = bn_neuron(layout, k, dilation, dtype)
+    no_general_path(monkeypatch)
+    tol = TOL[torch.float64] if dtype == torch.float64 else F32_BN_TOL
+    for _ in range(2):
+        x = torch.randn(bn_shape(layout), dtype=dtype, device=DEVICE) * 2
+        bn_step_against_reference(sn, x, "whole", sn.surrogate_function, tol, 1e-4)
+    assert int(sn.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ste", ["round", None])
+@pytest.mark.parametrize("sg", [surrogate.ATan(alpha=3.5), surrogate.Sigmoid(alpha=1.5)], ids=repr)
+def test_fused_bn_step_quantiser_and_surrogates(layout, ste, sg, monkeypatch):
+    torch.manual_seed(2)
+    sn = bn_neuron(layout, 3, 2, torch.float64, ste=ste, sg=sg)
+    no_general_path(monkeypatch)
+    x = torch.randn(bn_shape(layout, t=9, m=5), dtype=torch.float64, device=DEVICE) * 2
+    bn_step_against_reference(sn, x, ste, sg, TOL[torch.float64], 1e-8)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_fused_bn_eval_and_no_grad(layout, no_grad, monkeypatch):
+    """Eval folds the running statistics (constants: gradients through the folding only); training
+    under torch.no_grad() still updates the running statistics."""
+    torch.manual_seed(4)
+    sn = bn_neuron(layout, 2, 2, torch.float64)
+    with torch.no_grad():
+        sn.running_mean.uniform_(-1, 1)
+        sn.running_var.uniform_(0.5, 2)
+    no_general_path(monkeypatch)
+    x = torch.randn(bn_shape(layout, t=9, m=5), dtype=torch.float64, device=DEVICE).requires_grad_(not no_grad)
+    xr, w, gamma, beta = [t.detach().double().requires_grad_() for t in (x, sn.weight, sn.gamma, sn.beta)]
+    stats = (sn.running_mean.clone(), sn.running_var.clone())
+    h, _ = reference.mfpsn_charge(xr, w, 2, layout, "bn", gamma=gamma, beta=beta, stats=stats)
+    sn.eval()
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        s = sn(x)
+    assert torch.equal(s, (h >= 0).double())
+    if not no_grad:
+        g = torch.randn_like(s)
+        (s * g).sum().backward()
+        (surrogate.ATan()(h) * g).sum().backward()
+        for got, want in zip((x.grad, sn.weight.grad, sn.gamma.grad, sn.beta.grad), (xr, w, gamma, beta)):
+            torch.testing.assert_close(got, want.grad)
+    assert torch.equal(sn.running_mean, stats[0]) and torch.equal(sn.running_var, stats[1])
+    sn.train()
+    with torch.no_grad():
+        sn(x)
+    n = x.numel() // sn.channels
+    _, (mean, var) = reference.mfpsn_charge(xr, w, 2, layout, "bn", gamma=gamma, beta=beta)
+    torch.testing.assert_close(sn.running_mean, 0.9 * stats[0] + 0.1 * mean)
+    torch.testing.assert_close(sn.running_var, 0.9 * stats[1] + 0.1 * var * n / (n - 1))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("eps", [1e-5, 1e-12])
+def test_fused_bn_constant_channel(layout, eps):
+    """A charge that is the same at every sample and step (|mean| >> std): its variance is 0 to within
+    rounding, not the cancellation of E[H^2] - E[H]^2, so that even a tiny eps gives the reference's
+    spikes. (X = 1000.3 everywhere, k = 1: the variance of the charge is exactly 0.)"""
+    sn = bn_neuron(layout, 1, 1, torch.float32, eps=eps)
+    x = torch.full(bn_shape(layout), 1000.3, device=DEVICE)
+    s = sn(x)
+    assert float(sn.running_var.max()) <= 0.9 + 1e-6  # 0.9 * 1 + 0.1 * (a variance of about 0)
+    xr = x.double()
+    w, gamma, beta = (t.detach().double() for t in (sn.weight, sn.gamma, sn.beta))
+    h, (mean, var) = reference.mfpsn_charge(xr, w, 1, layout, "bn", gamma=gamma, beta=beta, eps=eps,
+                                            stats=(w[:, 0] * xr.flatten()[0], torch.zeros(6, dtype=torch.float64)))
+    assert torch.equal(s.double(), (h >= 0).double())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_bn_input_dtypes(layout, autocast, monkeypatch):
+    """float16 and bfloat16 inputs to a float32 neuron, also under autocast: the fused step runs, reading
+    them as they are, and gives spikes in the input's dtype, computed in float32."""
+    torch.manual_seed(6)
+    for dtype in (torch.float16, torch.bfloat16):
+        sn = bn_neuron(layout, 2, 1, torch.float32)
+        ref = copy.deepcopy(sn)
+        no_general_path(monkeypatch)
+        x = torch.randn(bn_shape(layout, t=9, m=5), device=DEVICE).to(dtype)
+        with torch.autocast(DEVICE, dtype=dtype) if autocast else contextlib.nullcontext():
+            s = sn(x)
+        monkeypatch.undo()
+        assert s.dtype == dtype
+        ref.method = "shift_add"
+        h, _ = reference.mfpsn_charge(x.double(), ref.weight.detach().double(), 1, layout, "bn",
+                                      gamma=ref.gamma.detach().double(), beta=ref.beta.detach().double())
+        clear = h.abs() > 1e-3
+        assert torch.equal(s.double()[clear], (h >= 0).double()[clear])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_strided_bias_and_fp64_fire(layout):
+    """A bias that is a strided view is read through its stride (it was read as if contiguous), and the
+    fused spike runs in float64 too."""
+    torch.manual_seed(8)
+    x = make_input(7, 2, 3, (2,), layout, torch.float64, True).to(DEVICE)
+    bias = rand(3, 2)[:, 1]  # stride 2
+    check_charge(x, rand(3, 2), bias, 1, layout, TOL[torch.float64])
+    assert not bias.is_contiguous()
+    xr, w, b = [t.detach().clone().requires_grad_() for t in (x, rand(3, 2), bias)]
+    s = ops.fire(xr, w, b, 1, layout, "triton", surrogate.ATan())
+    h_ref = reference.charge(*[t.detach().requires_grad_() for t in (x, w, b)], 1, layout)
+    assert torch.equal(s, (h_ref >= 0).double())
+    check_fire(surrogate.Sigmoid(alpha=1.5), layout, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ste", ["whole", "round", None])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_param_step_matches_reference(layout, ste, dtype, monkeypatch):
+    """Parameter-threshold training on 'triton' runs fused (quantiser and threshold in one kernel, spikes
+    in another; two backward) and equals the plain reference: spikes and the gradients of x, weight and
+    v_threshold."""
+    torch.manual_seed(12)
+    sn = neuron.MulFreeChannelwisePSN(6, k=3, dilation=2, step_mode="m", layout=layout, threshold="param",
+                                      quantize=ste is not None, ste=ste or "whole", exp_init=False,
+                                      method="triton").to(DEVICE, dtype)
+    with torch.no_grad():
+        sn.v_threshold.uniform_(-0.5, 1.0)
+    no_general_path(monkeypatch)
+    x = torch.randn(bn_shape(layout, t=9, m=5), dtype=dtype, device=DEVICE) * 2
+    leaves = [t.detach().double().requires_grad_() for t in (x, sn.weight, sn.v_threshold)]
+    h, _ = reference.mfpsn_charge(leaves[0], leaves[1], 2, layout, "param", quantize=ste is not None,
+                                  v_threshold=leaves[2], ste=ste or "whole")
+    xt = x.clone().requires_grad_()
+    s = sn(xt)
+    clear = h.detach().abs() > 1e-4
+    assert torch.equal(s.double()[clear], (h.detach() >= 0).double()[clear])
+    g = torch.randn(s.shape, dtype=torch.float64, device=DEVICE)
+    (s * g.to(dtype)).sum().backward()
+    (surrogate.ATan()(h) * g).sum().backward()
+    tol = TOL[dtype]
+    for got, want, what in zip((xt.grad, sn.weight.grad, sn.v_threshold.grad), leaves, ("x", "weight", "v_th")):
+        torch.testing.assert_close(got.double(), want.grad, **tol, msg=lambda m: f"grad {what}: {m}")
+
+
+@pytest.mark.skipif(not triton_ops.INTERPRETED, reason="counted on the CPU, through Triton's interpreter")
+@pytest.mark.parametrize("threshold,passes,launches", [("param", (2.0, 3.0), 8), ("bn", (3.0, 5.0), 12)])
+def test_training_step_at_the_memory_floor(threshold, passes, launches):
+    """A training step's traffic and launches as benchmarks/memory_passes.py counts them (every Triton
+    launch by what its kernel declares; an undeclared kernel is an error; PyTorch operators as they
+    run): the parameter threshold reads X and writes S forward, reads X and dL/dS and writes dL/dX
+    backward (5 passes, the floor); the BN threshold adds the statistics' read of X forward (8, the
+    floor); and a handful of launches per layer (PyTorch operators that run a kernel, and kernels)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import memory_passes
+    finally:
+        sys.path.pop(0)
+    for layout, shape, k in (("time_first", (8, 4, 16, 64), 2), ("time_last", (4, 16, 64, 8), 3)):
+        fwd, bwd, fwd_launches, bwd_launches = memory_passes.step_passes("triton", layout, threshold, shape, k=k)
+        # parameter-sized tensors add a few hundredths of a pass
+        assert fwd == pytest.approx(passes[0], abs=0.1) and bwd == pytest.approx(passes[1], abs=0.1)
+        assert fwd_launches + bwd_launches <= launches

@@ -19,7 +19,8 @@ An implementation may also fuse the batch statistics of the bias-free charge: ``
 dilation, layout)`` returns the per-channel ``(mean, biased variance)`` of ``H`` without writing ``H``
 (same values and gradients as :func:`~spikingjelly_mfpsn.ops.reduce.batch_stats` of the charge).
 And it may run a BN-threshold neuron's whole forward in one step, ``bn_fire`` (see
-:func:`bn_fire`), or return ``None`` to leave it to the general path; ``bn_fire_direct`` is the same
+:func:`bn_fire`), or a parameter-threshold one's, ``param_fire`` (see :func:`param_fire`), or return
+``None`` to leave it to the general path; ``bn_fire_direct`` is the same
 step for callers that check nothing (see :func:`bn_fire_direct`): it must check every tensor itself.
 
 An implementation says what it cannot do through :meth:`Implementation.not_supported_reasons`, which
@@ -133,6 +134,8 @@ class Implementation:
     autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
     # Optional: bn_fire for callers that skip every check (see :func:`bn_fire_direct`).
     bn_fire_direct: Optional[Callable[..., Optional[tuple]]] = field(default=None, compare=False)
+    # Optional: a parameter-threshold neuron's whole forward (see :func:`param_fire`).
+    param_fire: Optional[Callable[..., Optional[torch.Tensor]]] = field(default=None, compare=False)
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                               layout: str) -> list[str]:
@@ -292,6 +295,19 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
         return None
     impl = _checked(x, weight, None, dilation, layout, method)
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
+
+
+def param_fire(x: torch.Tensor, weight: torch.Tensor, v_threshold: torch.Tensor, ste: Optional[str], dilation: int,
+               layout: str, method: str, surrogate_function) -> Optional[torch.Tensor]:
+    """The forward of a parameter-threshold neuron as one fused step, or None where the implementation has
+    none (or not for this call, e.g. NaN or inf in the weight or threshold, which the caller's general
+    path reports): the spikes ``Theta(charge(x, Q(weight)) - v_threshold)``, differentiable w.r.t. x,
+    weight and v_threshold, ``Q`` with ``ste`` (None: no quantisation). The same math as
+    ``quantize.quantize``, then ``fire``."""
+    if get(method).param_fire is None or not x.numel():
+        return None
+    impl = _checked(x, weight, None, dilation, layout, method)
+    return impl.param_fire(x, weight, v_threshold, ste, dilation, layout, surrogate_function)
 
 
 def has_bn_fire_direct(method: str) -> bool:

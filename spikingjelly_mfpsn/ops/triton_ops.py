@@ -3,20 +3,28 @@
 Every tensor is addressed through strides as logical ``(T, N, C, M)``, ``M`` being the trailing
 feature dims merged into one (a view, so no copy, whenever their strides allow it; otherwise one
 explicit copy): time-first ``(T, N, C, ...)`` and time-last ``(N, C, ..., T)`` run the same kernels
-in place, with no reshape of ``T`` and no transpose. What differs per layout is the tile shape, so
-each layout has its own ``triton.autotune`` config list keyed on the problem shape.
+in place, with no reshape of ``T`` and no transpose.
 
 A program owns a ``(BR, BC, BT)`` tile: rows ``r = n * M + m``, channels ``c``, steps ``t``.
 
 * :func:`_charge_fwd_kernel` -- ``H[t] = sum_i W[c, i] * X[t - (k-1-i) d] + b[c]``, bias fused, and
   optionally the spike ``S = (H >= 0)`` (threshold fused: the bias is ``-V_th``) so that
-  charge + fire reads X once and writes S (and H, which the surrogate gradient needs) once.
+  charge + fire reads X once and writes S once. Autotuned per layout (no reduction, so any tile gives
+  the same bits).
 * :func:`_charge_bwd_kernel` -- one pass over ``dL/dH`` and X giving all three gradients:
   ``dL/dX[t] = sum_i W[c, i] * dL/dH[t + (k-1-i) d]`` (the forward convolution with the flipped
   weight, run backwards in time), and per-program partial sums of ``dL/dW`` and ``dL/db`` that a
   second stage adds up in a fixed order (deterministic: no atomics). In the fused path it forms
-  ``dL/dH = dL/dS * surrogate'(H)`` on the fly, so ``dL/dH`` never goes to memory.
+  ``dL/dH = dL/dS * surrogate'(H)`` on the fly, H recomputed from X: a training step with the
+  parameter threshold reads X and writes S forward, reads X and dL/dS and writes dL/dX backward.
+* The BN-threshold step, six kernels: forward :func:`_bn_moments_kernel` (per-channel moments of the
+  charge, nothing X-sized written), :func:`_bn_fold_kernel` (statistics, running statistics, the BN
+  folded and quantised) and the spike kernel; backward :func:`_bn_grad_moments_kernel`,
+  :func:`_bn_grad_fold_kernel` (the closed-form gradients of the folding and the statistics) and
+  :func:`_bn_grad_x_kernel`. Only X is kept for the backward.
 
+Kernels that reduce run on tiles and program counts chosen from the shape and device alone, and their
+partial sums are added in a fixed order: every run and every process gives the same bits.
 Accumulation is in float32 (float64 for float64 inputs). Kernels need a CUDA device, or
 ``TRITON_INTERPRET=1`` set before this module is imported (then they run on the CPU).
 """
@@ -24,16 +32,17 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from .registry import Implementation, first_order_only, needs_grad, register, surrogate_kind
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_HALF_PI: tl.constexpr = tl.constexpr(math.pi / 2)
 
 
 # ---------------------------------------------------------------- kernels
@@ -46,20 +55,27 @@ def _tile_offsets(r, c, M, s_n, s_c, s_m):
 
 
 @triton.jit
-def _surrogate_grad(h, alpha, SG: tl.constexpr):
-    """SpikingJelly's surrogate derivative at ``h``: 1 = ATan, 2 = Sigmoid."""
+def _constant(hi, lo, ACC: tl.constexpr):
+    """A float the host split into float32 ``hi + lo`` (kernel float arguments are float32), in ACC."""
+    return tl.cast(hi, ACC) + tl.cast(lo, ACC)
+
+
+@triton.jit
+def _surrogate_grad(h, c1, c2, SG: tl.constexpr):
+    """SpikingJelly's surrogate derivative at ``h`` (constants from :func:`surrogate_constants`):
+    1 = ATan, ``c2 / (1 + (c1 h)^2)``; 2 = Sigmoid, ``c1 s (1 - s)`` with ``s = sigmoid(c1 h)``."""
     if SG == 1:
-        ax = _HALF_PI * alpha * h
-        g = (0.5 * alpha) / (1.0 + ax * ax)
+        ax = c1 * h
+        g = c2 / (1.0 + ax * ax)
     else:
-        s = tl.sigmoid(alpha * h)
-        g = alpha * (1.0 - s) * s
+        s = tl.sigmoid(c1 * h)
+        g = c1 * (1.0 - s) * s
     return g
 
 
 @triton.jit
 def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
-                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
+                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb,
                        HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, SPIKE: tl.constexpr,
                        ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """H (and/or S) for one (BR, BC, BT) tile; X strided, H and S dense of the same logical shape."""
@@ -83,28 +99,45 @@ def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
         wv = tl.load(W + c * sw_c + i * sw_k, mask=c < C, other=0.0)
         acc += wv.to(ACC)[None, :, None] * xv.to(ACC)
     if HAS_BIAS:
-        acc += tl.load(B + c, mask=c < C, other=0.0).to(ACC)[None, :, None]
+        acc += tl.load(B + c * sb, mask=c < C, other=0.0).to(ACC)[None, :, None]
     out = _tile_offsets(r, c, M, so_n, so_c, so_m) + (t * so_t)[None, None, :]
     mask = rc_mask & (t < T)[None, None, :]
-    h = acc.to(H.dtype.element_ty)
     if STORE_H:
+        h = acc.to(H.dtype.element_ty)
         tl.store(H + out, h, mask=mask)
+        acc = h.to(ACC)  # the Heaviside of the stored (rounded) H, exactly what the surrogate module would see
     if SPIKE:
-        # Heaviside of the stored (rounded) H, exactly what the surrogate module would see; compared
-        # widened, which is exact (and the interpreter cannot compare bfloat16).
-        tl.store(S + out, tl.where(h.to(ACC) >= 0, 1.0, 0.0).to(S.dtype.element_ty), mask=mask)
+        # (compared widened: the interpreter cannot compare bfloat16)
+        tl.store(S + out, tl.where(acc >= 0, 1.0, 0.0).to(S.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _charge_bwd_kernel(G, H, X, W, GX, PW, PB, R, C, T, M, K, dilation, alpha,
-                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
-                       SG: tl.constexpr, NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
+def _charge_at(X, x_rc, mask, t, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb, HAS_BIAS: tl.constexpr,
+               ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """H at steps ``t`` of one tile (``mask``: the elements inside the tensor), recomputed from X."""
+    h = tl.zeros((BR, BC, BT), dtype=ACC)
+    for j in range(K):
+        src = t - (K - 1 - j) * dilation
+        xj = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask & (src >= 0)[None, None, :],
+                     other=0.0).to(ACC)
+        h += tl.load(W + c * sw_c + j * sw_k, mask=c < C, other=0.0).to(ACC)[None, :, None] * xj
+    if HAS_BIAS:
+        h += tl.load(B + c * sb, mask=c < C, other=0.0).to(ACC)[None, :, None]
+    return h
+
+
+@triton.jit
+def _charge_bwd_kernel(G, B, X, W, GX, PW, PB, R, C, T, M, K, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
+                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb,
+                       SG: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
                        NEED_GB: tl.constexpr, ACC: tl.constexpr, BK: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """Program (channel block, split s) walks tiles s, s + S, ... of its channels.
 
-    G (dL/dH, or dL/dS when SG != 0), H (saved, SG != 0 only) and GX are dense; X is strided.
-    Writes dL/dX tiles and this program's partial dL/dW (S, C, BK) and dL/db (S, C).
+    G (dL/dH, or dL/dS when SG != 0) and GX are dense; X is strided. With SG != 0 the charge H that
+    the surrogate's derivative needs is recomputed from X (and the bias B), in ACC as the forward
+    compared it: nothing X-sized is saved. Writes dL/dX tiles and this program's partial dL/dW
+    (S, C, BK) and dL/db (S, C).
     """
     cb = tl.program_id(0)
     split = tl.program_id(1)
@@ -120,10 +153,11 @@ def _charge_bwd_kernel(G, H, X, W, GX, PW, PB, R, C, T, M, K, dilation, alpha,
         t = ((tile % n_tb) * BT + tl.arange(0, BT)).to(tl.int64)
         rc_mask = (r < R)[:, None, None] & (c < C)[None, :, None]
         o_rc = _tile_offsets(r, c, M, so_n, so_c, so_m)
+        x_rc = _tile_offsets(r, c, M, sx_n, sx_c, sx_m)
         xv = tl.zeros((BR, BC, BT), dtype=ACC)
         if NEED_GW:
-            x_off = _tile_offsets(r, c, M, sx_n, sx_c, sx_m) + (t * sx_t)[None, None, :]
-            xv = tl.load(X + x_off, mask=rc_mask & (t < T)[None, None, :], other=0.0).to(ACC)
+            xv = tl.load(X + x_rc + (t * sx_t)[None, None, :], mask=rc_mask & (t < T)[None, None, :],
+                         other=0.0).to(ACC)
         gx = tl.zeros((BR, BC, BT), dtype=ACC)
         for i in range(K):
             # X[t] reached H[t + (k-1-i)*d] through tap i.
@@ -132,7 +166,9 @@ def _charge_bwd_kernel(G, H, X, W, GX, PW, PB, R, C, T, M, K, dilation, alpha,
             off = o_rc + (dst * so_t)[None, None, :]
             g = tl.load(G + off, mask=mask, other=0.0).to(ACC)
             if SG != 0:
-                g = g * _surrogate_grad(tl.load(H + off, mask=mask, other=0.0).to(ACC), alpha, SG)
+                h = _charge_at(X, x_rc, mask, dst, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb, HAS_BIAS, ACC,
+                               BR, BC, BT)
+                g = g * _surrogate_grad(h, _constant(c1_hi, c1_lo, ACC), _constant(c2_hi, c2_lo, ACC), SG)
             if NEED_GX:
                 wv = tl.load(W + c * sw_c + i * sw_k, mask=c < C, other=0.0).to(ACC)
                 gx += wv[None, :, None] * g
@@ -150,6 +186,400 @@ def _charge_bwd_kernel(G, H, X, W, GX, PW, PB, R, C, T, M, K, dilation, alpha,
         tl.store(PW + row[:, None] * BK + kk[None, :], gw, mask=(c < C)[:, None])
     if NEED_GB:
         tl.store(PB + row, gb, mask=c < C)
+
+
+# ---------------------------------------------------------------- BN-threshold training step
+# Programs of the reduction kernels: (channel block, split); split s walks the tiles s, s + S, ... of its
+# channels and writes one slot of per-channel partial sums, which the next kernel adds up in a fixed order.
+# Tiles and the number of splits depend on the shape and the device only (never on autotuning), so
+# every run and every process gives the same bits.
+@triton.jit
+def _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR: tl.constexpr, BT: tl.constexpr):
+    """Tile number ``tile`` of channels ``c``: its rows and steps, the (BR, BC, 1) mask of rows and
+    channels inside the tensor, and X's offsets of those rows and channels."""
+    r = ((tile // n_tb) * BR + tl.arange(0, BR)).to(tl.int64)
+    t = ((tile % n_tb) * BT + tl.arange(0, BT)).to(tl.int64)
+    return r, t, (r < R)[:, None, None] & cmask[None, :, None], _tile_offsets(r, c, M, sx_n, sx_c, sx_m)
+
+
+@triton.jit
+def _charges(X, x_rc, rc_mask, t, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, sw_k, K: tl.constexpr,
+             FOLDED: tl.constexpr, RAW: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+             BT: tl.constexpr):
+    """On one tile, zero outside the tensor: ``(conv(X, WQ) + B if FOLDED, conv(X, W) if RAW)`` (zeros
+    where not asked for). WQ is a dense (C, K) tensor and B a dense (C,); W is addressed through strides."""
+    hq = tl.zeros((BR, BC, BT), dtype=ACC)
+    h = tl.zeros((BR, BC, BT), dtype=ACC)
+    for i in tl.static_range(K):
+        src = t - (K - 1 - i) * dilation
+        mask = rc_mask & ((src >= 0) & (src < T) & (t < T))[None, None, :]
+        xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0).to(ACC)
+        if FOLDED:
+            hq += tl.load(WQ + c * K + i, mask=cmask, other=0.0).to(ACC)[None, :, None] * xv
+        if RAW:
+            h += tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0).to(ACC)[None, :, None] * xv
+    if FOLDED:
+        hq += tl.load(B + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    return hq, h
+
+
+@triton.jit
+def _shift(X, W, c, cmask, T, dilation, sx_c, sx_t, sw_c, sw_k, K: tl.constexpr, ACC: tl.constexpr,
+           BC: tl.constexpr):
+    """Per channel, the charge of the first row at the last step: the point the moments are taken about,
+    so that a charge that hardly varies (|mean| >> std) does not cancel in ``E[H^2] - E[H]^2``."""
+    h = tl.zeros((BC,), dtype=ACC)
+    for i in tl.static_range(K):
+        src = tl.full((BC,), 0, tl.int64) + (T - 1 - (K - 1 - i) * dilation)
+        xv = tl.load(X + c * sx_c + src * sx_t, mask=cmask & (src >= 0), other=0.0).to(ACC)
+        h += tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0).to(ACC) * xv
+    return h
+
+
+@triton.jit
+def _bn_moments_kernel(X, W, PART, R, C, T, M, dilation, sx_n, sx_c, sx_m, sx_t, sw_c, sw_k,
+                       K: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """K1: this split's ``sum (H - shift)`` and ``sum (H - shift)^2`` per channel into PART (S, C, 2),
+    ``H = conv(X, W)`` recomputed in registers (nothing X-sized written)."""
+    cb = tl.program_id(0)
+    split = tl.program_id(1)
+    c = (cb * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    shift = _shift(X, W, c, cmask, T, dilation, sx_c, sx_t, sw_c, sw_k, K, ACC, BC)[None, :, None]
+    n_tb = tl.cdiv(T, BT)
+    s1 = tl.zeros((BR, BC, BT), dtype=ACC)
+    s2 = tl.zeros((BR, BC, BT), dtype=ACC)
+    for tile in range(split, tl.cdiv(R, BR) * n_tb, tl.num_programs(1)):
+        r, t, rc_mask, x_rc = _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR, BT)
+        _, h = _charges(X, x_rc, rc_mask, t, W, W, W, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, False, True,
+                        ACC, BR, BC, BT)
+        d = tl.where(rc_mask & (t < T)[None, None, :], h - shift, 0.0)
+        s1 += d
+        s2 += d * d
+    row = (split.to(tl.int64) * C + c) * 2
+    tl.store(PART + row, tl.sum(tl.sum(s1, axis=2), axis=0), mask=cmask)
+    tl.store(PART + row + 1, tl.sum(tl.sum(s2, axis=2), axis=0), mask=cmask)
+
+
+@triton.jit
+def _finite(v):
+    return (v - v) == 0.0  # NaN and inf give NaN
+
+
+@triton.jit
+def _pow2(w, F64: tl.constexpr):
+    """Q(w) = sign(w) * 2^round(log2 |w|), the rounding decided exactly on the bits: 1.m * 2^e rounds up
+    when m >= sqrt(2) - 1 (no tie: sqrt(2) is irrational), exponents clamped below inf. Subnormals
+    are scaled into the normal range first (exactly), zero stays zero."""
+    if F64:
+        u = w.to(tl.int64, bitcast=True)
+        sign = u & (-0x7FFFFFFFFFFFFFFF - 1)
+        e = (u >> 52) & 0x7FF
+        up = ((u & 0xFFFFFFFFFFFFF) >= 0x6A09E667F3BCD).to(tl.int64)
+        q = (sign | (tl.minimum(e + up, 0x7FE) << 52)).to(tl.float64, bitcast=True)
+        small = w * 18446744073709551616.0  # 2^64
+        us = small.to(tl.int64, bitcast=True)
+        es = (us >> 52) & 0x7FF
+        ups = ((us & 0xFFFFFFFFFFFFF) >= 0x6A09E667F3BCD).to(tl.int64)
+        qs = ((us & (-0x7FFFFFFFFFFFFFFF - 1)) | ((es + ups) << 52)).to(tl.float64, bitcast=True)
+        qs = qs * 5.421010862427522e-20  # 2^-64
+    else:
+        u = w.to(tl.int32, bitcast=True)
+        sign = u & (-0x7FFFFFFF - 1)
+        e = (u >> 23) & 0xFF
+        up = ((u & 0x7FFFFF) >= 0x3504F4).to(tl.int32)
+        q = (sign | (tl.minimum(e + up, 0xFE) << 23)).to(tl.float32, bitcast=True)
+        small = w * 18446744073709551616.0
+        us = small.to(tl.int32, bitcast=True)
+        es = (us >> 23) & 0xFF
+        ups = ((us & 0x7FFFFF) >= 0x3504F4).to(tl.int32)
+        qs = ((us & (-0x7FFFFFFF - 1)) | ((es + ups) << 23)).to(tl.float32, bitcast=True)
+        qs = qs * 5.421010862427522e-20
+    return tl.where(w == 0.0, w, tl.where(e == 0, qs, q))
+
+
+@triton.jit
+def _round_ste(g, w, wq):
+    """``g * dQ/dw`` for the 'round' estimator, ``dQ/dw = |Q(w)| / |w|`` (0 at w = 0), in float64."""
+    nonzero = w != 0.0
+    return g * tl.where(nonzero, tl.abs(wq).to(tl.float64) / tl.where(nonzero, tl.abs(w), 1.0).to(tl.float64), 0.0)
+
+
+@triton.jit
+def _inv_std(var, eps, F64: tl.constexpr):
+    """1 / sqrt(var + eps), correctly rounded (as the C++ kernels and torch on the CPU compute it)."""
+    if F64:
+        r = 1.0 / tl.sqrt(var + eps)
+    else:
+        v = var + eps
+        r = tl.div_rn(tl.full(v.shape, 1.0, tl.float32), tl.sqrt_rn(v))
+    return r
+
+
+@triton.jit
+def _lerp(a, b, f):
+    """torch.lerp(a, b, f) for a scalar f, with torch's two formulas."""
+    return tl.where(f < 0.5, a + f * (b - a), b - (b - a) * (1.0 - f))
+
+
+@triton.jit
+def _bn_fold_kernel(PART, n_split, X, W, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, OK, C, T, count, dilation,
+                    sx_c, sx_t, sw_c, sw_k, s_g, s_b, s_rm, s_rv, s_mean, s_var, eps_hi, eps_lo, f_hi, f_lo,
+                    K: tl.constexpr, GIVEN: tl.constexpr, RUNNING: tl.constexpr, QUANT: tl.constexpr,
+                    ACC: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+    """K2, per channel: the batch statistics from K1's partials, added in a fixed order in float64 (or
+    the given ones), the running statistics blended (only where the folding is finite), the BN folded
+    into ``WQ = Q(gamma / sqrt(var + eps) * W)`` and ``B = beta - mean * gamma / sqrt(var + eps)`` (in
+    the parameters' dtype P, as the general path computes them), and OK = whether that folding is finite
+    (weight, gamma, beta, mean, var and ``var + eps > 0``)."""
+    P = W.dtype.element_ty
+    c = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    n = count.to(tl.float64)
+    if GIVEN:
+        mean = tl.load(MEAN + c * s_mean, mask=cmask, other=0.0).to(P)
+        var = tl.load(VAR + c * s_var, mask=cmask, other=1.0).to(P)
+    else:
+        ss = tl.arange(0, BS)
+        s1 = tl.zeros((BS, BC), dtype=tl.float64)
+        s2 = tl.zeros((BS, BC), dtype=tl.float64)
+        for s0 in range(0, n_split, BS):
+            rows = (s0 + ss).to(tl.int64)
+            off = (rows[:, None] * C + c[None, :]) * 2
+            m = (rows < n_split)[:, None] & cmask[None, :]
+            s1 += tl.load(PART + off, mask=m, other=0.0).to(tl.float64)
+            s2 += tl.load(PART + off + 1, mask=m, other=0.0).to(tl.float64)
+        m1 = tl.sum(s1, axis=0) / n
+        var64 = tl.maximum(tl.sum(s2, axis=0) / n - m1 * m1, 0.0)
+        mean = (_shift(X, W, c, cmask, T, dilation, sx_c, sx_t, sw_c, sw_k, K, ACC, BC).to(tl.float64) + m1).to(P)
+        var = var64.to(P)
+        tl.store(MEAN + c, mean, mask=cmask)
+        tl.store(VAR + c, var, mask=cmask)
+    eps = _constant(eps_hi, eps_lo, P)
+    gamma = tl.load(GAMMA + c * s_g, mask=cmask, other=1.0)
+    beta = tl.load(BETA + c * s_b, mask=cmask, other=0.0)
+    ok = _finite(gamma) & _finite(beta) & _finite(mean) & _finite(var) & (var.to(tl.float64) + eps.to(tl.float64) > 0)
+    for i in tl.static_range(K):
+        ok = ok & _finite(tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0))
+    if RUNNING:
+        f = _constant(f_hi, f_lo, P)
+        upd = cmask & ok
+        rm = tl.load(RM + c * s_rm, mask=upd, other=0.0)
+        rv = tl.load(RV + c * s_rv, mask=upd, other=0.0)
+        unbiased = var * (n / tl.maximum(n - 1.0, 1.0)).to(P)
+        tl.store(RM + c * s_rm, _lerp(rm, mean, f), mask=upd)
+        tl.store(RV + c * s_rv, _lerp(rv, unbiased, f), mask=upd)
+    scale = gamma * _inv_std(var, eps, F64)
+    for i in tl.static_range(K):
+        wf = tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0) * scale
+        if QUANT:
+            wf = _pow2(wf, F64)
+        tl.store(WQ + c * K + i, wf, mask=cmask)
+    tl.store(B + c, beta - mean * scale, mask=cmask)
+    tl.store(OK + c, ok.to(tl.int8), mask=cmask)
+
+
+@triton.jit
+def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, PART, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
+                            sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
+                            K: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr,
+                            ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """K4: this split's per-channel sums into PART (S, C, 4, BK), with ``g = dL/dS * surrogate'(H')`` and
+    ``H' = conv(X, WQ) + B`` recomputed: row 0 ``sum g X_i`` (X_i: X as tap i reads it), row 3
+    ``sum g``; with STATS (batch statistics) row 1 ``sum X_i`` and row 2 ``sum (H - mean) X_i``,
+    ``H = conv(X, W)``."""
+    cb = tl.program_id(0)
+    split = tl.program_id(1)
+    c = (cb * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    kk = tl.arange(0, BK)
+    c1 = _constant(c1_hi, c1_lo, ACC)
+    c2 = _constant(c2_hi, c2_lo, ACC)
+    mean = tl.load(MEAN + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    n_tb = tl.cdiv(T, BT)
+    g_x = tl.zeros((BC, BK), dtype=ACC)
+    s_x = tl.zeros((BC, BK), dtype=ACC)
+    q_x = tl.zeros((BC, BK), dtype=ACC)
+    g_0 = tl.zeros((BC,), dtype=ACC)
+    for tile in range(split, tl.cdiv(R, BR) * n_tb, tl.num_programs(1)):
+        r, t, rc_mask, x_rc = _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR, BT)
+        hq, h = _charges(X, x_rc, rc_mask, t, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True, STATS,
+                         ACC, BR, BC, BT)
+        o_mask = rc_mask & (t < T)[None, None, :]
+        g = tl.load(G + _tile_offsets(r, c, M, so_n, so_c, so_m) + (t * so_t)[None, None, :], mask=o_mask,
+                    other=0.0).to(ACC) * _surrogate_grad(hq, c1, c2, SG)
+        g_0 += tl.sum(tl.sum(g, axis=2), axis=0)
+        hc = tl.where(o_mask, h - mean, 0.0)
+        for i in tl.static_range(K):
+            src = t - (K - 1 - i) * dilation
+            mask = rc_mask & ((src >= 0) & (t < T))[None, None, :]
+            xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0).to(ACC)
+            g_x += tl.where(kk[None, :] == i, tl.sum(tl.sum(g * xv, axis=2), axis=0)[:, None], 0.0)
+            if STATS:
+                s_x += tl.where(kk[None, :] == i, tl.sum(tl.sum(xv, axis=2), axis=0)[:, None], 0.0)
+                q_x += tl.where(kk[None, :] == i, tl.sum(tl.sum(hc * xv, axis=2), axis=0)[:, None], 0.0)
+    out = ((split.to(tl.int64) * C + c) * 4)[:, None] * BK + kk[None, :]
+    tl.store(PART + out, g_x, mask=cmask[:, None])
+    tl.store(PART + out + BK, s_x, mask=cmask[:, None])
+    tl.store(PART + out + 2 * BK, q_x, mask=cmask[:, None])
+    tl.store(PART + out + 3 * BK, tl.where(kk[None, :] == 0, g_0[:, None], 0.0), mask=cmask[:, None])
+
+
+@triton.jit
+def _bn_grad_fold_kernel(PART, n_split, W, GAMMA, MEAN, VAR, WQ, GW, GGAMMA, GBETA, COEF, C, count, eps_hi, eps_lo,
+                         sw_c, sw_k, s_g, s_mean, s_var, K: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+                         STATS: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+    """K5, per channel: K4's partials added in a fixed order in float64, then the closed-form gradients
+    of the folding ``WQ = Q(a W)``, ``B = beta - mean a``, ``a = gamma / sqrt(var + eps)``: dL/dW,
+    dL/dgamma, dL/dbeta; with STATS, also through the batch statistics, whose gradient w.r.t. the charge
+    ``H`` is ``A + Bh (H - mean)`` per channel: (A, Bh) into COEF for K6, and their part of dL/dW."""
+    P = W.dtype.element_ty
+    c = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    kk = tl.arange(0, BK)
+    ss = tl.arange(0, BS)
+    acc = tl.zeros((BS, BC, BK), dtype=tl.float64)
+    acc_s = tl.zeros((BS, BC, BK), dtype=tl.float64)
+    acc_q = tl.zeros((BS, BC, BK), dtype=tl.float64)
+    acc_0 = tl.zeros((BS, BC, BK), dtype=tl.float64)
+    for s0 in range(0, n_split, BS):
+        rows = (s0 + ss).to(tl.int64)
+        off = ((rows[:, None] * C + c[None, :]) * 4)[:, :, None] * BK + kk[None, None, :]
+        m = ((rows < n_split)[:, None] & cmask[None, :])[:, :, None]
+        acc += tl.load(PART + off, mask=m, other=0.0).to(tl.float64)
+        acc_0 += tl.load(PART + off + 3 * BK, mask=m, other=0.0).to(tl.float64)
+        if STATS:
+            acc_s += tl.load(PART + off + BK, mask=m, other=0.0).to(tl.float64)
+            acc_q += tl.load(PART + off + 2 * BK, mask=m, other=0.0).to(tl.float64)
+    g_x = tl.sum(acc, axis=0)  # (BC, BK): dL/dWQ
+    g_0 = tl.sum(tl.sum(acc_0, axis=0), axis=1)  # (BC,): dL/dB
+    wmask = cmask[:, None] & (kk[None, :] < K)
+    w = tl.load(W + c[:, None] * sw_c + kk[None, :] * sw_k, mask=wmask, other=0.0)
+    gamma = tl.load(GAMMA + c * s_g, mask=cmask, other=1.0)
+    mean = tl.load(MEAN + c * s_mean, mask=cmask, other=0.0)
+    var = tl.load(VAR + c * s_var, mask=cmask, other=1.0)
+    inv = _inv_std(var, _constant(eps_hi, eps_lo, P), F64)
+    a = gamma * inv  # (as K2 computes it)
+    if ROUND:  # dQ/dw = |Q(w)| / |w| (0 at w = 0)
+        wf = w * a[:, None]
+        wq = tl.load(WQ + c[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+        g_x = _round_ste(g_x, wf, wq)
+    a64 = a.to(tl.float64)
+    inv64 = inv.to(tl.float64)
+    g_w = a64[:, None] * g_x
+    g_a = tl.sum(w.to(tl.float64) * g_x, axis=1) - mean.to(tl.float64) * g_0
+    if STATS:
+        n = count.to(tl.float64)
+        coef_a = -a64 * g_0 / n
+        coef_b = -g_a * gamma.to(tl.float64) * inv64 * inv64 * inv64 / n
+        g_w += coef_a[:, None] * tl.sum(acc_s, axis=0) + coef_b[:, None] * tl.sum(acc_q, axis=0)
+        tl.store(COEF + c * 2, coef_a.to(COEF.dtype.element_ty), mask=cmask)
+        tl.store(COEF + c * 2 + 1, coef_b.to(COEF.dtype.element_ty), mask=cmask)
+    tl.store(GW + c[:, None] * K + kk[None, :], g_w.to(P), mask=wmask)
+    tl.store(GGAMMA + c, (g_a * inv64).to(P), mask=cmask)
+    tl.store(GBETA + c, g_0.to(P), mask=cmask)
+
+
+@triton.jit
+def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, GX, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
+                      sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
+                      K: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr, ACC: tl.constexpr,
+                      BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """K6: ``dL/dX[t] = sum_i WQ_i g[t + lag_i] + W_i (A + Bh (H[t + lag_i] - mean))`` for one tile
+    (the second term with STATS), g and the charges at each ``t + lag_i`` recomputed from X."""
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(T, BT)
+    n_cb = tl.cdiv(C, BC)
+    c = ((pid // n_tb) % n_cb * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    r, t, rc_mask, x_rc = _tile_at(pid % n_tb + (pid // (n_tb * n_cb)) * n_tb, n_tb, R, c, cmask, M, sx_n, sx_c,
+                                   sx_m, BR, BT)
+    o_rc = _tile_offsets(r, c, M, so_n, so_c, so_m)
+    c1 = _constant(c1_hi, c1_lo, ACC)
+    c2 = _constant(c2_hi, c2_lo, ACC)
+    mean = tl.load(MEAN + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    coef_a = tl.load(COEF + c * 2, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    coef_b = tl.load(COEF + c * 2 + 1, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    gx = tl.zeros((BR, BC, BT), dtype=ACC)
+    for i in tl.static_range(K):
+        dst = t + (K - 1 - i) * dilation  # X[t] reached H[dst] through tap i
+        hq, h = _charges(X, x_rc, rc_mask, dst, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True,
+                         STATS, ACC, BR, BC, BT)
+        d_mask = rc_mask & (dst < T)[None, None, :]
+        g = tl.load(G + o_rc + (dst * so_t)[None, None, :], mask=d_mask, other=0.0).to(ACC)
+        gx += tl.load(WQ + c * K + i, mask=cmask, other=0.0).to(ACC)[None, :, None] * g * \
+            _surrogate_grad(hq, c1, c2, SG)
+        if STATS:
+            wv = tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0).to(ACC)[None, :, None]
+            gx += wv * tl.where(d_mask, coef_a + coef_b * (h - mean), 0.0)
+    tl.store(GX + o_rc + (t * so_t)[None, None, :], gx.to(GX.dtype.element_ty), mask=rc_mask & (t < T)[None, None, :])
+
+
+# ---------------------------------------------------------------- parameter-threshold step
+@triton.jit
+def _param_fold_kernel(W, VTH, WQ, B, OK, C, sw_c, sw_k, s_v, K: tl.constexpr, QUANT: tl.constexpr,
+                       F64: tl.constexpr, BC: tl.constexpr):
+    """Per channel: ``WQ = Q(W)`` (or W), ``B = -V_th`` and OK = whether both are finite."""
+    c = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    vth = tl.load(VTH + c * s_v, mask=cmask, other=0.0)
+    ok = _finite(vth)
+    for i in tl.static_range(K):
+        w = tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0)
+        ok = ok & _finite(w)
+        if QUANT:
+            w = _pow2(w, F64)
+        tl.store(WQ + c * K + i, w, mask=cmask)
+    tl.store(B + c, -vth, mask=cmask)
+    tl.store(OK + c, ok.to(tl.int8), mask=cmask)
+
+
+@triton.jit
+def _param_grad_fold_kernel(PW, PB, n_split, W, WQ, GW, GV, C, sw_c, sw_k, K: tl.constexpr, BK: tl.constexpr,
+                            ROUND: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+    """Per channel: the backward kernel's partial sums added in a fixed order, ``dL/dW = dL/dWQ`` (times
+    ``|Q(w)| / |w|`` with ROUND) and ``dL/dV_th = -dL/dB``."""
+    P = W.dtype.element_ty
+    c = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
+    cmask = c < C
+    kk = tl.arange(0, BK)
+    ss = tl.arange(0, BS)
+    acc_w = tl.zeros((BS, BC, BK), dtype=tl.float64)
+    acc_b = tl.zeros((BS, BC), dtype=tl.float64)
+    for s0 in range(0, n_split, BS):
+        rows = (s0 + ss).to(tl.int64)
+        m = (rows < n_split)[:, None] & cmask[None, :]
+        row = rows[:, None] * C + c[None, :]
+        acc_w += tl.load(PW + row[:, :, None] * BK + kk[None, None, :], mask=m[:, :, None], other=0.0).to(tl.float64)
+        acc_b += tl.load(PB + row, mask=m, other=0.0).to(tl.float64)
+    g_w = tl.sum(acc_w, axis=0)
+    wmask = cmask[:, None] & (kk[None, :] < K)
+    if ROUND:
+        w = tl.load(W + c[:, None] * sw_c + kk[None, :] * sw_k, mask=wmask, other=0.0)
+        wq = tl.load(WQ + c[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+        g_w = _round_ste(g_w, w, wq)
+    tl.store(GW + c[:, None] * K + kk[None, :], g_w.to(P), mask=wmask)
+    tl.store(GV + c, (-tl.sum(acc_b, axis=0)).to(P), mask=cmask)
+
+
+# What each kernel reads and writes of its tensor arguments, for counting memory traffic
+# (benchmarks/memory_passes.py): ``(reads, writes)``, each a name, or ``"NAME if FLAG"`` (``"NAME if not
+# FLAG"``) for a tensor used only when the launch's FLAG argument is true (false). A tensor is counted once however many shifted
+# loads of it a tile makes (they hit the cache); X is not listed where a kernel samples k values of it
+# per channel (the moments' shift).
+TRAFFIC = {
+    "_charge_fwd_kernel": (("X", "W", "B if HAS_BIAS"), ("H if STORE_H", "S if SPIKE")),
+    "_charge_bwd_kernel": (("G", "X", "W", "B if HAS_BIAS"), ("GX if NEED_GX", "PW", "PB")),
+    "_bn_moments_kernel": (("X", "W"), ("PART",)),
+    "_bn_fold_kernel": (("PART if not GIVEN", "W", "GAMMA", "BETA", "RM if RUNNING", "RV if RUNNING",
+                         "MEAN if GIVEN", "VAR if GIVEN"),
+                        ("RM if RUNNING", "RV if RUNNING", "MEAN if not GIVEN", "VAR if not GIVEN", "WQ", "B", "OK")),
+    "_bn_grad_moments_kernel": (("G", "X", "W", "WQ", "B", "MEAN"), ("PART",)),
+    "_bn_grad_fold_kernel": (("PART", "W", "GAMMA", "MEAN", "VAR", "WQ"), ("GW", "GGAMMA", "GBETA", "COEF")),
+    "_bn_grad_x_kernel": (("G", "X", "W", "WQ", "B", "MEAN", "COEF"), ("GX",)),
+    "_param_fold_kernel": (("W", "VTH"), ("WQ", "B", "OK")),
+    "_param_grad_fold_kernel": (("PW", "PB", "W if ROUND", "WQ if ROUND"), ("GW", "GV")),
+}
 
 
 # ---------------------------------------------------------------- autotune configs per layout
@@ -187,10 +617,11 @@ def _prune(configs, named_args, **kwargs):
 
 
 _KEY = ["R", "C", "T", "M", "K"]
+# The forward kernel is autotuned (no reduction: every tile gives the same bits). Kernels that reduce run
+# on tiles chosen from the shape alone (:func:`_reduction_tile`), so their sums are added in the same
+# order in every run and every process.
 _FWD = {layout: triton.autotune(_configs(layout), key=_KEY, prune_configs_by={"early_config_prune": _prune})(
     _charge_fwd_kernel) for layout in _TILES}
-_BWD = {layout: triton.autotune(_configs(layout), key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                                reset_to_zero=["PW", "PB"])(_charge_bwd_kernel) for layout in _TILES}
 
 
 # ---------------------------------------------------------------- launchers
@@ -223,9 +654,78 @@ def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
     return (triton.cdiv(r, tile["BR"]) * triton.cdiv(c, tile["BC"]) * triton.cdiv(t, tile["BT"]),)
 
 
-def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, alpha=0.0, store_h=True):
-    """Run the forward kernel: returns (H or None, S or None), dense in ``x``'s shape."""
-    out_dtype = torch.result_type(x, weight)
+def _hi_lo(v: float) -> tuple[float, float]:
+    """``v`` as float32 ``hi + lo`` (a kernel's float arguments are float32; float64 kernels add them)."""
+    hi = struct.unpack("f", struct.pack("f", v))[0]
+    return hi, struct.unpack("f", struct.pack("f", v - hi))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def surrogate_constants(kind: int, alpha: float) -> tuple[float, float, float, float]:
+    """``(c1, c2)`` of :func:`_surrogate_grad` for SpikingJelly's ATan (kind 1: ``pi/2 alpha``,
+    ``alpha/2``) or Sigmoid (kind 2: ``alpha``), each as ``hi, lo`` (:func:`_hi_lo`)."""
+    c1, c2 = (math.pi / 2 * alpha, alpha / 2) if kind == 1 else (alpha, 0.0)
+    return (*_hi_lo(c1), *_hi_lo(c2))
+
+
+def _reduction_tile(layout: str, c: int, t: int, m: int) -> tuple[int, int, int]:
+    """The (BR, BC, BT) tile of the kernels that reduce (and of the dL/dX kernel beside them): from the
+    shape alone. Time-last: long in the contiguous T; time-first: wide in channels when they are the
+    contiguous axis (M = 1), else in rows."""
+    if INTERPRETED:
+        return INTERPRETER_TILES[layout][0]
+    if layout == "time_last":
+        bt = min(triton.next_power_of_2(t), 64)
+        return 1024 // bt, 1, bt
+    if m == 1:
+        bc = min(triton.next_power_of_2(c), 128)
+        return max(512 // bc, 1), bc, 2
+    return 256, 1, 4
+
+
+@functools.lru_cache(maxsize=None)
+def _split_target(device: torch.device) -> int:
+    """Programs a reduction kernel aims for: enough to fill the GPU (8 on the interpreter)."""
+    if INTERPRETED or device.type != "cuda":
+        return 8
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _reduction_grid(tile: tuple, r: int, c: int, t: int, target: int) -> tuple[int, int]:
+    """(channel blocks, splits): each channel block's tiles are shared by enough programs to reach
+    about ``target`` programs in all (:func:`_split_target`)."""
+    br, bc, bt = tile
+    n_cb = triton.cdiv(c, bc)
+    n_tiles = triton.cdiv(r, br) * triton.cdiv(t, bt)
+    return n_cb, max(1, min(n_tiles, target // n_cb))
+
+
+def _tile_args(tile: tuple) -> dict:
+    br, bc, bt = tile
+    return dict(BR=br, BC=bc, BT=bt, num_warps=4 if br * bc * bt <= 1024 else 8)
+
+
+def _on_device_of(position: int):
+    """Run the decorated launcher with its argument ``position``'s CUDA device current: Triton launches
+    on the current device, so a tensor on cuda:1 while cuda:0 is current would be read from the wrong
+    device."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            t = args[position]
+            if t.is_cuda and t.device.index != torch.cuda.current_device():
+                with torch.cuda.device(t.device):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return run
+    return wrap
+
+
+@_on_device_of(0)
+def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True, out_dtype=None):
+    """Run the forward kernel: returns (H or None, S or None), dense in ``x``'s shape, of ``out_dtype``
+    (default: ``x``'s and ``weight``'s promoted)."""
+    out_dtype = out_dtype or torch.result_type(x, weight)
     h = torch.empty(x.shape, dtype=out_dtype, device=x.device) if store_h else None
     s = torch.empty(x.shape, dtype=out_dtype, device=x.device) if spike_kind else None
     if x.numel() == 0:
@@ -237,52 +737,45 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, alpha=0.0, s
     grid = functools.partial(_forward_grid, r=r, c=c, t=t)
     _FWD[layout][grid](x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
                        r, c, t, m, weight.shape[1], dilation, *xs, *os_, *weight.stride(),
+                       bias.stride(0) if bias is not None else 0,
                        HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind),
                        ACC=_acc_dtype(x, weight, bias))
     return h, s
 
 
-@functools.lru_cache(maxsize=None)
-def _split_target(device: torch.device) -> int:
-    """Programs the backward kernel aims for: enough to fill the GPU (8 on the interpreter)."""
-    if INTERPRETED or device.type != "cuda":
-        return 8
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+@_on_device_of(2)
+def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha=0.0,
+                    need=(True, True, True), partials=False):
+    """Run the backward kernel: (dL/dX, dL/dW, dL/db), each None unless asked for in ``need`` (with
+    ``partials``: dL/dX and the per-split partial sums of the other two, to be added up in a fixed order).
 
-
-def _backward_grid(tile: dict, r: int, c: int, t: int, target: int) -> tuple[int, int]:
-    """(channel blocks, splits): each channel block's tiles are shared by enough programs to reach
-    about ``target`` programs in all."""
-    n_cb = triton.cdiv(c, tile["BC"])
-    n_tiles = triton.cdiv(r, tile["BR"]) * triton.cdiv(t, tile["BT"])
-    return n_cb, max(1, min(n_tiles, target // n_cb))
-
-
-def charge_backward(grad, h, x, weight, dilation, layout, spike_kind=0, alpha=0.0,
-                    need=(True, True, True)):
-    """Run the backward kernel: (dL/dX, dL/dW, dL/db), each None unless asked for in ``need``.
-
-    ``grad`` is dL/dH, or dL/dS with the saved ``h`` when ``spike_kind`` names a surrogate.
+    ``grad`` is dL/dH, or dL/dS when ``spike_kind`` names a surrogate (the charge recomputed with ``bias``).
     """
     need_gx, need_gw, need_gb = need
     k = weight.shape[1]
     r, c, t = _sizes(x, layout)
     acc = _acc_dtype(x, weight)
     part_dtype = torch.float64 if acc == tl.float64 else torch.float32
-    target = _split_target(x.device)
-    grid = functools.partial(_backward_grid, r=r, c=c, t=t, target=target)
-    most = max(grid(cf.kwargs)[1] for cf in _BWD[layout].configs)  # a partial-sum slot per split
+    x4, xs, m = _view4(x, layout)
+    tile = _reduction_tile(layout, c, t, m)
+    grid = _reduction_grid(tile, r, c, t, _split_target(x.device))
     bk = triton.next_power_of_2(k)
-    pw = torch.zeros((most, c, bk), dtype=part_dtype, device=x.device)
-    pb = torch.zeros((most, c), dtype=part_dtype, device=x.device)
+    # Every program writes its slot of partial sums, so they need no zero fill (but an empty x runs none).
+    alloc = torch.empty if x.numel() else torch.zeros
+    pw = alloc((grid[1], c, bk), dtype=part_dtype, device=x.device)
+    pb = alloc((grid[1], c), dtype=part_dtype, device=x.device)
     gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
     if x.numel() > 0:
         grad = grad.contiguous()  # dense like H; a copy only for strided or broadcast gradients
-        x4, xs, m = _view4(x, layout)
         _, os_, _ = _view4(grad, layout)
-        _BWD[layout][grid](grad, h if h is not None else grad, x4, weight, gx if gx is not None else grad,
-                           pw, pb, r, c, t, m, k, dilation, float(alpha), *xs, *os_, *weight.stride(),
-                           SG=spike_kind, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb, ACC=acc, BK=bk)
+        _charge_bwd_kernel[grid](grad, bias if bias is not None else weight, x4, weight,
+                                 gx if gx is not None else grad, pw, pb, r, c, t, m, k, dilation,
+                                 *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
+                                 bias.stride(0) if bias is not None else 0, SG=spike_kind,
+                                 HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
+                                 ACC=acc, BK=bk, **_tile_args(tile))
+    if partials:
+        return gx, pw, pb
     gw = pw.sum(0)[:, :k].to(weight.dtype) if need_gw else None
     gb = pb.sum(0) if need_gb else None
     return gx, gw, gb
@@ -292,38 +785,268 @@ class _TritonCharge(torch.autograd.Function):
     """H = charge(X, W, b), or S = Heaviside(H) with a fused surrogate gradient when ``spike_kind``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dilation, layout, spike_kind, alpha, keep_h):
-        h, s = charge_forward(x, weight, bias, dilation, layout, spike_kind, alpha,
-                              store_h=not spike_kind or keep_h)
-        ctx.save_for_backward(x, weight, h if spike_kind else None)
+    def forward(ctx, x, weight, bias, dilation, layout, spike_kind, alpha):
+        h, s = charge_forward(x, weight, bias, dilation, layout, spike_kind, store_h=not spike_kind)
+        ctx.save_for_backward(x, weight, bias if spike_kind else None)
         ctx.args = (dilation, layout, spike_kind, alpha, None if bias is None else bias.dtype)
         return s if spike_kind else h
 
     @staticmethod
     def backward(ctx, grad):
         first_order_only("triton")
-        x, weight, h = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         dilation, layout, spike_kind, alpha, bias_dtype = ctx.args
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 bias_dtype is not None and ctx.needs_input_grad[2])
-        gx, gw, gb = charge_backward(grad, h, x, weight, dilation, layout, spike_kind, alpha, need)
-        return gx, gw, None if gb is None else gb.to(bias_dtype), None, None, None, None, None
+        gx, gw, gb = charge_backward(grad, bias, x, weight, dilation, layout, spike_kind, alpha, need)
+        return gx, gw, None if gb is None else gb.to(bias_dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------- the BN-threshold step (K1-K6)
+def _spike_dtype(x, weight):
+    """The fused steps' spikes: in a float16/bfloat16 input's own dtype (computed in float32), else
+    promoted with the parameters'."""
+    return x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.result_type(x, weight)
+
+
+class _Refused(Exception):
+    """The folding is not finite (NaN or inf in the weight, gamma, beta or statistics, or var + eps <= 0):
+    nothing was updated, and the caller's general path reports what is wrong."""
+
+
+def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
+    """(channel block, split block) of the per-channel kernels K2 and K5, about 2048 values a step."""
+    if INTERPRETED:
+        return 4, 8
+    bc = min(triton.next_power_of_2(c), max(2048 // per_channel, 1), 64)
+    return bc, min(triton.next_power_of_2(n_split), max(2048 // (bc * per_channel), 1))
+
+
+@_on_device_of(0)
+def _bn_forward(x, weight, gamma, beta, cfg):
+    """K1 (moments), K2 (fold), K3 (spikes): ``(spikes, mean, var, Wq, b)``; raises :class:`_Refused`."""
+    eps, ste, dilation, layout, kind, _, running, given = cfg
+    k, dtype, device = weight.shape[1], weight.dtype, x.device
+    r, c, t = _sizes(x, layout)
+    x4, xs, m = _view4(x, layout)
+    acc = _acc_dtype(x, weight)
+    tile = _reduction_tile(layout, c, t, m)
+    n_cb, n_split = _reduction_grid(tile, r, c, t, _split_target(device))
+    if given is None:
+        mean, var = torch.empty(c, dtype=dtype, device=device), torch.empty(c, dtype=dtype, device=device)
+        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
+                           device=device)
+        _bn_moments_kernel[(n_cb, n_split)](x4, weight, part, r, c, t, m, dilation, *xs, *weight.stride(),
+                                            K=k, ACC=acc, **_tile_args(tile))
+    else:
+        (mean, var), part, n_split = given, weight, 0
+    wq, b = torch.empty((c, k), dtype=dtype, device=device), torch.empty(c, dtype=dtype, device=device)
+    ok = torch.empty(c, dtype=torch.int8, device=device)
+    rm, rv, factor = running if running is not None else (mean, var, 0.0)
+    saved = (rm.clone(), rv.clone()) if running is not None and not x.is_cuda else None
+    bc, bs = _fold_blocks(c, n_split, 2)
+    _bn_fold_kernel[(triton.cdiv(c, bc),)](
+        part, n_split, x4, weight, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1], xs[3],
+        *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
+        var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
+        QUANT=ste is not None, ACC=acc, F64=dtype == torch.float64, BC=bc, BS=bs)
+    if x.is_cuda:  # no host synchronisation: a folding with NaN or inf stops the stream with this message
+        torch._assert_async(ok.all(), "MulFreeChannelwisePSN (triton): NaN/inf in its weight, gamma, beta or "
+                                      "batch statistics (NaN or inf in its input?), or var + eps <= 0")
+    elif not bool(ok.all()):
+        if saved is not None:
+            rm.copy_(saved[0])
+            rv.copy_(saved[1])
+        raise _Refused()
+    if running is not None:  # written by a kernel: let autograd know, as an in-place op would
+        increment_version(rm)
+        increment_version(rv)
+    _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
+    return s, mean, var, wq, b
+
+
+@_on_device_of(1)
+def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, cfg, need_gx):
+    """K4 (per-split sums), K5 (per-channel closed form), K6 (dL/dX): ``(dL/dX or None, dL/dW,
+    dL/dgamma, dL/dbeta)``."""
+    eps, ste, dilation, layout, kind, alpha, stats = cfg
+    k, dtype, device = weight.shape[1], weight.dtype, x.device
+    r, c, t = _sizes(x, layout)
+    x4, xs, m = _view4(x, layout)
+    grad = grad.contiguous()  # dense like the spikes (read in its dtype, summed in ACC)
+    _, gs, _ = _view4(grad, layout)
+    acc = _acc_dtype(x, weight)
+    acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
+    tile = _reduction_tile(layout, c, t, m)
+    n_cb, n_split = _reduction_grid(tile, r, c, t, _split_target(device))
+    bk = triton.next_power_of_2(k)
+    consts = surrogate_constants(kind, alpha)
+    mean = mean.contiguous()
+    part = torch.empty((n_split, c, 4, bk), dtype=acc_dtype, device=device)
+    _bn_grad_moments_kernel[(n_cb, n_split)](grad, x4, weight, wq, b, mean, part, r, c, t, m, dilation, *consts,
+                                             *xs, *gs, *weight.stride(), K=k, BK=bk, SG=kind, STATS=stats, ACC=acc,
+                                             **_tile_args(tile))
+    g_weight = torch.empty((c, k), dtype=dtype, device=device)
+    g_gamma, g_beta = torch.empty(c, dtype=dtype, device=device), torch.empty(c, dtype=dtype, device=device)
+    coef = torch.empty((c, 2), dtype=acc_dtype, device=device)
+    bc, bs = _fold_blocks(c, n_split, 4 * bk)
+    _bn_grad_fold_kernel[(triton.cdiv(c, bc),)](
+        part, n_split, weight, gamma, mean, var, wq, g_weight, g_gamma, g_beta, coef, c, r * t, *_hi_lo(eps),
+        *weight.stride(), gamma.stride(0), mean.stride(0), var.stride(0), K=k, BK=bk, ROUND=ste == "round",
+        STATS=stats, F64=dtype == torch.float64, BC=bc, BS=bs)
+    gx = None
+    if need_gx:
+        gx = torch.empty(x.shape, dtype=x.dtype, device=device)
+        _bn_grad_x_kernel[_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
+            grad, x4, weight, wq, b, mean, coef, gx, r, c, t, m, dilation, *consts, *xs, *gs, *weight.stride(),
+            K=k, SG=kind, STATS=stats, ACC=acc, **_tile_args(tile))
+    return gx, g_weight, g_gamma, g_beta
+
+
+class _TritonBNFire(torch.autograd.Function):
+    """A BN-threshold neuron's step as one autograd node: three kernels forward, three backward, nothing
+    X-sized kept but X (the charge is recomputed from it). ``cfg``: ``(eps, ste, dilation, layout, kind,
+    alpha, running, given)``. Returns ``(spikes, mean, var)``, or the spikes alone with ``given``
+    statistics (constants: no gradient through them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gamma, beta, cfg):
+        s, mean, var, wq, b = _bn_forward(x, weight, gamma, beta, cfg)
+        ctx.save_for_backward(x, weight, gamma, mean, var)
+        ctx.folded = (wq, b)
+        ctx.cfg = (*cfg[:6], cfg[7] is None)
+        if cfg[7] is not None:
+            return s
+        ctx.mark_non_differentiable(mean, var)
+        ctx.set_materialize_grads(False)
+        return s, mean, var
+
+    @staticmethod
+    def backward(ctx, grad, *_stats_grads):
+        first_order_only("triton")
+        if grad is None:
+            return None, None, None, None, None
+        x, weight, gamma, mean, var = ctx.saved_tensors
+        gx, g_weight, g_gamma, g_beta = _bn_backward(grad, x, weight, gamma, mean, var, *ctx.folded, ctx.cfg,
+                                                     ctx.needs_input_grad[0])
+        return gx, g_weight, g_gamma, g_beta, None
+
+
+# ---------------------------------------------------------------- the parameter-threshold step
+@_on_device_of(0)
+def _param_forward(x, weight, v_threshold, cfg):
+    """The fold kernel, then the spike kernel: ``(spikes, Wq, b)``; raises :class:`_Refused`."""
+    ste, dilation, layout, kind, _ = cfg
+    c, k = weight.shape
+    wq = torch.empty((c, k), dtype=weight.dtype, device=x.device)
+    b = torch.empty(c, dtype=weight.dtype, device=x.device)
+    ok = torch.empty(c, dtype=torch.int8, device=x.device)
+    bc = 4 if INTERPRETED else min(triton.next_power_of_2(c), 256)
+    _param_fold_kernel[(triton.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
+                                              v_threshold.stride(0), K=k, QUANT=ste is not None,
+                                              F64=weight.dtype == torch.float64, BC=bc)
+    if x.is_cuda:  # no host synchronisation (see _bn_forward)
+        torch._assert_async(ok.all(), "MulFreeChannelwisePSN (triton): NaN/inf in its weight or v_threshold")
+    elif not bool(ok.all()):
+        raise _Refused()
+    _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
+    return s, wq, b
+
+
+class _TritonParamFire(torch.autograd.Function):
+    """A parameter-threshold neuron's step, ``Theta(conv(X, Q(W)) - V_th)``, as one autograd node: two
+    kernels forward (fold, spikes), two backward (dL/dX with partial sums, then their fixed-order sum
+    with the quantiser's and the threshold's gradients); only X kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, v_threshold, cfg):
+        s, wq, b = _param_forward(x, weight, v_threshold, cfg)
+        ctx.save_for_backward(x, weight)
+        ctx.folded = (wq, b)
+        ctx.cfg = cfg
+        return s
+
+    @staticmethod
+    def backward(ctx, grad):
+        first_order_only("triton")
+        x, weight = ctx.saved_tensors
+        return (*_param_backward(grad, x, weight, *ctx.folded, ctx.cfg, ctx.needs_input_grad[0]), None)
+
+
+@_on_device_of(1)
+def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
+    """The backward kernel (dL/dX and partial sums), then their fixed-order sum: ``(dL/dX or None, dL/dW,
+    dL/dV_th)``."""
+    ste, dilation, layout, kind, alpha = cfg
+    c, k = weight.shape
+    gx, pw, pb = charge_backward(grad, b, x, wq, dilation, layout, kind, alpha, (need_gx, True, True),
+                                 partials=True)
+    g_weight = torch.empty((c, k), dtype=weight.dtype, device=x.device)
+    g_vth = torch.empty(c, dtype=weight.dtype, device=x.device)
+    bc, bs = _fold_blocks(c, pw.shape[0], pw.shape[2] + 1)
+    _param_grad_fold_kernel[(triton.cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
+                                                   *weight.stride(), K=k, BK=pw.shape[2], ROUND=ste == "round",
+                                                   F64=weight.dtype == torch.float64, BC=bc, BS=bs)
+    return gx, g_weight, g_vth
 
 
 # ---------------------------------------------------------------- registry entries
 def charge(x, weight, bias, dilation, layout):
     """Registry contract: H, dense, differentiable w.r.t. x, weight and bias."""
-    return _TritonCharge.apply(x, weight, bias, dilation, layout, 0, 0.0, True)
+    return _TritonCharge.apply(x, weight, bias, dilation, layout, 0, 0.0)
 
 
 def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
-    """Fused charge + Heaviside + surrogate gradient, or None when this surrogate/dtype is not fused."""
+    """Fused charge + Heaviside + surrogate gradient, or None when this surrogate is not fused."""
     kind = surrogate_kind(surrogate_function)
-    if not kind or torch.result_type(x, weight) == torch.float64:
-        return None  # float64: the surrogate constants are float32 kernel scalars
-    # H is written only when a backward pass will need it.
-    keep_h = needs_grad(x, weight, bias)
-    return _TritonCharge.apply(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha), keep_h)
+    if not kind:
+        return None
+    return _TritonCharge.apply(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha))
+
+
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None, given=None):
+    """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` from the three forward kernels (one
+    autograd node, three kernels backward), or None for a surrogate the kernels do not know, an empty
+    batch, parameters or statistics of another dtype or device than the weight, a folding with NaN or
+    inf (on the CPU; on CUDA an asynchronous error stops the stream), or under torch.compile."""
+    kind = surrogate_kind(surrogate_function)
+    if not kind or not x.numel() or torch.compiler.is_compiling():
+        return None
+    dtype, device = weight.dtype, x.device
+    vectors = (gamma, beta) + (() if running is None else tuple(running[:2])) + (() if given is None else tuple(given))
+    if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
+            or any(v.dtype != dtype or v.device != device or v.dim() != 1 for v in vectors):
+        return None
+    cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
+    try:
+        if needs_grad(x, weight, gamma, beta):
+            out = _TritonBNFire.apply(x, weight, gamma, beta, cfg)
+        else:
+            s, mean, var, _, _ = _bn_forward(x, weight, gamma, beta, cfg)
+            out = s if given is not None else (s, mean, var)
+    except _Refused:
+        return None
+    return out if given is None else (out, *given)
+
+
+def param_fire(x, weight, v_threshold, ste, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
+    """Registry contract (``ops.param_fire``): the spikes from two kernels each way, or None for a surrogate
+    the kernels do not know, an empty batch, a threshold of another dtype or device than the weight, NaN
+    or inf in the weight or threshold (on the CPU; on CUDA an asynchronous error), or under
+    torch.compile."""
+    kind = surrogate_kind(surrogate_function)
+    if not kind or not x.numel() or torch.compiler.is_compiling():
+        return None
+    if weight.dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != x.device \
+            or v_threshold.dtype != weight.dtype or v_threshold.device != x.device or v_threshold.dim() != 1:
+        return None
+    cfg = (ste, dilation, layout, kind, float(surrogate_function.alpha))
+    try:
+        if needs_grad(x, weight, v_threshold):
+            return _TritonParamFire.apply(x, weight, v_threshold, cfg)
+        return _param_forward(x, weight, v_threshold, cfg)[0]
+    except _Refused:
+        return None
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:
@@ -340,7 +1063,8 @@ def requirements(x, weight, dilation, layout) -> list[str]:
 
 
 register(Implementation("triton", "triton", ("time_first", "time_last"), charge,
-                        "Triton kernels on the strided layout: bias and (with ATan/Sigmoid) spike fused",
-                        requirements, fire,
+                        "Triton kernels on the strided layout: bias and (with ATan/Sigmoid) spike fused, "
+                        "and the BN- and parameter-threshold steps in three and two kernels each way",
+                        requirements, fire, bn_fire=bn_fire, param_fire=param_fire,
                         # a candidate only where its kernels can run compiled: on a CUDA device
                         autoselect=not INTERPRETED and torch.cuda.is_available()))

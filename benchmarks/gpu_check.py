@@ -1,0 +1,397 @@
+"""One command for a CUDA machine: every method against the float64 reference, determinism, and the training
+step timed against SpikingJelly's PSN, LIF and BatchNorm + PSN, side by side in this process.
+
+    python benchmarks/gpu_check.py [--quick] [--out DIR]
+    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --dry-run   # no CUDA: the same code on the CPU, tiny
+
+(a) correctness: every method that runs here, both layouts, both thresholds, k in {1, 2, 3, 5}, dilation
+    in {1, 2, 3}, float32/bfloat16/float16 inputs, multi-step training (spikes, dL/dX and every parameter
+    gradient) and single-step inference, against tests/reference.py in float64;
+(b) determinism: the fused training step twice here and once in a fresh process, compared bit for bit;
+(c) timing and peak memory of a training step (forward + backward): one neuron layer (BN threshold, k=2)
+    against BatchNorm + PSN, PSN and LIF; the paper's Table 10 network (static images repeated T times)
+    and the sequential-CIFAR network against the same network with PSN and LIF, eager and compiled with
+    mode="reduce-overhead"; with each MF-PSN step's kernel launches and host time;
+(d) writes DIR/gpu_check.json and DIR/gpu_check.md (DIR: --out, else $OUT, else benchmarks/results/gpu).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+from _timing import interleaved, markdown_table, median, ratio_cell  # noqa: E402
+import reference  # noqa: E402  (tests/reference.py: plain loops, no package code)
+
+from spikingjelly.activation_based import functional, layer  # noqa: E402
+
+import spikingjelly_mfpsn  # noqa: E402,F401
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, models, ops  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------- (a)
+def _neuron(method, layout, threshold, k, d, c, step_mode="m"):
+    sn = MulFreeChannelwisePSN(c, k=k, dilation=d, step_mode=step_mode, layout=layout, threshold=threshold,
+                               exp_init=False, method=method)
+    with torch.no_grad():
+        if threshold == "bn":
+            sn.gamma.uniform_(0.5, 1.5)
+            sn.beta.uniform_(-1.0, 0.5)
+            sn.running_mean.uniform_(-1.0, 1.0)
+            sn.running_var.uniform_(0.5, 2.0)
+        else:
+            sn.v_threshold.uniform_(-0.5, 1.0)
+    return sn
+
+
+def _reference(sn, x64, threshold, stats=None):
+    """H (float64) and the float64 leaves (weight, gamma, beta or v_threshold) of ``sn``'s forward on ``x64``."""
+    leaves = [p.detach().double().cpu().requires_grad_() for p in
+              ((sn.weight, sn.gamma, sn.beta) if threshold == "bn" else (sn.weight, sn.v_threshold))]
+    if threshold == "bn":
+        h, _ = reference.mfpsn_charge(x64, leaves[0], sn.dilation, sn.layout, "bn", gamma=leaves[1], beta=leaves[2],
+                                      eps=sn.eps, stats=stats)
+    else:
+        h, _ = reference.mfpsn_charge(x64, leaves[0], sn.dilation, sn.layout, "param", v_threshold=leaves[1])
+    return h, leaves
+
+
+def _compare(name, got, want, rtol, failures, case, scale=0.0):
+    """Whether ``got`` is within ``rtol`` of the largest of ``|want|`` and ``scale``."""
+    err = float((got.double().cpu() - want).abs().max()) if want.numel() else 0.0
+    scale = max(float(want.abs().max()) if want.numel() else 0.0, scale)
+    if not err <= rtol * max(scale, 1e-30) + 1e-12:
+        failures.append(f"{case}: {name} off by {err:.3g} (max |reference| {scale:.3g})")
+
+
+def check_training(method, layout, threshold, k, d, dtype, device, shape, failures):
+    """One multi-step training step against the reference: spikes away from the threshold, dL/dX and the
+    parameters' gradients."""
+    case = f"{method} {layout} {threshold} k={k} d={d} {dtype} training"
+    torch.manual_seed(k * 100 + d * 10 + len(method))
+    sn = _neuron(method, layout, threshold, k, d, shape[ops.channel_dim(layout)]).to(device)
+    x = (torch.randn(shape) * 2).to(device, DTYPES[dtype]).requires_grad_()
+    x64 = x.detach().double().cpu().requires_grad_()
+    h, leaves = _reference(sn, x64, threshold)
+    s = sn(x)
+    clear = h.detach().abs() > 1e-4 * float(h.detach().pow(2).mean().sqrt()) + 1e-6
+    wrong = int((s.double().cpu() != (h.detach() >= 0).double())[clear].sum())
+    if s.shape != x.shape or s.dtype != x.dtype or wrong:
+        failures.append(f"{case}: {wrong} spikes differ, shape {tuple(s.shape)}, dtype {s.dtype}")
+    g = torch.randn(shape, dtype=torch.float64)
+    (s * g.to(device, s.dtype)).sum().backward()
+    (sn.surrogate_function(h) * g).sum().backward()
+    tol = 2e-3 if dtype == "float32" else 2e-2
+    grads = [x.grad] + [p.grad for p in ((sn.weight, sn.gamma, sn.beta) if threshold == "bn" else
+                                         (sn.weight, sn.v_threshold))]
+    # At k = 1 the BN leaves the loss all but invariant to the weight's scale: its gradient is the small
+    # difference of two terms of about dL/dgamma's size, which sets its rounding.
+    floor = float(leaves[1].grad.abs().max()) if threshold == "bn" and k == 1 else 0.0
+    for name, got, want in zip(("dL/dX", "weight", "gamma/v_th", "beta"), grads, [x64.grad] + [t.grad for t in leaves]):
+        _compare(name, got, want, tol, failures, case, floor if name == "weight" else 0.0)
+
+
+def check_single_step(method, layout, threshold, k, d, device, shape, failures):
+    """Eval-mode single-step inference, step by step, against the multi-step reference."""
+    case = f"{method} {threshold} k={k} d={d} single-step"
+    torch.manual_seed(k * 100 + d)
+    sn = _neuron(method, "time_first", threshold, k, d, shape[2], step_mode="s").to(device).eval()
+    x = torch.randn(shape) * 2
+    stats = (sn.running_mean.double().cpu(), sn.running_var.double().cpu()) if threshold == "bn" else None
+    h, _ = _reference(sn, x.double(), threshold, stats)
+    with torch.no_grad():
+        s = torch.stack([sn(x[t].to(device)) for t in range(shape[0])]).cpu()
+    clear = h.detach().abs() > 1e-5
+    wrong = int((s.double() != (h.detach() >= 0).double())[clear].sum())
+    if wrong:
+        failures.append(f"{case}: {wrong} spikes differ")
+
+
+def correctness(device, quick, dry_run):
+    ks, ds = ((1, 3), (2,)) if dry_run else ((1, 3), (1, 2)) if quick else ((1, 2, 3, 5), (1, 2, 3))
+    dtypes = ("float32", "bfloat16") if dry_run else tuple(DTYPES)
+    n, c, m, t = (2, 3, 3, 7) if dry_run else (4, 8, 6, 12)
+    failures, cases = [], 0
+    for layout in ops.LAYOUTS:
+        shape = (t, n, c, m) if layout == "time_first" else (n, c, m, t)
+        probe = torch.zeros(shape, device=device)
+        methods = ops.supported(probe, probe.new_zeros(c, 2), 1, layout)
+        if dry_run:  # the report code, not every method: the fused kernels and one torch method
+            methods = [m for m in methods if m in ("triton", "shift_add")]
+        for method in methods:
+            for threshold in ("bn", "param"):
+                for k in ks:
+                    for d in ds:
+                        for dtype in dtypes:
+                            check_training(method, layout, threshold, k, d, dtype, device, shape, failures)
+                            cases += 1
+                        if layout == "time_first":
+                            check_single_step(method, layout, threshold, k, d, device, (t, n, c, m), failures)
+                            cases += 1
+    return {"cases": cases, "failures": failures}
+
+
+# ---------------------------------------------------------------------------------------- (b)
+def determinism_probe(device) -> str:
+    """A hash of the spikes and every gradient of one fused training step (Triton where it runs)."""
+    torch.manual_seed(3)
+    method = "triton" if "triton" in ops.names() else "auto"
+    shape = (8, 16, 32, 24)
+    sn = _neuron(method, "time_first", "bn", 3, 2, shape[2]).to(device)
+    x = torch.randn(shape, device=device).requires_grad_()
+    s = sn(x)
+    s.backward(torch.randn(shape, device=device))
+    h = hashlib.sha256()
+    for t in (s, x.grad, sn.weight.grad, sn.gamma.grad, sn.beta.grad, sn.running_mean, sn.running_var):
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def determinism(device):
+    here = [determinism_probe(device), determinism_probe(device)]
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", str(device)], capture_output=True,
+                         text=True, timeout=600, env=os.environ.copy())
+    other = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else out.stderr[-500:]
+    return {"this_process": here, "fresh_process": other, "identical": here[0] == here[1] == other}
+
+
+# ---------------------------------------------------------------------------------------- (c)
+def _psn(T):
+    return _compat.neuron.PSN(T=T, surrogate_function=_compat.default_surrogate()) if models.psn_available("psn") else None
+
+
+def _lif(device):
+    lif = _compat.neuron.LIFNode(tau=2.0, detach_reset=True, step_mode="m",
+                                 surrogate_function=_compat.default_surrogate())
+    if device.type == "cuda" and "cupy" in getattr(lif, "supported_backends", ()):
+        try:
+            lif.backend = "cupy"
+        except Exception:  # noqa: BLE001  (cupy present but unusable: keep torch)
+            pass
+    return lif
+
+
+class _Flat(nn.Module):
+    """(T, N, C, L) <-> (T, N, C * L) around a neuron that takes (T, N, features) (PSN)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.flatten(2)).view_as(x)
+
+
+def neuron_candidates(T, c, device):
+    cands = {"MF-PSN (auto)": MulFreeChannelwisePSN(c, k=2, step_mode="m")}
+    psn = _psn(T)
+    if psn is not None:
+        cands["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), _Flat(psn))
+        cands["PSN"] = _Flat(_psn(T))
+    cands["LIF"] = _lif(device)
+    return {k: v.to(device) for k, v in cands.items()}
+
+
+def _step(module, x, grad):
+    def run():
+        xi = x.detach().requires_grad_()
+        module(xi).backward(grad)
+        functional.reset_net(module)
+    return run
+
+
+def _peak(fn, device):
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def neuron_timing(device, quick, dry_run, repeats):
+    shapes = [(4, 2, 8, 4)] if dry_run else [(8, 128, 128, 32), (32, 128, 128, 32)] if quick else \
+        [(8, 128, 128, 32), (16, 128, 128, 32), (32, 128, 128, 32), (8, 128, 128, 16, 16)]
+    rows = []
+    for shape in shapes:
+        x = torch.randn(shape, device=device)
+        grad = torch.randn(shape, device=device)
+        fns = {name: _step(m, x, grad) for name, m in neuron_candidates(shape[0], shape[2], device).items()}
+        times = interleaved(fns, repeats=repeats, warmup=2, device=device)
+        base = "BatchNorm + PSN" if "BatchNorm + PSN" in times else "LIF"
+        for name, ts in times.items():
+            rows.append({"shape": list(shape), "candidate": name, "ms": median(ts) * 1e3,
+                         "ratio": ratio_cell(ts, times[base]), "baseline": base, "peak_mib": _peak(fns[name], device)})
+    return rows
+
+
+def table10_net(neuron, T, c, hidden, classes, size):
+    """{[Conv 3x3 c, BN, neuron] x 3, MaxPool 2} x 2, Flatten, Linear hidden, neuron, Linear classes."""
+    sn = models.NeuronFactory(neuron, k=2)
+    layers, c_in = [], 3
+    for _ in range(2):
+        for _ in range(3):
+            layers += [layer.Conv2d(c_in, c, 3, padding=1, bias=False, step_mode="m"),
+                       layer.BatchNorm2d(c, step_mode="m"), sn(c, T)]
+            c_in = c
+        layers.append(layer.MaxPool2d(2, 2, step_mode="m"))
+    layers += [layer.Flatten(step_mode="m"), layer.Linear(c * (size // 4) ** 2, hidden, step_mode="m"),
+               sn(hidden, T), layer.Linear(hidden, classes, step_mode="m")]
+    return nn.Sequential(*layers)
+
+
+def _train_step(net, x, y):
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x).mean(0), y).backward()
+        opt.step()
+        functional.reset_net(net)
+    return run
+
+
+def _host_and_launches(fn, device):
+    """(host ms of one step, launches in it): the step's Python time without waiting for the GPU, and the
+    PyTorch operators that run a kernel plus Triton launches (benchmarks/memory_passes.py's counter)."""
+    import memory_passes
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t0) * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with memory_passes.Traffic() as mode, memory_passes.count_triton(mode):
+        fn()
+    return host, mode.launches
+
+
+def network_timing(device, quick, dry_run, repeats, compile_):
+    N, c, hidden, size = (2, 8, 16, 8) if dry_run else (128, 128, 256, 32)
+    Ts = (2,) if dry_run else (2, 8, 32) if quick else (2, 4, 8, 16, 32)
+    rows = []
+    nets = [("Table 10", T, lambda kind, T=T: table10_net(kind, T, c, hidden, 100, size),
+             torch.rand(T, N, 3, size, size)) for T in Ts]
+    nets.append(("sequential CIFAR", size, lambda kind: models.sequential_image_net(
+        3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), torch.rand(size, N, 3, size)))
+    for label, T, build, x in nets:
+        x, y = x.to(device), torch.randint(0, 100, (N,), device=device)
+        kinds = ["mfpsn"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
+        fns, host = {}, {}
+        for kind in kinds:
+            torch.manual_seed(0)
+            net = build(kind).to(device)
+            fns[kind] = _train_step(net, x, y)
+            if compile_ and kind in ("mfpsn", "psn"):
+                fns[kind + ", compiled"] = _train_step(torch.compile(copy.deepcopy(net), mode="reduce-overhead"), x, y)
+        host["mfpsn"] = _host_and_launches(fns["mfpsn"], device)
+        times = interleaved(fns, repeats=repeats, warmup=3, device=device)
+        for name, ts in times.items():
+            base = ("psn, compiled" if name.endswith("compiled") and "psn, compiled" in times
+                    else "psn" if "psn" in times else "lif")
+            rows.append({"network": label, "T": T, "candidate": name, "ms": median(ts) * 1e3,
+                         "ratio": ratio_cell(ts, times[base]), "baseline": base,
+                         "peak_mib": _peak(fns[name], device),
+                         "host_ms": host.get(name, (None, None))[0], "launches": host.get(name, (None, None))[1]})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- (d)
+def versions(device):
+    v = {"torch": torch.__version__, "python": platform.python_version(), "spikingjelly": str(_compat.SJ_VERSION),
+         "device": str(device)}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    if device.type == "cuda":
+        v["card"] = torch.cuda.get_device_name(device)
+        v["cuda"] = torch.version.cuda
+        try:
+            v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            v["driver"] = None
+    return v
+
+
+def markdown(result) -> str:
+    v = result["versions"]
+    lines = [f"# GPU check: {v.get('card', v['device'])}", "",
+             ", ".join(f"{k} {val}" for k, val in v.items()), "",
+             f"## (a) correctness: {result['correctness']['cases']} cases, "
+             f"{len(result['correctness']['failures'])} failures", ""]
+    lines += [f"- {f}" for f in result["correctness"]["failures"][:50]]
+    lines += ["", f"## (b) determinism: {'bit-identical' if result['determinism']['identical'] else 'DIFFERENT'}",
+              "", "## (c) one neuron layer, training step (ratio to the baseline; <= 1.0 is as fast or faster)", ""]
+    lines.append(markdown_table(["shape", "candidate", "median", "ratio", "baseline", "peak MiB"],
+                                [[tuple(r["shape"]), r["candidate"], f"{r['ms']:.3f} ms", r["ratio"], r["baseline"],
+                                  "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"] for r in result["neuron"]]))
+    lines += ["", "## (c) networks, training step", ""]
+    lines.append(markdown_table(["network", "T", "candidate", "median", "ratio", "baseline", "peak MiB", "host ms",
+                                 "launches"],
+                                [[r["network"], r["T"], r["candidate"], f"{r['ms']:.2f} ms", r["ratio"], r["baseline"],
+                                  "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}",
+                                  "-" if r["host_ms"] is None else f"{r['host_ms']:.1f}",
+                                  "-" if r["launches"] is None else r["launches"]] for r in result["network"]]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a correctness subset and fewer shapes (about a minute)")
+    parser.add_argument("--dry-run", action="store_true", help="no CUDA needed: the same code on the CPU, tiny shapes")
+    parser.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --dry-run)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd networks")
+    parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # (b)'s fresh process
+    args = parser.parse_args(argv)
+    if args.probe:
+        print(determinism_probe(torch.device(args.probe)))
+        return 0
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run with --dry-run (TRITON_INTERPRET=1 to include Triton)")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    repeats = args.repeats or (1 if args.dry_run else 10)
+    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results", "gpu")
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    result = {"versions": versions(device), "quick": args.quick, "dry_run": args.dry_run}
+    result["correctness"] = correctness(device, args.quick, args.dry_run)
+    print(f"(a) {result['correctness']['cases']} cases, {len(result['correctness']['failures'])} failures", *result["correctness"]["failures"][:20], sep="\n", flush=True)
+    result["determinism"] = determinism(device)
+    print(f"(b) identical: {result['determinism']['identical']}", flush=True)
+    result["neuron"] = neuron_timing(device, args.quick, args.dry_run, repeats)
+    result["network"] = network_timing(device, args.quick, args.dry_run, repeats,
+                                       not (args.no_compile or args.dry_run))
+    result["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = markdown(result)
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 1 if result["correctness"]["failures"] or not result["determinism"]["identical"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

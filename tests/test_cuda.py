@@ -1,0 +1,110 @@
+"""What only a CUDA device can show (run there with ``TRITON_INTERPRET=0 python -m pytest -m cuda``; every
+test here is skipped, with its reason, on a machine without one). benchmarks/gpu_check.py runs them."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import spikingjelly_mfpsn  # noqa: F401
+from spikingjelly.activation_based import neuron
+
+import reference
+
+pytestmark = pytest.mark.cuda
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+try:
+    from spikingjelly_mfpsn.ops import triton_ops
+    COMPILED_TRITON = not triton_ops.INTERPRETED
+except ImportError:
+    COMPILED_TRITON = False
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() and COMPILED_TRITON),
+                                  reason="needs a CUDA device and compiled Triton (TRITON_INTERPRET=0)")
+
+
+def bn_neuron(**kwargs):
+    torch.manual_seed(0)
+    sn = neuron.MulFreeChannelwisePSN(16, k=3, dilation=2, step_mode="m", exp_init=False, **kwargs)
+    with torch.no_grad():
+        if sn.threshold == "bn":
+            sn.gamma.uniform_(0.5, 1.5)
+            sn.beta.uniform_(-1.0, 0.5)
+        else:
+            sn.v_threshold.uniform_(-0.5, 1.0)
+    return sn
+
+
+@needs_triton
+def test_auto_picks_triton_and_matches_the_reference():
+    sn = bn_neuron().cuda()
+    x = torch.randn(12, 8, 16, 10, device="cuda").requires_grad_()
+    assert sn.resolve_method(x) == "triton"
+    s = sn(x)
+    x64 = x.detach().double().cpu().requires_grad_()
+    w, gamma, beta = (p.detach().double().cpu().requires_grad_() for p in (sn.weight, sn.gamma, sn.beta))
+    h, _ = reference.mfpsn_charge(x64, w, 2, "time_first", "bn", gamma=gamma, beta=beta)
+    clear = h.detach().abs() > 1e-4
+    assert torch.equal(s.double().cpu()[clear], (h.detach() >= 0).double()[clear])
+    g = torch.randn(s.shape, dtype=torch.float64)
+    s.backward(g.cuda().float())
+    sn.surrogate_function(h).backward(g)
+    for got, want in ((x.grad, x64.grad), (sn.weight.grad, w.grad), (sn.gamma.grad, gamma.grad)):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_gradients_are_the_same_bits_in_another_process():
+    code = ("import torch, hashlib, spikingjelly_mfpsn; from spikingjelly.activation_based import neuron\n"
+            "torch.manual_seed(0); sn = neuron.MulFreeChannelwisePSN(64, k=3, step_mode='m', method='triton').cuda()\n"
+            "x = torch.randn(16, 64, 64, 33, device='cuda').requires_grad_(); s = sn(x)\n"
+            "s.backward(torch.randn_like(s)); h = hashlib.sha256()\n"
+            "[h.update(t.cpu().numpy().tobytes()) for t in (x.grad, sn.weight.grad, sn.gamma.grad)]; print(h.hexdigest())")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout
+
+
+@needs_triton
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_a_training_step_replays_as_a_cuda_graph(threshold):
+    """No host synchronisation or data-dependent Python in the neuron: a whole training step captures as a
+    CUDA graph, and its replay gives the eager step's results."""
+    sn = bn_neuron(threshold=threshold, method="triton").cuda()
+    eager = copy.deepcopy(sn)
+    x = torch.randn(8, 4, 16, 6, device="cuda")
+    g = torch.randn_like(x)
+    static_x = x.clone().requires_grad_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (autotuning) outside the graph
+        copy.deepcopy(sn)(static_x).backward(g)
+    torch.cuda.current_stream().wait_stream(stream)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s = sn(static_x)
+        s.backward(g)
+    graph.replay()
+    xe = x.clone().requires_grad_()
+    se = eager(xe)
+    se.backward(g)
+    torch.cuda.synchronize()
+    assert torch.equal(s, se) and torch.equal(static_x.grad, xe.grad)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.skipif(not COMPILED_TRITON, reason="needs compiled Triton (TRITON_INTERPRET=0)")
+def test_a_tensor_on_another_device_than_the_current_one():
+    torch.cuda.set_device(0)
+    sn = bn_neuron(method="triton")
+    ref = copy.deepcopy(sn).to("cuda:0")
+    x = torch.randn(8, 4, 16, 6)
+    s1 = sn.to("cuda:1")(x.to("cuda:1"))
+    s0 = ref(x.to("cuda:0"))
+    assert torch.equal(s1.cpu(), s0.cpu())

@@ -1,0 +1,47 @@
+"""benchmarks/gpu_check.py, the one command for a CUDA machine, run here as --dry-run: its reference
+comparisons, determinism probe, timing and report code on the CPU (Triton through its interpreter)."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from spikingjelly_mfpsn import ops
+from spikingjelly_mfpsn.ops import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dry_run_writes_its_report(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT, "OUT": ""}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["correctness"]["cases"] >= 40 and result["correctness"]["failures"] == []
+    assert result["determinism"]["identical"]
+    assert {r["candidate"] for r in result["neuron"]} >= {"MF-PSN (auto)", "LIF"}
+    assert {r["network"] for r in result["network"]} == {"Table 10", "sequential CIFAR"}
+    assert all(r["launches"] > 0 for r in result["network"] if r["candidate"] == "mfpsn")
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "## (a) correctness: " in text and "bit-identical" in text and "| Table 10 | 2 | mfpsn |" in text
+
+
+def test_the_check_sees_a_wrong_method(monkeypatch):
+    """The correctness part fails a method whose charge is off (here by one step of delay)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    good = ops.get("shift_add")
+
+    def late(x, weight, bias, dilation, layout):
+        h = good.fn(x, weight, bias, dilation, layout)
+        return h.roll(1, ops.time_dim(layout))
+    monkeypatch.setitem(registry._REGISTRY, "late", registry.Implementation("late", "torch", ops.LAYOUTS, late))
+    failures = []
+    gpu_check.check_training("late", "time_first", "param", 2, 1, "float32", torch.device("cpu"), (7, 2, 3, 3),
+                             failures)
+    assert failures and "spikes differ" in failures[0]

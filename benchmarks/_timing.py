@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 
 def sync(device: torch.device | str = "cpu") -> None:
@@ -67,3 +68,25 @@ def machine() -> str:
         pass
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} "
             f"thread(s)")
+
+
+class Flat(nn.Module):
+    """(T, N, C, L) <-> (T, N, C * L) around a neuron that takes (T, N, features), such as SpikingJelly's PSN."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.flatten(2)).view_as(x)
+
+
+def layer_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """One training step of a layer: forward on a fresh leaf copy of ``x``, backward with ``grad``, reset."""
+    from spikingjelly.activation_based import functional
+
+    def run():
+        xi = x.detach().requires_grad_()
+        module(xi).backward(grad)
+        functional.reset_net(module)
+    return run

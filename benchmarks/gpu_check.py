@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
-from _timing import interleaved, markdown_table, median, ratio_cell  # noqa: E402
+from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
 import reference  # noqa: E402  (tests/reference.py: plain loops, no package code)
 
 from spikingjelly.activation_based import functional, layer  # noqa: E402
@@ -185,33 +185,14 @@ def _lif(device):
     return lif
 
 
-class _Flat(nn.Module):
-    """(T, N, C, L) <-> (T, N, C * L) around a neuron that takes (T, N, features) (PSN)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x.flatten(2)).view_as(x)
-
-
 def neuron_candidates(T, c, device):
     cands = {"MF-PSN (auto)": MulFreeChannelwisePSN(c, k=2, step_mode="m")}
     psn = _psn(T)
     if psn is not None:
-        cands["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), _Flat(psn))
-        cands["PSN"] = _Flat(_psn(T))
+        cands["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), Flat(psn))
+        cands["PSN"] = Flat(_psn(T))
     cands["LIF"] = _lif(device)
     return {k: v.to(device) for k, v in cands.items()}
-
-
-def _step(module, x, grad):
-    def run():
-        xi = x.detach().requires_grad_()
-        module(xi).backward(grad)
-        functional.reset_net(module)
-    return run
 
 
 def _peak(fn, device):
@@ -232,7 +213,7 @@ def neuron_timing(device, quick, dry_run, repeats):
     for shape in shapes:
         x = torch.randn(shape, device=device)
         grad = torch.randn(shape, device=device)
-        fns = {name: _step(m, x, grad) for name, m in neuron_candidates(shape[0], shape[2], device).items()}
+        fns = {name: layer_step(m, x, grad) for name, m in neuron_candidates(shape[0], shape[2], device).items()}
         times = interleaved(fns, repeats=repeats, warmup=2, device=device)
         base = "BatchNorm + PSN" if "BatchNorm + PSN" in times else "LIF"
         for name, ts in times.items():

@@ -129,7 +129,7 @@ def test_strided_views_run_in_place():
     x_tf = base.permute(4, 0, 1, 2, 3)  # time-first view, T is the contiguous axis
     x_tl = base[..., ::2]  # time-last view with T stride 2
     for x, layout in ((x_tf, "time_first"), (x_tl, "time_last")):
-        x4, strides, m = triton_ops._view4(x, layout)
+        x4, strides, m, _ = triton_ops._view4(x, layout)
         assert x4.data_ptr() == base.data_ptr() and m == 20, "the kernel should read x in place"
         check_charge(x, rand(3, 3), rand(3), 2, layout, TOL[torch.float64])
 

@@ -376,7 +376,7 @@ def _bn_fold_kernel(PART, n_split, X, W, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, 
             wf = _pow2(wf, F64)
         tl.store(WQ + c * K + i, wf, mask=cmask)
     tl.store(B + c, beta - mean * scale, mask=cmask)
-    tl.store(OK + c, ok.to(tl.int8), mask=cmask)
+    tl.store(OK + c, ok.to(OK.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -531,7 +531,7 @@ def _param_fold_kernel(W, VTH, WQ, B, OK, C, sw_c, sw_k, s_v, K: tl.constexpr, Q
             w = _pow2(w, F64)
         tl.store(WQ + c * K + i, w, mask=cmask)
     tl.store(B + c, -vth, mask=cmask)
-    tl.store(OK + c, ok.to(tl.int8), mask=cmask)
+    tl.store(OK + c, ok.to(OK.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -598,6 +598,16 @@ INTERPRETER_TILES = {"time_first": [(32, 4, 16)], "time_last": [(32, 4, 16)]}
 _TILES = INTERPRETER_TILES if INTERPRETED else GPU_TILES
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain Python (``triton.cdiv`` is a JIT-callable: about 15 us a host call)."""
+    return -(-a // b)
+
+
+def _pow2_ceil(n: int) -> int:
+    """The least power of two >= n (``triton.next_power_of_2`` in plain Python, for the same reason)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _configs(layout: str, tiles=None) -> list:
     return [triton.Config({"BR": br, "BC": bc, "BT": bt}, num_warps=4 if br * bc * bt <= 1024 else 8)
             for br, bc, bt in (tiles or _TILES)[layout]]
@@ -606,7 +616,7 @@ def _configs(layout: str, tiles=None) -> list:
 def _padded_work(config, r: int, c: int, t: int) -> int:
     """Elements a config's tiles cover for an (R, C, T) problem, masked-off padding included."""
     kw = config.kwargs
-    return math.prod(triton.cdiv(n, kw[b]) * kw[b] for b, n in (("BR", r), ("BC", c), ("BT", t)))
+    return math.prod(_cdiv(n, kw[b]) * kw[b] for b, n in (("BR", r), ("BC", c), ("BT", t)))
 
 
 def _prune(configs, named_args, **kwargs):
@@ -625,24 +635,34 @@ _FWD = {layout: triton.autotune(_configs(layout), key=_KEY, prune_configs_by={"e
 
 
 # ---------------------------------------------------------------- launchers
-def _view4(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, tuple[int, int, int, int], int]:
-    """``x`` as logical (T, N, C, M): (tensor to address, strides (n, c, m, t), M).
+@functools.lru_cache(maxsize=512)
+def _geometry(shape: torch.Size, strides: tuple, layout: str) -> Optional[tuple]:
+    """``(strides (n, c, m, t), M, (R, C, T))`` of a tensor of this shape and these strides addressed as
+    logical (T, N, C, M) (R = N * M rows), or None where its feature dims do not merge into one stride.
+    Cached: a training loop meets a handful of shapes, and this is host time on every launch."""
+    meta = torch.empty_strided(shape, strides, device="meta")
+    feat = shape[3:] if layout == "time_first" else shape[2:-1]
+    m = math.prod(feat)
+    try:
+        if layout == "time_first":
+            s_t, s_n, s_c, s_m = meta.view(*shape[:3], m).stride()
+            xs, t, c = (s_n, s_c, s_m, s_t), shape[0], shape[2]
+        else:
+            xs, t, c = meta.view(shape[0], shape[1], m, shape[-1]).stride(), shape[-1], shape[1]
+    except RuntimeError:
+        return None
+    return tuple(xs), m, (math.prod(shape) // max(t * c, 1), c, t)
 
-    ``reshape`` merges the feature dims into M as a view when their strides allow, else copies once.
-    """
-    if layout == "time_first":
-        x4 = x.reshape(*x.shape[:3], -1)
-        s_t, s_n, s_c, s_m = x4.stride()
-        return x4, (s_n, s_c, s_m, s_t), x4.shape[3]
-    x4 = x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
-    return x4, x4.stride(), x4.shape[2]
 
-
-def _sizes(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
-    """(R, C, T): rows N*M, channels, steps."""
-    t = x.shape[0] if layout == "time_first" else x.shape[-1]
-    c = x.shape[2] if layout == "time_first" else x.shape[1]
-    return x.numel() // max(t * c, 1), c, t
+def _view4(x: torch.Tensor, layout: str) -> tuple:
+    """``x`` addressed as logical (T, N, C, M): ``(tensor, strides (n, c, m, t), M, (R, C, T))``, the
+    tensor ``x`` itself (its data pointer is all a kernel needs) or, where its feature dims do not merge
+    into one stride, a contiguous copy."""
+    g = _geometry(x.shape, x.stride(), layout)
+    if g is None:
+        x = x.contiguous()
+        g = _geometry(x.shape, x.stride(), layout)
+    return (x, *g)
 
 
 def _acc_dtype(*tensors):
@@ -651,7 +671,7 @@ def _acc_dtype(*tensors):
 
 def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
     """One program per (BR, BC, BT) tile."""
-    return (triton.cdiv(r, tile["BR"]) * triton.cdiv(c, tile["BC"]) * triton.cdiv(t, tile["BT"]),)
+    return (_cdiv(r, tile["BR"]) * _cdiv(c, tile["BC"]) * _cdiv(t, tile["BT"]),)
 
 
 def _hi_lo(v: float) -> tuple[float, float]:
@@ -675,10 +695,10 @@ def _reduction_tile(layout: str, c: int, t: int, m: int) -> tuple[int, int, int]
     if INTERPRETED:
         return INTERPRETER_TILES[layout][0]
     if layout == "time_last":
-        bt = min(triton.next_power_of_2(t), 64)
+        bt = min(_pow2_ceil(t), 64)
         return 1024 // bt, 1, bt
     if m == 1:
-        bc = min(triton.next_power_of_2(c), 128)
+        bc = min(_pow2_ceil(c), 128)
         return max(512 // bc, 1), bc, 2
     return 256, 1, 4
 
@@ -695,8 +715,8 @@ def _reduction_grid(tile: tuple, r: int, c: int, t: int, target: int) -> tuple[i
     """(channel blocks, splits): each channel block's tiles are shared by enough programs to reach
     about ``target`` programs in all (:func:`_split_target`)."""
     br, bc, bt = tile
-    n_cb = triton.cdiv(c, bc)
-    n_tiles = triton.cdiv(r, br) * triton.cdiv(t, bt)
+    n_cb = _cdiv(c, bc)
+    n_tiles = _cdiv(r, br) * _cdiv(t, bt)
     return n_cb, max(1, min(n_tiles, target // n_cb))
 
 
@@ -730,10 +750,9 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True
     s = torch.empty(x.shape, dtype=out_dtype, device=x.device) if spike_kind else None
     if x.numel() == 0:
         return h, s
-    x4, xs, m = _view4(x, layout)
+    x4, xs, m, (r, c, t) = _view4(x, layout)
     out = h if h is not None else s
-    _, os_, _ = _view4(out, layout)
-    r, c, t = _sizes(x, layout)
+    _, os_, _, _ = _view4(out, layout)
     grid = functools.partial(_forward_grid, r=r, c=c, t=t)
     _FWD[layout][grid](x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
                        r, c, t, m, weight.shape[1], dilation, *xs, *os_, *weight.stride(),
@@ -753,13 +772,12 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     """
     need_gx, need_gw, need_gb = need
     k = weight.shape[1]
-    r, c, t = _sizes(x, layout)
     acc = _acc_dtype(x, weight)
     part_dtype = torch.float64 if acc == tl.float64 else torch.float32
-    x4, xs, m = _view4(x, layout)
+    x4, xs, m, (r, c, t) = _view4(x, layout)
     tile = _reduction_tile(layout, c, t, m)
     grid = _reduction_grid(tile, r, c, t, _split_target(x.device))
-    bk = triton.next_power_of_2(k)
+    bk = _pow2_ceil(k)
     # Every program writes its slot of partial sums, so they need no zero fill (but an empty x runs none).
     alloc = torch.empty if x.numel() else torch.zeros
     pw = alloc((grid[1], c, bk), dtype=part_dtype, device=x.device)
@@ -767,7 +785,7 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
     if x.numel() > 0:
         grad = grad.contiguous()  # dense like H; a copy only for strided or broadcast gradients
-        _, os_, _ = _view4(grad, layout)
+        _, os_, _, _ = _view4(grad, layout)
         _charge_bwd_kernel[grid](grad, bias if bias is not None else weight, x4, weight,
                                  gx if gx is not None else grad, pw, pb, r, c, t, m, k, dilation,
                                  *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
@@ -818,8 +836,8 @@ def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     """(channel block, split block) of the per-channel kernels K2 and K5, about 2048 values a step."""
     if INTERPRETED:
         return 4, 8
-    bc = min(triton.next_power_of_2(c), max(2048 // per_channel, 1), 64)
-    return bc, min(triton.next_power_of_2(n_split), max(2048 // (bc * per_channel), 1))
+    bc = min(_pow2_ceil(c), max(2048 // per_channel, 1), 64)
+    return bc, min(_pow2_ceil(n_split), max(2048 // (bc * per_channel), 1))
 
 
 @_on_device_of(0)
@@ -827,25 +845,26 @@ def _bn_forward(x, weight, gamma, beta, cfg):
     """K1 (moments), K2 (fold), K3 (spikes): ``(spikes, mean, var, Wq, b)``; raises :class:`_Refused`."""
     eps, ste, dilation, layout, kind, _, running, given = cfg
     k, dtype, device = weight.shape[1], weight.dtype, x.device
-    r, c, t = _sizes(x, layout)
-    x4, xs, m = _view4(x, layout)
+    x4, xs, m, (r, c, t) = _view4(x, layout)
     acc = _acc_dtype(x, weight)
     tile = _reduction_tile(layout, c, t, m)
     n_cb, n_split = _reduction_grid(tile, r, c, t, _split_target(device))
+    # Every per-channel output in one allocation: Wq (C, k), b, OK (1.0 where the folding is finite), and
+    # the batch mean and variance.
+    folded = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, c, c))
+    wq, b, ok = folded[0].view(c, k), folded[1], folded[2]
     if given is None:
-        mean, var = torch.empty(c, dtype=dtype, device=device), torch.empty(c, dtype=dtype, device=device)
+        mean, var = folded[3], folded[4]
         part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
                            device=device)
         _bn_moments_kernel[(n_cb, n_split)](x4, weight, part, r, c, t, m, dilation, *xs, *weight.stride(),
                                             K=k, ACC=acc, **_tile_args(tile))
     else:
         (mean, var), part, n_split = given, weight, 0
-    wq, b = torch.empty((c, k), dtype=dtype, device=device), torch.empty(c, dtype=dtype, device=device)
-    ok = torch.empty(c, dtype=torch.int8, device=device)
     rm, rv, factor = running if running is not None else (mean, var, 0.0)
     saved = (rm.clone(), rv.clone()) if running is not None and not x.is_cuda else None
     bc, bs = _fold_blocks(c, n_split, 2)
-    _bn_fold_kernel[(triton.cdiv(c, bc),)](
+    _bn_fold_kernel[(_cdiv(c, bc),)](
         part, n_split, x4, weight, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1], xs[3],
         *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
         var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
@@ -871,26 +890,25 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, cfg, need_gx):
     dL/dgamma, dL/dbeta)``."""
     eps, ste, dilation, layout, kind, alpha, stats = cfg
     k, dtype, device = weight.shape[1], weight.dtype, x.device
-    r, c, t = _sizes(x, layout)
-    x4, xs, m = _view4(x, layout)
+    x4, xs, m, (r, c, t) = _view4(x, layout)
     grad = grad.contiguous()  # dense like the spikes (read in its dtype, summed in ACC)
-    _, gs, _ = _view4(grad, layout)
+    _, gs, _, _ = _view4(grad, layout)
     acc = _acc_dtype(x, weight)
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
     tile = _reduction_tile(layout, c, t, m)
     n_cb, n_split = _reduction_grid(tile, r, c, t, _split_target(device))
-    bk = triton.next_power_of_2(k)
-    consts = surrogate_constants(kind, alpha)
+    bk = _pow2_ceil(k)
+    consts = surrogate_constants(kind, alpha)  # (COEF is stored in the parameters' dtype)
     mean = mean.contiguous()
     part = torch.empty((n_split, c, 4, bk), dtype=acc_dtype, device=device)
     _bn_grad_moments_kernel[(n_cb, n_split)](grad, x4, weight, wq, b, mean, part, r, c, t, m, dilation, *consts,
                                              *xs, *gs, *weight.stride(), K=k, BK=bk, SG=kind, STATS=stats, ACC=acc,
                                              **_tile_args(tile))
-    g_weight = torch.empty((c, k), dtype=dtype, device=device)
-    g_gamma, g_beta = torch.empty(c, dtype=dtype, device=device), torch.empty(c, dtype=dtype, device=device)
-    coef = torch.empty((c, 2), dtype=acc_dtype, device=device)
+    # dL/dW, dL/dgamma, dL/dbeta and the statistics' coefficients for K6 in one allocation
+    g_weight, g_gamma, g_beta, coef = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, 2 * c))
+    g_weight = g_weight.view(c, k)
     bc, bs = _fold_blocks(c, n_split, 4 * bk)
-    _bn_grad_fold_kernel[(triton.cdiv(c, bc),)](
+    _bn_grad_fold_kernel[(_cdiv(c, bc),)](
         part, n_split, weight, gamma, mean, var, wq, g_weight, g_gamma, g_beta, coef, c, r * t, *_hi_lo(eps),
         *weight.stride(), gamma.stride(0), mean.stride(0), var.stride(0), K=k, BK=bk, ROUND=ste == "round",
         STATS=stats, F64=dtype == torch.float64, BC=bc, BS=bs)
@@ -938,11 +956,10 @@ def _param_forward(x, weight, v_threshold, cfg):
     """The fold kernel, then the spike kernel: ``(spikes, Wq, b)``; raises :class:`_Refused`."""
     ste, dilation, layout, kind, _ = cfg
     c, k = weight.shape
-    wq = torch.empty((c, k), dtype=weight.dtype, device=x.device)
-    b = torch.empty(c, dtype=weight.dtype, device=x.device)
-    ok = torch.empty(c, dtype=torch.int8, device=x.device)
-    bc = 4 if INTERPRETED else min(triton.next_power_of_2(c), 256)
-    _param_fold_kernel[(triton.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
+    wq, b, ok = torch.empty(c * (k + 2), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c, c))
+    wq = wq.view(c, k)
+    bc = 4 if INTERPRETED else min(_pow2_ceil(c), 256)
+    _param_fold_kernel[(_cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
                                               v_threshold.stride(0), K=k, QUANT=ste is not None,
                                               F64=weight.dtype == torch.float64, BC=bc)
     if x.is_cuda:  # no host synchronisation (see _bn_forward)
@@ -981,10 +998,10 @@ def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
     c, k = weight.shape
     gx, pw, pb = charge_backward(grad, b, x, wq, dilation, layout, kind, alpha, (need_gx, True, True),
                                  partials=True)
-    g_weight = torch.empty((c, k), dtype=weight.dtype, device=x.device)
-    g_vth = torch.empty(c, dtype=weight.dtype, device=x.device)
+    g_weight, g_vth = torch.empty(c * (k + 1), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c))
+    g_weight = g_weight.view(c, k)
     bc, bs = _fold_blocks(c, pw.shape[0], pw.shape[2] + 1)
-    _param_grad_fold_kernel[(triton.cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
+    _param_grad_fold_kernel[(_cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
                                                    *weight.stride(), K=k, BK=pw.shape[2], ROUND=ste == "round",
                                                    F64=weight.dtype == torch.float64, BC=bc, BS=bs)
     return gx, g_weight, g_vth

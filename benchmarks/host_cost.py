@@ -1,0 +1,84 @@
+"""Host cost of one neuron layer's training step: the Python and dispatch time around the kernels.
+
+Tiny tensors on the CPU, where the kernels cost next to nothing, timed side by side in this process
+(ratios, never absolute claims): MF-PSN on 'triton' with its kernel launches stubbed out (through
+Triton's interpreter, whose run is replaced by a no-op: everything but the kernels and Triton's own
+launch code), on 'cpp', and on the default torch method, against SpikingJelly's BatchNorm + PSN, PSN
+and LIF. A GPU adds Triton's per-launch cost to the first two rows; ``benchmarks/gpu_check.py``
+measures the whole step's host time there.
+
+    python benchmarks/host_cost.py [--shape T,N,C,L] [--repeats 200]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
+from spikingjelly.activation_based import layer  # noqa: E402
+
+import spikingjelly_mfpsn  # noqa: E402,F401
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, models, ops  # noqa: E402
+
+
+class StubbedTriton:
+    """Triton's interpreted kernels replaced by a no-op (a finiteness flag set to 'finite')."""
+
+    def __enter__(self):
+        import triton.runtime.interpreter as interpreter
+        self.cls, self.real = interpreter.InterpretedFunction, interpreter.InterpretedFunction.run
+
+        def run(fn, *args, **kwargs):
+            if "OK" in fn.arg_names:
+                args[fn.arg_names.index("OK")].fill_(1)
+        self.cls.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.run = self.real
+
+
+def candidates(T: int, c: int) -> dict[str, nn.Module]:
+    out = {}
+    if "triton" in ops.names():
+        out["MF-PSN triton, bn (kernels stubbed)"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton")
+        out["MF-PSN triton, param (kernels stubbed)"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton",
+                                                                              threshold="param")
+    if "cpp" in ops.names():
+        out["MF-PSN cpp, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="cpp")
+    out["MF-PSN shift_add, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="shift_add")
+    if models.psn_available("psn"):
+        out["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), Flat(_compat.neuron.PSN(T=T)))
+        out["PSN"] = Flat(_compat.neuron.PSN(T=T))
+    out["LIF"] = _compat.neuron.LIFNode(step_mode="m", surrogate_function=_compat.default_surrogate())
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="4,2,8,4", help="T,N,C,L")
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    T, n, c, m = (int(v) for v in args.shape.split(","))
+    x, grad = torch.randn(T, n, c, m), torch.randn(T, n, c, m)
+    fns = {name: layer_step(mod, x, grad) for name, mod in candidates(T, c).items()}
+    for fn in fns.values():  # real kernels once (lazy state, autotuning)
+        fn()
+    with StubbedTriton():
+        times = interleaved(fns, repeats=args.repeats, warmup=20)
+    base = "BatchNorm + PSN" if "BatchNorm + PSN" in times else "LIF"
+    rows = [[name, f"{median(ts) * 1e6:.0f} us", ratio_cell(ts, times[base])] for name, ts in times.items()]
+    print(f"host time of one training step (forward + backward), X {(T, n, c, m)}, one thread; ratio to {base}")
+    print(markdown_table(["layer", "median", f"ratio to {base}"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -223,7 +223,8 @@ class ChargeNeuronBase(MemoryModule):
         method = self.resolve_method(x_seq, layout)
         xp = self._promoted(x_seq)
         fused = None
-        if xp.dtype != x_seq.dtype and x_seq.dtype in (torch.float16, torch.bfloat16):
+        if xp.dtype != x_seq.dtype and x_seq.dtype in (torch.float16, torch.bfloat16) \
+                and ops.get(method).supports(x_seq, self.weight, self.dilation, layout):
             fused = self._fused_spikes(x_seq, method)  # kernels that read it as it is (Triton), or None
         if fused is None:
             fused = self._fused_spikes(xp, method)

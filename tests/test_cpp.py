@@ -522,13 +522,19 @@ def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype, monkeypatch):
 
 
 def test_fused_bn_training_falls_back_where_it_does_not_apply():
-    """Other surrogates, eval mode and autocast take the general path (two kernels, autograd between)."""
+    """Other surrogates and running statistics the kernel cannot read raw take the general path (two
+    kernels, autograd between). Autocast is fused: the kernels compute in the parameters' dtype, as the
+    general path does under autocast, and give its spikes."""
     x = torch.randn(7, 2, 4, requires_grad=True)
     sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="m", method="cpp", surrogate_function=surrogate.PiecewiseQuadratic())
     assert not fused(sn(x))
     sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="m", method="cpp")
+    ref = copy.deepcopy(sn)
+    ref.method = "shift_add"
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not fused(sn(x))
+        s, s_ref = sn(x), ref(x)
+    assert fused(s) and not fused(s_ref)
+    torch.testing.assert_close(s, s_ref)
     assert fused(sn(x))
     sn.eval()  # eval is fused too, but not with running statistics the kernel cannot read raw
     fused_out = sn(x)

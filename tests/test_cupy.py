@@ -27,9 +27,10 @@ from spikingjelly_mfpsn.ops import cupy_ops, registry
 import reference
 
 HOST_DIR = os.path.join(os.path.dirname(__file__), "cuda_host")
-KERNELS = [f"mfpsn_{kind}_{sfx}" for kind in ("forward", "grad_x", "grad_wb")
-           for sfx, _ in cupy_ops.DTYPES.values()]
+KERNELS = [f"mfpsn_{kind}_{sfx}{index}" for kind in ("forward", "grad_x", "grad_wb")
+           for sfx, _ in cupy_ops.DTYPES.values() for index in ("", "_i32")]
 SHIM_BLOCK = 32  # small blocks: fewer fibers on the CPU, more blocks per test
+SHIM_LANES = 8  # channels side by side in a weight-gradient block (4 rows of them)
 
 
 # ---------------------------------------------------------------- 1. nvcc
@@ -76,6 +77,7 @@ class ShimLauncher:
     def __init__(self, lib, max_blocks=1 << 16):
         self.lib = lib
         self.block = lib.shim_block()
+        self.lanes = SHIM_LANES
         self.max_blocks = max_blocks
         self.launched = []
 
@@ -191,7 +193,7 @@ def test_shim_matches_reference(shim_lib, layout, k, dilation, dtype, memory, ra
         x = make_input(t, 2, c, FEATURES[rank], layout, dtype, memory)
         w, b = torch.randn(c, k, dtype=dtype), torch.randn(c, dtype=dtype)
         check_against_reference(launch, x, w, b, dilation, layout, TOLERANCES[dtype])
-    assert {name for name, _ in launch.launched} == {f"mfpsn_{kind}_{cupy_ops.DTYPES[dtype][0]}"
+    assert {name for name, _ in launch.launched} == {f"mfpsn_{kind}_{cupy_ops.DTYPES[dtype][0]}_i32"
                                                      for kind in ("forward", "grad_x", "grad_wb")}
 
 
@@ -246,8 +248,25 @@ def test_shim_many_partial_sums(shim_lib, layout, monkeypatch):
     x = make_input(40, 3, 2, (5,), layout, torch.float64, "contiguous")
     w, b = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
     check_against_reference(launch, x, w, b, 2, layout, TOLERANCES[torch.float64])
-    blocks = dict(launch.launched)["mfpsn_grad_wb_f64"]
+    blocks = dict(launch.launched)["mfpsn_grad_wb_f64_i32"]
     assert blocks > 4 * 2, "every (tap, channel) pair should have been split over several blocks"
+
+
+@pytest.mark.parametrize("items", [1, 8])
+def test_shim_channels_side_by_side(shim_lib, items, monkeypatch):
+    """Time-first (T, N, C) features, channels the contiguous axis: a weight-gradient block sums SHIM_LANES
+    channels side by side (a warp reads consecutive channels), over several channel groups (the last one
+    partial) and, with one item per thread, several blocks per group."""
+    monkeypatch.setattr(cupy_ops, "ITEMS_PER_THREAD", items)
+    launch = ShimLauncher(shim_lib)
+    torch.manual_seed(17)
+    c = 2 * SHIM_LANES + 3
+    x = make_input(23, 5, c, (), "time_first", torch.float64, "contiguous")
+    w, b = torch.randn(c, 3, dtype=torch.float64), torch.randn(c, dtype=torch.float64)
+    check_against_reference(launch, x, w, b, 2, "time_first", TOLERANCES[torch.float64])
+    groups = -(-c // SHIM_LANES)
+    blocks = dict(launch.launched)["mfpsn_grad_wb_f64_i32"]
+    assert blocks % (4 * groups) == 0 and (blocks > 4 * groups or items > 1)
 
 
 @pytest.mark.parametrize("layout", ops.LAYOUTS)
@@ -258,7 +277,7 @@ def test_shim_without_bias_and_expanded_grad(shim_lib, layout):
     w = torch.randn(3, 2, dtype=torch.float64)
     ones = torch.ones((), dtype=torch.float64).expand(x.shape)
     check_against_reference(launch, x, w, None, 3, layout, TOLERANCES[torch.float64], grad_out=ones)
-    assert dict(launch.launched)["mfpsn_grad_wb_f64"] == 2 * 3  # k * C pairs, one block each
+    assert dict(launch.launched)["mfpsn_grad_wb_f64_i32"] == 2 * 3  # k * C pairs, one block each
 
 
 def test_shim_mixed_dtypes_and_frozen_weight(shim_lib):
@@ -271,7 +290,33 @@ def test_shim_mixed_dtypes_and_frozen_weight(shim_lib):
     torch.testing.assert_close(h, reference.charge(x.float(), w, None, 1, "time_first"))
     (gx,) = torch.autograd.grad(h.sum(), x)
     assert gx.dtype == torch.float16
-    assert "mfpsn_grad_wb_f32" not in dict(launch.launched)
+    assert not any(name.startswith("mfpsn_grad_wb") for name in dict(launch.launched))
+
+
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_shim_64_bit_indices(shim_lib, layout, dtype, monkeypatch):
+    """The 64-bit kernels, which a launch whose indices or offsets pass 2**31 - 1 runs, give the same
+    results (forced here by a limit of 0)."""
+    monkeypatch.setattr(cupy_ops, "INDEX32_LIMIT", 0)
+    launch = ShimLauncher(shim_lib, max_blocks=2)
+    torch.manual_seed(13)
+    x = make_input(9, 2, 3, (2,), layout, dtype, "strided")
+    w, b = torch.randn(3, 3, dtype=dtype), torch.randn(3, dtype=dtype)
+    check_against_reference(launch, x, w, b, 2, layout, TOLERANCES[dtype])
+    assert {name for name, _ in launch.launched} == {f"mfpsn_{kind}_{cupy_ops.DTYPES[dtype][0]}"
+                                                     for kind in ("forward", "grad_x", "grad_wb")}
+
+
+def test_index_width_follows_what_a_launch_reaches():
+    """32-bit indices where every element index (plus a grid's stride) and every offset fits, else 64."""
+    launch = ShimLauncher.__new__(ShimLauncher)
+    launch.block, launch.lanes, launch.max_blocks = 256, 32, 1 << 16
+    small, big = (2, 3, 4, 5), (2, 3, 2 ** 28, 2)
+    assert cupy_ops._index_suffix(launch, small, (60, 20, 5, 1)) == "_i32"
+    assert cupy_ops._index_suffix(launch, big, (3 * 2 ** 29, 2 ** 29, 2, 1)) == ""  # 3 * 2**30 elements
+    # few elements, but a stride that reaches past 2**31 (a slice of a large tensor)
+    assert cupy_ops._index_suffix(launch, small, (60, 20, 5, 1), (2 ** 31, 20, 5, 1)) == ""
 
 
 def test_shim_is_deterministic(shim_lib):

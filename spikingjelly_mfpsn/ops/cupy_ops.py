@@ -37,6 +37,10 @@ DTYPES = {torch.float32: ("f32", torch.float32), torch.float64: ("f64", torch.fl
 # grad_W/grad_b: each block sums about this many elements per thread before the block reduction.
 ITEMS_PER_THREAD = 8
 
+# The kernels with 32-bit index arithmetic (suffix _i32) run a launch whose every element index and
+# memory offset stays below this; the 64-bit ones the others.
+INDEX32_LIMIT = 2 ** 31 - 1
+
 
 def kernel_source() -> str:
     """The CUDA C source of the kernels (plain text, no includes)."""
@@ -48,6 +52,7 @@ class CupyLauncher:
     """Compiles the source once per device with CuPy (NVRTC) and launches on torch's current stream."""
 
     block = 256
+    lanes = 32  # channels a grad_wb block sums side by side where the channel axis is the contiguous one
     max_blocks = 1 << 16  # kernels loop over what a grid this large does not cover
 
     def __init__(self):
@@ -102,13 +107,22 @@ def _grid(total: int, launch) -> int:
     return max(1, min(-(-total // launch.block), launch.max_blocks))
 
 
+def _index_suffix(launch, sizes, *strides) -> str:
+    """``'_i32'`` where a launch over ``sizes`` (N, C, M, T) indexes within :data:`INDEX32_LIMIT` (every
+    element index, plus one grid's stride past the last, and every offset through each of ``strides``),
+    else ``''`` (64-bit)."""
+    reach = math.prod(sizes) + launch.max_blocks * launch.block
+    offsets = [sum((n - 1) * abs(s) for n, s in zip(sizes, st)) for st in strides]
+    return "_i32" if max([reach, *offsets]) <= INDEX32_LIMIT else ""
+
+
 def forward(launch, x, weight, bias, dilation: int, layout: str) -> torch.Tensor:
     """``H`` (contiguous, ``x``'s shape and dtype) from ``x`` and accumulation-dtype ``weight``/``bias``."""
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if h.numel() == 0:
         return h
     x, sizes, strides = _axes(x, layout)
-    sfx = DTYPES[x.dtype][0]
+    sfx = DTYPES[x.dtype][0] + _index_suffix(launch, sizes, strides)
     args = (_ptr(x), _ptr(weight), _ptr(bias), _ptr(h), *_i64(*sizes, *strides),
             np.int32(layout == "time_last"), np.int32(weight.shape[1]), np.int64(dilation),
             np.int32(bias is not None))
@@ -122,7 +136,7 @@ def grad_input(launch, grad_h, weight, dilation: int, layout: str) -> torch.Tens
     if gx.numel() == 0:
         return gx
     grad_h, sizes, strides = _axes(grad_h, layout)
-    sfx = DTYPES[grad_h.dtype][0]
+    sfx = DTYPES[grad_h.dtype][0] + _index_suffix(launch, sizes, strides)
     args = (_ptr(grad_h), _ptr(weight), _ptr(gx), *_i64(*sizes, *strides),
             np.int32(layout == "time_last"), np.int32(weight.shape[1]), np.int64(dilation))
     launch(f"mfpsn_grad_x_{sfx}", _grid(gx.numel(), launch), args, grad_h.device)
@@ -137,15 +151,19 @@ def grad_weight_bias(launch, x, grad_h, k: int, dilation: int, layout: str, with
     acc = DTYPES[x.dtype][1]
     taps = k + int(with_bias)
     per_channel = n * m * steps
-    parts = max(1, min(-(-per_channel // (launch.block * ITEMS_PER_THREAD)),
-                       launch.max_blocks // max(1, taps * c)))
+    # Channels side by side where they are x's contiguous axis (time-first (T, N, C)), else one per block.
+    lanes = min(launch.lanes, 1 << max(c - 1, 0).bit_length()) if x_strides[1] == 1 and m == 1 else 1
+    groups = -(-c // lanes)
+    parts = max(1, min(-(-per_channel // (launch.block // lanes * ITEMS_PER_THREAD)),
+                       launch.max_blocks // max(1, taps * groups)))
     partial = torch.empty(taps, c, parts, dtype=acc, device=x.device)
     if per_channel == 0:
         partial.zero_()
     else:
         args = (_ptr(x), _ptr(grad_h), _ptr(partial), *_i64(*sizes, *x_strides, *g_strides),
-                np.int32(layout == "time_last"), np.int32(k), np.int64(dilation), np.int64(parts))
-        launch(f"mfpsn_grad_wb_{DTYPES[x.dtype][0]}", taps * c * parts, args, x.device)
+                np.int32(layout == "time_last"), np.int32(k), np.int64(dilation), np.int64(parts), np.int32(lanes))
+        sfx = DTYPES[x.dtype][0] + _index_suffix(launch, sizes, x_strides, g_strides)
+        launch(f"mfpsn_grad_wb_{sfx}", taps * groups * parts, args, x.device)
     sums = partial.sum(-1)  # (taps, C), a fixed-order reduction
     return sums[:k].t().contiguous(), (sums[k] if with_bias else None)
 

@@ -56,7 +56,10 @@ extern "C" __global__ void shim_check_divergence(int *out) {
 #define MFPSN_ENTRIES(sfx, scalar_t, acc_t)                                                          \
     {"mfpsn_forward_" #sfx, entry(mfpsn_forward_##sfx)},                                             \
     {"mfpsn_grad_x_" #sfx, entry(mfpsn_grad_x_##sfx)},                                               \
-    {"mfpsn_grad_wb_" #sfx, entry(mfpsn_grad_wb_##sfx)},
+    {"mfpsn_grad_wb_" #sfx, entry(mfpsn_grad_wb_##sfx)},                                             \
+    {"mfpsn_forward_" #sfx "_i32", entry(mfpsn_forward_##sfx##_i32)},                                \
+    {"mfpsn_grad_x_" #sfx "_i32", entry(mfpsn_grad_x_##sfx##_i32)},                                  \
+    {"mfpsn_grad_wb_" #sfx "_i32", entry(mfpsn_grad_wb_##sfx##_i32)},
 
 const std::map<std::string, Launch> kKernels = {
     MFPSN_DTYPES(MFPSN_ENTRIES)

@@ -9,15 +9,17 @@
 // channels, M all feature axes merged, T time. Inputs are read through their strides (any
 // layout, non-contiguous allowed); outputs are contiguous, in time-first (T, N, C, M) or
 // time-last (N, C, M, T) memory order, and threads walk them in that order so that writes
-// coalesce. Indices are 64-bit.
+// coalesce. Every kernel comes with 64-bit index arithmetic and, suffixed _i32, with 32-bit
+// (the launcher picks it when every element and offset fits: a GPU divides 64-bit integers in
+// software, and each thread unravels its index with divisions).
 //
 // Kernels, for each storage type (suffix f32, f64, f16, bf16; f16/bf16 accumulate in float):
 //   mfpsn_forward_<s>   one thread per element of H: bias + k taps looking back in time.
 //   mfpsn_grad_x_<s>    one thread per element of dL/dX: the same taps looking forward
 //                       (the correlation with the flipped weight).
-//   mfpsn_grad_wb_<s>   dL/dW[c, i] and dL/db[c]: one group of blocks per (tap, channel); each
-//                       block reduces its share in shared memory and writes one partial sum;
-//                       the host sums the partials. No atomics, so the result is bitwise
+//   mfpsn_grad_wb_<s>   dL/dW[c, i] and dL/db[c]: one group of blocks per (tap, channel group);
+//                       each block reduces its share in shared memory and writes one partial sum
+//                       per channel; the host sums the partials. No atomics, so the result is bitwise
 //                       reproducible from run to run.
 // Weights and bias are passed in the accumulation type, contiguous (C, k) and (C,).
 
@@ -83,22 +85,23 @@ template <> __device__ __forceinline__ f16_t from_acc<f16_t, float>(float v) {
 #endif
 
 // ---------------------------------------------------------------- geometry
-struct Geom {
-    i64 n, c, m, t;      // sizes of the logical axes
+// I: the index type, i64 or int (see the header).
+template <typename I> struct Geom {
+    I n, c, m, t;        // sizes of the logical axes
     int time_last;       // memory order of the contiguous output / of the walk
 };
 
-struct Strides {
-    i64 n, c, m, t;
-    __device__ __forceinline__ i64 at(i64 in, i64 ic, i64 im, i64 it) const {
+template <typename I> struct Strides {
+    I n, c, m, t;
+    __device__ __forceinline__ I at(I in, I ic, I im, I it) const {
         return in * n + ic * c + im * m + it * t;
     }
 };
 
 // Coordinates of the i-th element in the output's memory order (time-first (T, N, C, M) or
 // time-last (N, C, M, T)) of a tensor whose axes have sizes (n, c, m, t).
-__device__ __forceinline__ void unravel(i64 i, i64 n, i64 c, i64 m, i64 t, int time_last,
-                                       i64 *in, i64 *ic, i64 *im, i64 *it) {
+template <typename I>
+__device__ __forceinline__ void unravel(I i, I n, I c, I m, I t, int time_last, I *in, I *ic, I *im, I *it) {
     if (time_last) {
         *it = i % t; i /= t;
         *im = i % m; i /= m;
@@ -115,19 +118,19 @@ __device__ __forceinline__ void unravel(i64 i, i64 n, i64 c, i64 m, i64 t, int t
 // ---------------------------------------------------------------- forward and grad_X
 // dst[t] = bias[c] + sum_i w[c, i] * src[t - dir * lag_i],  lag_i = (k-1-i)*d, out-of-range src = 0.
 // dir = +1 is the forward charge, dir = -1 (no bias) is dL/dX from dL/dH.
-template <typename scalar_t, typename acc_t>
-__device__ void correlate(const scalar_t *__restrict__ src, Strides s, const acc_t *__restrict__ w,
-                          const acc_t *__restrict__ bias, scalar_t *__restrict__ dst, Geom g,
-                          int k, i64 dilation, int dir) {
-    const i64 total = g.n * g.c * g.m * g.t;
-    const i64 step = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += step) {
-        i64 in, ic, im, it;
+template <typename scalar_t, typename acc_t, typename I>
+__device__ void correlate(const scalar_t *__restrict__ src, Strides<I> s, const acc_t *__restrict__ w,
+                          const acc_t *__restrict__ bias, scalar_t *__restrict__ dst, Geom<I> g,
+                          int k, I dilation, int dir) {
+    const I total = g.n * g.c * g.m * g.t;
+    const I step = (I)gridDim.x * (I)blockDim.x;
+    for (I i = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x; i < total; i += step) {
+        I in, ic, im, it;
         unravel(i, g.n, g.c, g.m, g.t, g.time_last, &in, &ic, &im, &it);
-        const i64 base = s.at(in, ic, im, 0);
+        const I base = s.at(in, ic, im, 0);
         acc_t acc = bias ? bias[ic] : (acc_t)0;
         for (int tap = 0; tap < k; ++tap) {
-            const i64 ts = it - dir * (i64)(k - 1 - tap) * dilation;
+            const I ts = it - dir * (I)(k - 1 - tap) * dilation;
             if (ts >= 0 && ts < g.t) {
                 acc += w[ic * k + tap] * to_acc(src[base + ts * s.t]);
             }
@@ -137,28 +140,36 @@ __device__ void correlate(const scalar_t *__restrict__ src, Strides s, const acc
 }
 
 // ---------------------------------------------------------------- grad_W and grad_b
-// Block b of the 1-D grid handles part `b % parts` of pair (tap, channel) = divmod(b / parts, C).
-// tap < k: sum over (n, m, t >= lag) of gh[t] * x[t - lag]; tap == k: sum of gh (the bias).
-// partial[(tap * C + c) * parts + part] receives the block's sum.
-template <typename scalar_t, typename acc_t>
-__device__ void grad_weight_bias(const scalar_t *__restrict__ x, Strides sx,
-                                 const scalar_t *__restrict__ gh, Strides sg,
-                                 acc_t *__restrict__ partial, Geom g, int k, i64 dilation,
-                                 i64 parts) {
+// A block sums over (n, m, t >= lag) for `lanes` consecutive channels of one tap: thread (row, lane)
+// = divmod(threadIdx.x, lanes) walks elements row, row + rows, ... (rows = MFPSN_BLOCK / lanes) of
+// channel group * lanes + lane. lanes = 1 (one channel per block) where the walk itself is along a
+// contiguous axis (T of time-last, M of time-first); lanes > 1 where the channels are the contiguous
+// axis (time-first (T, N, C)), so that a warp reads consecutive channels, not one cache line per lane.
+// Block b handles part b % parts of pair (tap, group) = divmod(b / parts, groups); tap < k: sum of
+// gh[t] * x[t - lag]; tap == k: sum of gh (the bias). partial[(tap * C + c) * parts + part] receives
+// the sum of channel c, reduced over rows by a fixed tree (deterministic order).
+template <typename scalar_t, typename acc_t, typename I>
+__device__ void grad_weight_bias(const scalar_t *__restrict__ x, Strides<I> sx,
+                                 const scalar_t *__restrict__ gh, Strides<I> sg,
+                                 acc_t *__restrict__ partial, Geom<I> g, int k, I dilation,
+                                 I parts, int lanes) {
     __shared__ acc_t buf[MFPSN_BLOCK];
-    const i64 part = blockIdx.x % parts;
-    const i64 pair = blockIdx.x / parts;
-    const i64 c = pair % g.c;
-    const int tap = (int)(pair / g.c);
-    const i64 lag = tap < k ? (i64)(k - 1 - tap) * dilation : 0;
-    const i64 span = g.t > lag ? g.t - lag : 0;  // time steps t in [lag, T)
-    const i64 total = g.n * g.m * span;
+    const int rows = MFPSN_BLOCK / lanes;  // (lanes: a power of two <= MFPSN_BLOCK)
+    const int lane = (int)threadIdx.x % lanes, row = (int)threadIdx.x / lanes;
+    const I part = (I)blockIdx.x % parts;
+    const I pair = (I)blockIdx.x / parts;
+    const I groups = (g.c + lanes - 1) / lanes;
+    const I c = (pair % groups) * lanes + lane;
+    const int tap = (int)(pair / groups);
+    const I lag = tap < k ? (I)(k - 1 - tap) * dilation : 0;
+    const I span = g.t > lag ? g.t - lag : 0;  // time steps t in [lag, T)
+    const I total = g.n * g.m * span;
 
     acc_t acc = (acc_t)0;
-    for (i64 j = part * MFPSN_BLOCK + threadIdx.x; j < total; j += parts * MFPSN_BLOCK) {
-        i64 in, ic, im, it;
-        unravel(j, g.n, 1, g.m, span, g.time_last, &in, &ic, &im, &it);
-        const i64 t = it + lag;
+    for (I j = part * rows + row; c < g.c && j < total; j += parts * rows) {
+        I in, ic, im, it;
+        unravel(j, g.n, (I)1, g.m, span, g.time_last, &in, &ic, &im, &it);
+        const I t = it + lag;
         acc_t v = to_acc(gh[sg.at(in, c, im, t)]);
         if (tap < k) {
             v *= to_acc(x[sx.at(in, c, im, t - lag)]);
@@ -167,46 +178,51 @@ __device__ void grad_weight_bias(const scalar_t *__restrict__ x, Strides sx,
     }
     buf[threadIdx.x] = acc;
     __syncthreads();
-    for (int half = MFPSN_BLOCK / 2; half > 0; half >>= 1) {  // fixed tree: deterministic order
-        if ((int)threadIdx.x < half) {
-            buf[threadIdx.x] += buf[threadIdx.x + half];
+    for (int half = rows / 2; half > 0; half >>= 1) {  // fixed tree over the rows: deterministic order
+        if (row < half) {
+            buf[threadIdx.x] += buf[threadIdx.x + half * lanes];
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        partial[pair * parts + part] = buf[0];
+    if (row == 0 && c < g.c) {
+        partial[((I)tap * g.c + c) * parts + part] = buf[threadIdx.x];
     }
 }
 
 // ---------------------------------------------------------------- entry points
 // Plain scalar arguments only (64-bit sizes and strides, 32-bit flags), so that any launcher
-// can pass them.
-#define MFPSN_DEFINE_KERNELS(sfx, scalar_t, acc_t)                                                   \
+// can pass them; the _i32 kernels narrow them to int (the launcher checks that they fit).
+#define MFPSN_DEFINE_KERNELS_IDX(sfx, scalar_t, acc_t, I)                                            \
     extern "C" __global__ void mfpsn_forward_##sfx(                                                  \
         const scalar_t *x, const acc_t *w, const acc_t *bias, scalar_t *h,                           \
         i64 n, i64 c, i64 m, i64 t, i64 xsn, i64 xsc, i64 xsm, i64 xst,                             \
         int time_last, int k, i64 dilation, int has_bias) {                                          \
-        Geom g = {n, c, m, t, time_last};                                                            \
-        Strides s = {xsn, xsc, xsm, xst};                                                            \
-        correlate<scalar_t, acc_t>(x, s, w, has_bias ? bias : 0, h, g, k, dilation, 1);              \
+        Geom<I> g = {(I)n, (I)c, (I)m, (I)t, time_last};                                             \
+        Strides<I> s = {(I)xsn, (I)xsc, (I)xsm, (I)xst};                                             \
+        correlate<scalar_t, acc_t, I>(x, s, w, has_bias ? bias : 0, h, g, k, (I)dilation, 1);        \
     }                                                                                                \
     extern "C" __global__ void mfpsn_grad_x_##sfx(                                                   \
         const scalar_t *gh, const acc_t *w, scalar_t *gx,                                            \
         i64 n, i64 c, i64 m, i64 t, i64 gsn, i64 gsc, i64 gsm, i64 gst,                             \
         int time_last, int k, i64 dilation) {                                                        \
-        Geom g = {n, c, m, t, time_last};                                                            \
-        Strides s = {gsn, gsc, gsm, gst};                                                            \
-        correlate<scalar_t, acc_t>(gh, s, w, 0, gx, g, k, dilation, -1);                             \
+        Geom<I> g = {(I)n, (I)c, (I)m, (I)t, time_last};                                             \
+        Strides<I> s = {(I)gsn, (I)gsc, (I)gsm, (I)gst};                                             \
+        correlate<scalar_t, acc_t, I>(gh, s, w, 0, gx, g, k, (I)dilation, -1);                       \
     }                                                                                                \
     extern "C" __global__ void mfpsn_grad_wb_##sfx(                                                  \
         const scalar_t *x, const scalar_t *gh, acc_t *partial,                                       \
         i64 n, i64 c, i64 m, i64 t, i64 xsn, i64 xsc, i64 xsm, i64 xst,                             \
-        i64 gsn, i64 gsc, i64 gsm, i64 gst, int time_last, int k, i64 dilation, i64 parts) {         \
-        Geom g = {n, c, m, t, time_last};                                                            \
-        Strides sx = {xsn, xsc, xsm, xst};                                                           \
-        Strides sg = {gsn, gsc, gsm, gst};                                                           \
-        grad_weight_bias<scalar_t, acc_t>(x, sx, gh, sg, partial, g, k, dilation, parts);            \
+        i64 gsn, i64 gsc, i64 gsm, i64 gst, int time_last, int k, i64 dilation, i64 parts,           \
+        int lanes) {                                                                                 \
+        Geom<I> g = {(I)n, (I)c, (I)m, (I)t, time_last};                                             \
+        Strides<I> sx = {(I)xsn, (I)xsc, (I)xsm, (I)xst};                                            \
+        Strides<I> sg = {(I)gsn, (I)gsc, (I)gsm, (I)gst};                                            \
+        grad_weight_bias<scalar_t, acc_t, I>(x, sx, gh, sg, partial, g, k, (I)dilation, (I)parts,    \
+                                             lanes);                                                 \
     }
+#define MFPSN_DEFINE_KERNELS(sfx, scalar_t, acc_t)                                                   \
+    MFPSN_DEFINE_KERNELS_IDX(sfx, scalar_t, acc_t, i64)                                              \
+    MFPSN_DEFINE_KERNELS_IDX(sfx##_i32, scalar_t, acc_t, int)
 
 // The storage types and their accumulation types; a launcher can expand this list too.
 #define MFPSN_DTYPES(X) X(f32, float, float) X(f64, double, double) X(f16, f16_t, float) X(bf16, bf16_t, float)

@@ -40,7 +40,7 @@ def exp_init_weight(channels: int, k: int) -> torch.Tensor:
 
 # On CUDA tensors, ``method='auto'`` of the default backend runs the first of these that is registered
 # and supports the call: the kernels that run a training step at the memory floor (Triton: 8 passes over
-# X for a BN-threshold step, 5 with the parameter threshold, against 73.5 and 40 for shift_add).
+# X for a BN-threshold step, 5 with the parameter threshold, against 74.5 and 40 for shift_add).
 CUDA_PREFERENCE = ("triton", "cupy")
 
 

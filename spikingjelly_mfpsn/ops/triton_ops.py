@@ -832,6 +832,18 @@ class _Refused(Exception):
     nothing was updated, and the caller's general path reports what is wrong."""
 
 
+def _refuse_unless_finite(ok: torch.Tensor, x: torch.Tensor, what: str, restore=None) -> None:
+    """After a fold kernel: where ``ok`` (per channel) is not all true, on CUDA an asynchronous device
+    assert naming ``what`` (no host synchronisation, so a step can be captured as a CUDA graph); on the
+    CPU the tensors of ``restore = (tensors, copies)`` are put back and :class:`_Refused` is raised."""
+    if x.is_cuda:
+        torch._assert_async(ok.all(), f"MulFreeChannelwisePSN (triton): NaN/inf in {what}")
+    elif not bool(ok.all()):
+        for t, copy in zip(*restore) if restore is not None else ():
+            t.copy_(copy)
+        raise _Refused()
+
+
 def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     """(channel block, split block) of the per-channel kernels K2 and K5, about 2048 values a step."""
     if INTERPRETED:
@@ -869,14 +881,8 @@ def _bn_forward(x, weight, gamma, beta, cfg):
         *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
         var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
         QUANT=ste is not None, ACC=acc, F64=dtype == torch.float64, BC=bc, BS=bs)
-    if x.is_cuda:  # no host synchronisation: a folding with NaN or inf stops the stream with this message
-        torch._assert_async(ok.all(), "MulFreeChannelwisePSN (triton): NaN/inf in its weight, gamma, beta or "
-                                      "batch statistics (NaN or inf in its input?), or var + eps <= 0")
-    elif not bool(ok.all()):
-        if saved is not None:
-            rm.copy_(saved[0])
-            rv.copy_(saved[1])
-        raise _Refused()
+    _refuse_unless_finite(ok, x, "its weight, gamma, beta or batch statistics (NaN or inf in its input?), or "
+                                 "var + eps <= 0", restore=None if saved is None else ((rm, rv), saved))
     if running is not None:  # written by a kernel: let autograd know, as an in-place op would
         increment_version(rm)
         increment_version(rv)
@@ -962,10 +968,7 @@ def _param_forward(x, weight, v_threshold, cfg):
     _param_fold_kernel[(_cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
                                               v_threshold.stride(0), K=k, QUANT=ste is not None,
                                               F64=weight.dtype == torch.float64, BC=bc)
-    if x.is_cuda:  # no host synchronisation (see _bn_forward)
-        torch._assert_async(ok.all(), "MulFreeChannelwisePSN (triton): NaN/inf in its weight or v_threshold")
-    elif not bool(ok.all()):
-        raise _Refused()
+    _refuse_unless_finite(ok, x, "its weight or v_threshold")
     _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
     return s, wq, b
 

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import stat
 import tempfile
 import time
 import warnings
@@ -48,6 +49,10 @@ CHECKED_STATES = 8
 # every library upgrade or new shape adds keys, and the whole file is read by every call.
 MAX_LAYER_ENTRIES = 1024
 MAX_PLANS = 128
+# Seconds a save waits for the cache's lock (held by another process, perhaps a stuck one) before it
+# gives up, with a warning: the choice is applied, only not cached. $SPIKINGJELLY_MFPSN_LOCK_TIMEOUT sets it.
+LOCK_TIMEOUT = 10.0
+LOCK_TIMEOUT_ENV = "SPIKINGJELLY_MFPSN_LOCK_TIMEOUT"
 
 
 # ------------------------------------------------------------------------------------------ layers
@@ -360,25 +365,32 @@ def default_cache_path() -> str:
 
 
 class TimingCache:
-    """A JSON file of per-layer timings. A corrupted or foreign file is rebuilt, never trusted; writes
-    go to a temporary file renamed over the old one (never torn) under an advisory lock (no lost
-    updates between concurrent writers). It keeps the ``MAX_LAYER_ENTRIES`` layer timings and the
-    ``MAX_PLANS`` plans written last."""
+    """A JSON file of per-layer timings. A corrupted or foreign file is rebuilt, and every entry is
+    checked against the schema of what this code writes (see :func:`_valid_layer`, :func:`_valid_plan`):
+    anything else is dropped with a warning and measured again, never trusted. A path that is not a
+    regular file (a directory, a FIFO, a device) is never opened: a warning, and no cache. Writes go to a
+    temporary file renamed over the old one (never torn) under a lock (no lost updates between
+    concurrent writers), waited for at most ``LOCK_TIMEOUT`` seconds. It keeps the
+    ``MAX_LAYER_ENTRIES`` layer timings and the ``MAX_PLANS`` plans written last."""
 
     def __init__(self, path: Optional[str]):
         self.path = path
-        self.entries, self.plans = self._read() if path else ({}, {})
+        if path and _not_a_regular_file(path):
+            warnings.warn(f"autoselect cache {path} is {_not_a_regular_file(path)}, not a file: running without "
+                          f"the cache (cache='path' picks another file)")
+            self.path = None
+        self.entries, self.plans = self._read() if self.path else ({}, {})
         self.put_keys: set[str] = set()  # what this object put: saved over the file's, as its newest
         self.put_plan_keys: set[str] = set()
 
     def _read(self) -> tuple[dict, dict]:
-        try:
-            with open(self.path) as f:
-                data = json.load(f)
+        try:  # (non-blocking: should the path have become a FIFO since it was checked)
+            with os.fdopen(os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+                data = json.loads(f.read())
         except FileNotFoundError:
             return {}, {}
-        except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError too)
-            warnings.warn(f"autoselect cache {self.path} is unreadable ({e}); it will be rebuilt")
+        except (ValueError, RecursionError) as e:  # (UnicodeDecodeError, JSONDecodeError; nested too deep)
+            warnings.warn(f"autoselect cache {self.path} is unreadable ({type(e).__name__}); it will be rebuilt")
             return {}, {}
         except OSError as e:  # e.g. no permission, or a file where its directory should be
             warnings.warn(f"autoselect cache {self.path} cannot be read ({e}); starting from an empty cache")
@@ -386,11 +398,14 @@ class TimingCache:
         if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA or not isinstance(data.get("layers"), dict):
             warnings.warn(f"autoselect cache {self.path} has an unknown format; it will be rebuilt")
             return {}, {}
-        layers_ = {k: v for k, v in data["layers"].items()
-                   if isinstance(v, dict) and all(isinstance(t, (int, float)) for t in v.values())}
-        plans = data.get("plans") if isinstance(data.get("plans"), dict) else {}
-        plans = {k: v for k, v in plans.items() if isinstance(v, dict) and isinstance(v.get("layout"), str)
-                 and isinstance(v.get("methods"), dict) and isinstance(v.get("totals"), dict)}
+        raw_plans = data.get("plans", {})
+        layers_ = {k: v for k, v in data["layers"].items() if _valid_layer(v)}
+        plans = {k: v for k, v in raw_plans.items() if _valid_plan(v)} if isinstance(raw_plans, dict) else {}
+        dropped = (len(data["layers"]) - len(layers_)
+                   + (len(raw_plans) - len(plans) if isinstance(raw_plans, (dict, list)) else 1))
+        if dropped:
+            warnings.warn(f"autoselect cache {self.path} holds {dropped} entries that are not what autoselect "
+                          f"writes; they are dropped and measured again")
         return layers_, plans
 
     def get(self, key: str) -> Optional[dict[str, float]]:
@@ -421,25 +436,42 @@ class TimingCache:
                           f"not cached (cache=False stops this warning, cache='path' picks another file)")
 
     def _save(self) -> None:
+        import filelock
+
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        with _locked(self.path + ".lock"):
-            merged, plans = self._read_quietly()
-            merged = _newest(merged, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
-            plans = _newest(plans, self.plans, self.put_plan_keys, MAX_PLANS)
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
-            try:
-                with os.fdopen(fd, "w") as f:  # dumps: one C-encoded string (dump encodes in Python)
-                    f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": merged, "plans": plans}))
-                # Not fsynced (0.2-0.4 ms a save here): the rename keeps readers from a torn file, and a file
-                # a system crash leaves empty only makes the next call rebuild the cache, as it does any
-                # unreadable one (it holds timings and choices, nothing that cannot be measured again).
-                os.replace(tmp, self.path)
-                self.put_keys, self.put_plan_keys = set(), set()  # on the file now, as its newest
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+        timeout = lock_timeout()
+        lock = filelock.FileLock(self.path + ".lock", timeout=timeout)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            warnings.warn(f"autoselect cache {self.path}: its lock ({self.path}.lock) was held by another process "
+                          f"for {timeout:g} s; the choice is applied but not cached (${LOCK_TIMEOUT_ENV} sets "
+                          f"the wait)")
+            return
+        try:
+            self._write_merged(directory)
+        finally:
+            lock.release()
+
+    def _write_merged(self, directory: str) -> None:
+        """Write what the file holds now with this object's entries over it (under the lock)."""
+        merged, plans = self._read_quietly()
+        merged = _newest(merged, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
+        plans = _newest(plans, self.plans, self.put_plan_keys, MAX_PLANS)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:  # dumps: one C-encoded string (dump encodes in Python)
+                f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": merged, "plans": plans}))
+            # Not fsynced (0.2-0.4 ms a save here): the rename keeps readers from a torn file, and a file
+            # a system crash leaves empty only makes the next call rebuild the cache, as it does any
+            # unreadable one (it holds timings and choices, nothing that cannot be measured again).
+            os.replace(tmp, self.path)
+            self.put_keys, self.put_plan_keys = set(), set()  # on the file now, as its newest
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _read_quietly(self) -> tuple[dict, dict]:
         with warnings.catch_warnings():
@@ -455,19 +487,49 @@ def _newest(on_file: dict, mine: dict, written: set, cap: int) -> dict:
     return dict(itertools.islice(kept.items(), max(0, len(kept) - cap), None))
 
 
-@contextlib.contextmanager
-def _locked(path: str):
+def lock_timeout() -> float:
+    """Seconds a save waits for the cache's lock: ``$SPIKINGJELLY_MFPSN_LOCK_TIMEOUT`` or ``LOCK_TIMEOUT``."""
+    value = os.environ.get(LOCK_TIMEOUT_ENV)
     try:
-        import fcntl
-    except ImportError:  # not POSIX: the atomic rename still prevents torn files
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        return max(0.0, float(value)) if value else LOCK_TIMEOUT
+    except ValueError:
+        raise ValueError(f"${LOCK_TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+
+
+def _not_a_regular_file(path: str) -> str:
+    """What ``path`` is when it exists and is not a regular file (opening a FIFO would block), else ''."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # missing (created on save), or unreachable (reported when read)
+        return ""
+    if stat.S_ISREG(mode):
+        return ""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def _is_time(v) -> bool:
+    """A timing as autoselect writes it: seconds, a number >= 0 (inf: the candidate could not run)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0  # (False for NaN)
+
+
+def _valid_layer(times) -> bool:
+    """A layer entry: ``{method: seconds}``, at least one candidate that ran."""
+    return (isinstance(times, dict) and bool(times) and all(isinstance(k, str) and _is_time(v) for k, v in times.items())
+            and any(math.isfinite(v) for v in times.values()))
+
+
+def _valid_plan(plan) -> bool:
+    """A whole network's plan: its layout, ``{layer: method}``, ``{layout: seconds}``, whether it runs
+    compiled and the states it was checked on, and nothing else."""
+    def str_dict(d, value_ok):
+        return isinstance(d, dict) and all(isinstance(k, str) and value_ok(v) for k, v in d.items())
+
+    return (isinstance(plan, dict) and set(plan) <= {"layout", "methods", "totals", "compiled", "checked"}
+            and plan.get("layout") in ops.LAYOUTS and str_dict(plan.get("methods"), lambda v: isinstance(v, str))
+            and str_dict(plan.get("totals"), lambda v: _is_time(v) and math.isfinite(v))
+            and isinstance(plan.get("compiled", False), bool)
+            and isinstance(plan.get("checked", []), list) and all(isinstance(c, str) for c in plan.get("checked", [])))
 
 
 # ------------------------------------------------------------------------------------------ report

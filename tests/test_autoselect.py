@@ -151,15 +151,114 @@ def test_cache_hit_times_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("content", [b"\x00\xffgarbage{", b'{"schema": 999, "layers": {}}', b"[1, 2, 3]",
-                                     b'{"schema": 1, "layers": {"k": {"a": "fast"}}}'])
+                                     b"[" * 100000 + b"]" * 100000, b'{"schema": 1, "layers": {"k": {"a": 1'])
 def test_corrupted_or_foreign_cache_is_rebuilt(tmp_path, content):
+    """Garbage, another schema, a list, JSON nested deeper than the parser's recursion (a RecursionError
+    escaped), a truncated file."""
     path = tmp_path / "c.json"
     path.write_bytes(content)
-    with pytest.warns(UserWarning, match="rebuilt") if b"fast" not in content else _nothing():
+    with pytest.warns(UserWarning, match="rebuilt"):
         report = mf.autoselect(seq_net(), example(), cache=str(path), measure_fn=FakeTimes(), progress=False)
     assert report.timed > 0
     data = json.loads(path.read_text())
     assert data["schema"] == tuner.CACHE_SCHEMA and len(data["layers"]) >= report.timed
+
+
+def _spoil_layers(data, value):
+    data["plans"] = {}  # (else the whole network's plan applies, and no layer timing is needed)
+    data["layers"] = {k: ({m: value for m in v} if value != "list" else list(v.values())) for k, v in data["layers"].items()}
+
+
+def _spoil_plans(data, field, value):
+    if field is None:
+        data["plans"] = list(data["plans"].values())
+    for plan in data["plans"].values() if isinstance(data["plans"], dict) else ():
+        plan[field] = value
+
+
+SPOILED = {"a string for a time": lambda d: _spoil_layers(d, "fast"),
+           "a boolean for a time": lambda d: _spoil_layers(d, True),
+           "only infinite times": lambda d: _spoil_layers(d, math.inf),
+           "NaN times": lambda d: _spoil_layers(d, math.nan),
+           "a list for a layer's times": lambda d: _spoil_layers(d, "list"),
+           "a string for compiled": lambda d: _spoil_plans(d, "compiled", "no"),
+           "a string for a total": lambda d: _spoil_plans(d, "totals", {"time_first": "1"}),
+           "a list for the methods": lambda d: _spoil_plans(d, "methods", ["conv1d"]),
+           "an unknown layout": lambda d: _spoil_plans(d, "layout", "sideways"),
+           "a list for the plans": lambda d: _spoil_plans(d, None, None)}
+
+
+@pytest.mark.parametrize("spoil", SPOILED, ids=list(SPOILED))
+def test_cache_entries_autoselect_did_not_write_are_measured_again(tmp_path, spoil):
+    """Every entry is checked against the schema of what autoselect writes: the rest is dropped with a
+    warning and measured again, never an exception (an all-inf entry raised "no candidate could run"),
+    and never a string "no" that switches torch.compile on."""
+    path = tmp_path / "c.json"
+    mf.autoselect(seq_net(), example(), cache=str(path), measure_fn=FakeTimes(), progress=False)
+    data = json.loads(path.read_text())
+    SPOILED[spoil](data)
+    path.write_text(json.dumps(data))
+    net, fake = seq_net(), FakeTimes()
+    with pytest.warns(UserWarning, match="not what autoselect writes; they are dropped and measured again"):
+        report = mf.autoselect(net, example(), cache=str(path), measure_fn=fake, progress=False)
+    assert report.layout is not None and report.compiled is False
+    assert getattr(net, "_compiled_call_impl", None) is None
+    assert (fake.calls > 0) == ("time" in spoil or "layer" in spoil)  # (a plan is rebuilt from valid timings)
+    assert tuner.TimingCache(str(path)).plans  # rewritten in the schema: read back without a warning
+
+
+def test_a_cache_path_that_is_not_a_file_is_never_opened(tmp_path):
+    """A FIFO (opening it would wait for a writer forever) or a directory: a warning, no cache."""
+    import signal
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    (tmp_path / "dir.json").mkdir()
+
+    def hang(*_):
+        raise TimeoutError("autoselect opened the FIFO and waited")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        for path, what in ((fifo, "a FIFO"), (tmp_path / "dir.json", "a directory")):
+            net = seq_net()
+            with pytest.warns(UserWarning, match=f"is {what}, not a file: running without the cache"):
+                report = mf.autoselect(net, example(), cache=str(path), measure_fn=FakeTimes(), progress=False)
+            assert report.layout is not None and current_layout(net) == report.layout
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert fifo.exists() and not (tmp_path / "dir.json" / "c.json").exists()
+
+
+def _hold_lock(path, held, release):
+    import filelock
+    with filelock.FileLock(path):
+        held.set()
+        release.wait(120)
+
+
+def test_a_stuck_lock_holder_delays_autoselect_a_bounded_time(tmp_path, monkeypatch):
+    """Another process holds the cache's lock and never lets go: autoselect waits the configured time,
+    then applies its choice without caching it, with a warning."""
+    import time
+
+    path = tmp_path / "c.json"
+    ctx = mp.get_context("spawn")
+    held, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(path) + ".lock", held, release))
+    holder.start()
+    try:
+        assert held.wait(60)
+        monkeypatch.setenv(tuner.LOCK_TIMEOUT_ENV, "0.5")
+        net, t0 = seq_net(), time.perf_counter()
+        with pytest.warns(UserWarning, match="lock .*was held by another process for 0.5 s; the choice is applied"):
+            report = mf.autoselect(net, example(), cache=str(path), measure_fn=FakeTimes(), progress=False)
+        assert time.perf_counter() - t0 < 30 and report.layout is not None and not path.exists()
+    finally:
+        release.set()
+        holder.join(60)
+    assert tuner.LOCK_TIMEOUT < 60  # the default wait is well under a minute
 
 
 def test_an_unwritable_cache_warns_and_the_choice_still_applies(tmp_path):
@@ -172,14 +271,6 @@ def test_an_unwritable_cache_warns_and_the_choice_still_applies(tmp_path):
     assert "cannot be read" in said and "cannot be written" in said and "the choice is applied but not cached" in said
     assert "rebuilt" not in said  # nothing to rebuild: the file is not corrupted, it cannot be reached
     assert report.layout is not None and current_layout(net) == report.layout and blocker.read_text() == ""
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _writer(path, i, barrier):

@@ -611,6 +611,7 @@ def test_an_unwritable_build_directory_builds_in_a_temporary_one(tmp_path, monke
     blocker.write_text("")
     monkeypatch.setenv(cpp_ops.BUILD_ENV, str(blocker / "build"))
     monkeypatch.setattr(cpp_ops, "_LIBS", {})
+    monkeypatch.setattr(cpp_ops, "_PROCESS_DIR", [])  # (a library loaded from this process's one stays mapped)
     outputs = []
     monkeypatch.setattr(cpp_ops, "_compile", lambda cxx, out, *_: outputs.append(out) or shutil.copy(built, out))
     with pytest.warns(UserWarning, match="cannot be written to .*for this process only"):
@@ -619,6 +620,29 @@ def test_an_unwritable_build_directory_builds_in_a_temporary_one(tmp_path, monke
     x, w = torch.randn(5, 2, 3), torch.randn(3, 2)
     torch.testing.assert_close(ops.charge(x, w, None, 1, "time_first", "cpp"),
                                ops.charge(x, w, None, 1, "time_first", "shift_add"))
+
+
+def test_a_failed_build_leaves_no_temporary_directory(tmp_path):
+    """Regression: a build refused by an unwritable build directory and then failing (here: a compiler that
+    fails) left its spikingjelly_mfpsn-build-* temporary directory behind."""
+    fake = tmp_path / "fake-c++"
+    fake.write_text("#!/bin/sh\necho 'error: no' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    blocker, tmp = tmp_path / "file", tmp_path / "tmp"
+    blocker.write_text("")
+    tmp.mkdir()
+    out = run_python("""
+        import torch, warnings
+        from spikingjelly_mfpsn import ops
+        from spikingjelly_mfpsn.ops import cpp_ops
+        warnings.simplefilter("ignore")
+        try:
+            cpp_ops.library(torch.float32)
+        except cpp_ops.BuildError:
+            print("refused")
+    """, CXX=str(fake), SPIKINGJELLY_MFPSN_BUILD=str(blocker / "build"), TMPDIR=str(tmp))
+    assert out.returncode == 0 and "refused" in out.stdout, out.stderr
+    assert not list(tmp.iterdir())
 
 
 def test_without_compiler():

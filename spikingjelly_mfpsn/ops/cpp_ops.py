@@ -111,11 +111,22 @@ def _writable(path: Path) -> Path:
         tempfile.TemporaryFile(dir=path.parent).close()
         return path
     except OSError as e:
-        fallback = Path(tempfile.mkdtemp(prefix="spikingjelly_mfpsn-build-")) / path.name
+        fallback = _process_build_dir() / path.name
         warnings.warn(f"backend 'cpp': the kernels cannot be written to {path.parent} ({e}); building them in "
                       f"{fallback.parent} for this process only. Set ${BUILD_ENV} to a writable directory "
                       f"to build them once.")
         return fallback
+
+
+_PROCESS_DIR: list = []  # the temporary build directory of this process, made at most once
+
+
+def _process_build_dir() -> Path:
+    """A temporary directory for builds that cannot go to the build directory: one per process, removed
+    with everything in it when the process exits (a library loaded from it stays mapped until then)."""
+    if not _PROCESS_DIR:
+        _PROCESS_DIR.append(tempfile.TemporaryDirectory(prefix="spikingjelly_mfpsn-build-"))
+    return Path(_PROCESS_DIR[0].name)
 
 
 _LOCK = threading.Lock()

@@ -20,7 +20,7 @@ def charge_time_first(x, weight, bias, dilation):
         if bias is not None:
             acc = acc + bias.reshape(bshape)
         steps.append(acc)
-    return torch.stack(steps, 0)
+    return torch.stack(steps, 0) if steps else torch.zeros_like(x)
 
 
 def charge(x, weight, bias, dilation, layout):

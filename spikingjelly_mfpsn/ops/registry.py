@@ -211,10 +211,37 @@ def supported(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str,
     return [n for n in pool if get(n).supports(x, weight, dilation, layout)]
 
 
+def input_dtype_error(x_dtype: torch.dtype, param_dtype: torch.dtype, what: str = "the weight") -> Optional[TypeError]:
+    """The error for an input of ``x_dtype`` against parameters of ``param_dtype``, or None where it runs.
+
+    An input must be floating point; one of lower precision than the parameters (e.g. float16 under
+    autocast) is computed in the parameters' dtype, one of higher precision is refused, as torch.nn
+    layers refuse mixed dtypes: promoting the call would silently change the precision (and the
+    output's dtype) of the network."""
+    if not x_dtype.is_floating_point:
+        hint = ("an unsigned integer type (e.g. image bytes: x.float() / 255)" if x_dtype == torch.uint8
+                or str(x_dtype).startswith("torch.uint") else "spikes as input? x.float()" if x_dtype == torch.bool
+                else "x.float()")
+        return TypeError(f"x must be a floating-point tensor ({what} has dtype {param_dtype}), got {x_dtype}: "
+                         f"{hint}")
+    if torch.promote_types(x_dtype, param_dtype) != param_dtype:
+        return TypeError(f"x has dtype {x_dtype} but {what} has dtype {param_dtype}: convert the input (x.to({param_dtype})) "
+                         f"or the parameters (e.g. net.to({x_dtype})); mixed dtypes are not promoted, as in "
+                         f"torch.nn layers")
+    return None
+
+
 def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       dilation: int, layout: str) -> None:
-    """Validate a charge call; raises ``ValueError`` naming the offending argument."""
+    """Validate a charge call; raises ``ValueError`` naming the offending argument (``TypeError`` for a
+    dtype: see :func:`input_dtype_error`; the weight and bias share one floating dtype)."""
     check_layout(layout)
+    if not weight.is_floating_point() or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(f"weight and bias must share one floating-point dtype, got weight {weight.dtype}"
+                        f"{'' if bias is None else f' and bias {bias.dtype}'}")
+    bad_dtype = input_dtype_error(x.dtype, weight.dtype)
+    if bad_dtype is not None:
+        raise bad_dtype
     if x.dim() < 3:
         raise ValueError(f"x must have at least 3 dims ({'(T, N, C, ...)' if layout == 'time_first' else '(N, C, ..., T)'}), "
                          f"got shape {tuple(x.shape)}")
@@ -246,10 +273,17 @@ def _checked(x, weight, bias, dilation, layout, method) -> Implementation:
     return impl if x.numel() else get(EMPTY_INPUT_METHOD)
 
 
+def _in_weight_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` in the weight's dtype (a checked call's ``x`` has it or a lower precision)."""
+    return x if x.dtype == weight.dtype else x.to(weight.dtype)
+
+
 def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
            layout: str, method: str) -> torch.Tensor:
-    """Run the named implementation after validating the call."""
-    return _checked(x, weight, bias, dilation, layout, method).apply(x, weight, bias, dilation, layout)
+    """Run the named implementation after validating the call (an input of lower precision than the
+    weight is computed in the weight's dtype)."""
+    impl = _checked(x, weight, bias, dilation, layout, method)
+    return impl.apply(_in_weight_dtype(x, weight), weight, bias, dilation, layout)
 
 
 def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
@@ -260,6 +294,7 @@ def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], di
         s = impl.fire(x, weight, bias, dilation, layout, surrogate_function)
         if s is not None:
             return s
+    x = _in_weight_dtype(x, weight)
     h = impl.apply(x, weight, bias, dilation, layout)
     if not h.requires_grad and surrogate_kind(surrogate_function) and not torch.compiler.is_compiling() \
             and h.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
@@ -276,6 +311,7 @@ def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: st
     impl = _checked(x, weight, None, dilation, layout, method)
     if impl.stats is not None:
         return impl.stats(x, weight, dilation, layout)
+    x = _in_weight_dtype(x, weight)
     return reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
 
 

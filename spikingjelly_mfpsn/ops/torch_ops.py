@@ -81,7 +81,24 @@ def toeplitz_weight(weight: torch.Tensor, t: int, dilation: int) -> torch.Tensor
 
 
 def vmap_mm(x, weight, bias, dilation, layout):
-    """Per channel, multiply the sequence by the (T, T) Toeplitz matrix, vectorised over C."""
+    """Per channel, multiply the sequence by the (T, T) Toeplitz matrix, vectorised over C.
+
+    The product multiplies every step of a lane by the matrix's zeros outside the taps' window, and
+    ``0 * NaN`` is NaN: a NaN or inf input would reach every step of its lane. So an input with one
+    runs tap by tap (:func:`shift_add`, the same charge), where it stays inside its window; in a
+    compiled graph (no data-dependent branch) the finite part runs as a product and the non-finite
+    values are added tap by tap.
+    """
+    if torch.compiler.is_compiling():
+        finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+        return _vmap_mm(finite, weight, bias, dilation, layout) + shift_add(x - finite, weight, None, dilation,
+                                                                           layout)
+    if not bool(torch.isfinite(x).all()):
+        return shift_add(x, weight, bias, dilation, layout)
+    return _vmap_mm(x, weight, bias, dilation, layout)
+
+
+def _vmap_mm(x, weight, bias, dilation, layout):
     t = x.shape[time_dim(layout)]
     a = toeplitz_weight(weight, t, dilation)
     if layout == "time_first":  # x[:, :, c] is (T, N, *): H_c = A_c @ X_c

@@ -15,8 +15,9 @@
 // second window of the later steps' dH, so dL/dX comes out of the same sweep. (Phases as the outer
 // loop: each pass then walks only T / d rows of the tile; timed side by side on an x86-64 CPU, the
 // phases inside each lane's sweep were up to 1.4x slower at d = 3 on large tensors.)
-// Orders up to 8 run kernels with the tap loop unrolled (the order rounded up to 1, 2, 4 or 8 with
-// zero-weight taps); taps whose lag reaches past the first step are dropped (they only read zeros).
+// Orders up to 8 run kernels with the tap loop unrolled, one per order (no zero-weight padding taps: a
+// padding tap would multiply a NaN or inf input by zero and spread it beyond the taps' window); taps
+// whose lag reaches past the first step are dropped (they only read zeros).
 // Per-lane constants (weights, bias) are laid out once per call as [K][CF] arrays; per-lane sums go,
 // channel by channel, to per-thread [.][C] float64 accumulators, added in thread order at the end (no
 // atomics: the same result for the same thread count).
@@ -299,17 +300,15 @@ class Partials {
     std::vector<S> part_;
 };
 
-// The per-lane weights [KP][CF] of the taps a kernel runs: the g.taps() that matter (see
-// Geometry::first_tap), preceded by zero-weight padding taps up to KP when the count is rounded up to
-// an unrolled width. Tap j reads X[t - (KP-1-j) * d].
+// The per-lane weights [KP][CF] of the KP = g.taps() taps a kernel runs, those that matter (see
+// Geometry::first_tap). Tap j reads X[t - (KP-1-j) * d].
 template <typename S>
 Table<S> tap_weights(const Geometry& g, const S* weight, int KP) {
     std::unique_ptr<S[]> out(new S[size_t(KP) * g.CF()]);
-    const int pad = KP - g.taps(), first = g.first_tap();
-    std::fill_n(out.get(), size_t(pad) * g.CF(), S(0));  // the padding taps' weights
-    for (int j = pad; j < KP; ++j)
+    const int first = g.first_tap();
+    for (int j = 0; j < KP; ++j)
         for (int64_t c = 0; c < g.C; ++c)
-            std::fill_n(out.get() + j * g.CF() + c * g.F, g.F, weight[c * g.K + first + j - pad]);
+            std::fill_n(out.get() + j * g.CF() + c * g.F, g.F, weight[c * g.K + first + j]);
     const S* ptr = out.get();
     return {std::move(out), ptr};
 }
@@ -750,13 +749,13 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
         }
         if (sums) part.flush();
     }
-    if (sums) {  // per-channel sums of the real taps (the padding taps are dropped)
+    if (sums) {  // per-channel sums; the dropped taps (i < first) read only zeros
         std::vector<double> total((KP + 1) * g.C);
         reduce_threads(g, acc, threads, KP + 1, total.data(), KP + 1, 1);
-        const int first = g.first_tap(), skip = KP - g.taps() - first;  // tap i sums in row 1 + skip + i
+        const int first = g.first_tap();  // tap i sums in row 1 + i - first
         for (int64_t c = 0; c < g.C; ++c) {
             if (gw)
-                for (int i = 0; i < g.K; ++i) gw[c * g.K + i] = i < first ? S(0) : S(total[c * (KP + 1) + 1 + skip + i]);
+                for (int i = 0; i < g.K; ++i) gw[c * g.K + i] = i < first ? S(0) : S(total[c * (KP + 1) + 1 + i - first]);
             if (gb) gb[c] = S(total[c * (KP + 1)]);
         }
     }
@@ -975,14 +974,20 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
     return Geometry{T, N, C, F, K, d, time_last != 0};
 }
 
-// Run CALL(KT, KP) with the order K rounded up to an unrolled width KT = KP in {1, 2, 4, 8}, or with
-// the generic kernel (KT = 0, KP = K) above that.
+// Run CALL(KT, KP) with the kernel unrolled for the K taps (KT = KP = K) up to 8, or with the generic
+// kernel (KT = 0, KP = K) above that.
 #define MFPSN_DISPATCH_K(K, CALL)             \
-    if (K <= 1) CALL(1, 1);                   \
-    else if (K <= 2) CALL(2, 2);              \
-    else if (K <= 4) CALL(4, 4);              \
-    else if (K <= 8) CALL(8, 8);              \
-    else CALL(0, K);
+    switch (K) {                              \
+        case 1: CALL(1, 1); break;            \
+        case 2: CALL(2, 2); break;            \
+        case 3: CALL(3, 3); break;            \
+        case 4: CALL(4, 4); break;            \
+        case 5: CALL(5, 5); break;            \
+        case 6: CALL(6, 6); break;            \
+        case 7: CALL(7, 7); break;            \
+        case 8: CALL(8, 8); break;            \
+        default: CALL(0, K);                  \
+    }
 
 }  // namespace
 

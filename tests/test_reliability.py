@@ -1,0 +1,255 @@
+"""No silent wrong answers: non-finite inputs stay in their window, dtypes and checkpoints that do not fit
+are refused by name, in every method, against the plain reference in tests/reference.py."""
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
+
+import reference
+
+NAN, INF = float("nan"), float("inf")
+
+
+def methods(layout):
+    """Every method that runs CPU tensors here for ``layout``, and 'auto'."""
+    return [n for n in ops.names(layout=layout) if ops.get(n).backend != "cupy"] + ["auto"]
+
+
+def poisoned(t, n, c, feat, layout, dtype, seed):
+    """A sequence with a NaN, a +inf and a -inf at steps 2, 4 and 7 of three different lanes."""
+    torch.manual_seed(seed)
+    x = torch.randn(t, n, c, *feat, dtype=dtype)
+    x[4, n - 1, c - 1].view(-1)[0] = NAN
+    x[7, 0, 1 % c].view(-1)[-1] = INF
+    x[2, 0, 0].view(-1)[-1] = -INF
+    return x if layout == "time_first" else x.movedim(0, -1).contiguous()
+
+
+def assert_same_non_finite(got, want, tol, what):
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{what}: NaN at other places than the reference's"
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{what}: inf at other places than the reference's"
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], **tol, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------- non-finite inputs stay local
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_nan_or_inf_changes_only_the_charge_of_its_window(layout, dtype):
+    """Regression: vmap_mm spread one NaN to every step of its lane (a Toeplitz product multiplies it by
+    zeros), and the C++ kernels for k = 3, 5, 6, 7 beyond its window (zero-weight padding taps)."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    for k, d in itertools.product(range(1, 10), (1, 2)):
+        x = poisoned(12, 2, 3, (2,), layout, dtype, seed=k * 10 + d)
+        w, b = torch.randn(3, k, dtype=dtype), torch.randn(3, dtype=dtype)
+        want = reference.charge(x, w, b, d, layout)
+        for name in methods(layout)[:-1]:
+            assert_same_non_finite(ops.charge(x, w, b, d, layout, name), want, tol, f"{name} k={k} d={d}")
+
+
+def eval_neuron(threshold, k, d, layout, step_mode, method, dtype, seed):
+    torch.manual_seed(seed)
+    sn = MulFreeChannelwisePSN(3, k=k, dilation=d, threshold=threshold, step_mode=step_mode, layout=layout,
+                               method=method, exp_init=False).to(dtype).eval()
+    with torch.no_grad():
+        if threshold == "bn":
+            for p in (sn.running_mean, sn.gamma, sn.beta):
+                p.normal_()
+            sn.running_var.uniform_(0.5, 2.0)
+        else:
+            sn.v_threshold.normal_()
+    return sn
+
+
+def reference_charge_of(sn, x, layout):
+    """The float64 reference H (spikes: H >= 0) of an eval-mode neuron."""
+    p = {n: t.detach().double() for n, t in sn.named_parameters()}
+    p.update({n: t.double() for n, t in sn.named_buffers() if t.is_floating_point()})
+    if sn.threshold == "bn":
+        return reference.mfpsn_charge(x.double(), p["weight"], sn.dilation, layout, "bn", gamma=p["gamma"],
+                                      beta=p["beta"], stats=(p["running_mean"], p["running_var"]), eps=sn.eps)[0]
+    return reference.mfpsn_charge(x.double(), p["weight"], sn.dilation, layout, "param",
+                                  v_threshold=p["v_threshold"])[0]
+
+
+def run(sn, x):
+    """The neuron's spikes of a whole sequence, step by step in single-step mode."""
+    with torch.no_grad():
+        if sn.step_mode == "m":
+            return sn(x)
+        out = torch.stack([sn(xt) for xt in x])
+        functional.reset_net(sn)
+        return out
+
+
+@pytest.mark.parametrize("threshold", ["param", "bn"])
+@pytest.mark.parametrize("layout,step_mode", [("time_first", "m"), ("time_last", "m"), ("time_first", "s")])
+def test_a_nan_or_inf_changes_only_the_spikes_of_its_window(threshold, layout, step_mode):
+    """Eval mode (the BN folds its running statistics) and the parameter threshold, every method."""
+    for k, d in itertools.product((1, 2, 3, 5, 6, 7, 9), (1, 2)):
+        x = poisoned(12, 2, 3, (2,), layout, torch.float32, seed=k + 20 * d)
+        base = eval_neuron(threshold, k, d, layout, step_mode, "auto", torch.float32, seed=k)
+        h = reference_charge_of(base, x, layout)
+        clear = (h.abs() > 1e-4) | ~torch.isfinite(h)  # (NaN: no spike)
+        for method in methods(layout):
+            sn = eval_neuron(threshold, k, d, layout, step_mode, method, torch.float32, seed=k)
+            s = run(sn, x)
+            bad = (s != (h >= 0).float()) & clear
+            assert not bad.any(), f"{method} k={k} d={d}: {int(bad.sum())} spikes differ"
+
+
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+def test_a_nan_in_bn_training_is_refused_by_every_method(layout):
+    x = poisoned(8, 2, 3, (2,), layout, torch.float32, seed=1)
+    for method in methods(layout):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", layout=layout, method=method)
+        with pytest.raises(ValueError, match="batch statistics"):
+            sn(x)
+        assert torch.equal(sn.running_mean, torch.zeros(3)) and torch.equal(sn.running_var, torch.ones(3))
+
+
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+def test_input_gradients_stay_in_the_window_too(layout):
+    """dL/dX of the parameter threshold with NaN and inf inputs: NaN exactly where the reference's is."""
+    for k, d in itertools.product((1, 3, 5, 9), (1, 2)):
+        x = poisoned(12, 2, 3, (2,), layout, torch.float64, seed=k + d)
+        base = eval_neuron("param", k, d, layout, "m", "auto", torch.float64, seed=k).train()
+        g = torch.randn_like(x)
+        xr = x.clone().requires_grad_()
+        h = reference.mfpsn_charge(xr, base.weight.detach(), d, layout, "param",
+                                   v_threshold=base.v_threshold.detach())[0]
+        (want,) = torch.autograd.grad((reference.atan_primitive(h) * g).sum(), xr)
+        for method in methods(layout):
+            sn = eval_neuron("param", k, d, layout, "m", method, torch.float64, seed=k).train()
+            xm = x.clone().requires_grad_()
+            (got,) = torch.autograd.grad((sn(xm) * g).sum(), xm)
+            assert_same_non_finite(got, want, dict(rtol=1e-9, atol=1e-9), f"{method} k={k} d={d}")
+
+
+# ---------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_a_higher_precision_input_is_refused_naming_both_dtypes(step_mode, threshold):
+    """Regression: a float32 neuron returned float64 spikes for a float64 input (some methods raised
+    torch's internal errors instead)."""
+    for (x_dtype, n_dtype), method in itertools.product(
+            [(torch.float64, torch.float32), (torch.float32, torch.float16), (torch.float32, torch.bfloat16)],
+            methods("time_first")):
+        sn = MulFreeChannelwisePSN(3, step_mode=step_mode, method=method, threshold=threshold).to(n_dtype)
+        x = torch.randn((4, 2, 3) if step_mode == "m" else (2, 3), dtype=x_dtype)
+        with pytest.raises(TypeError, match=f"{x_dtype}.*{n_dtype}"):
+            sn(x)
+
+
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+def test_an_integer_input_is_refused(step_mode):
+    """Regression: an int64 input gave int64 spikes."""
+    for dtype, hint in ((torch.int64, "x.float()"), (torch.uint8, "unsigned"), (torch.bool, "spikes as input")):
+        for method in methods("time_first"):
+            sn = MulFreeChannelwisePSN(3, step_mode=step_mode, method=method)
+            x = torch.ones((4, 2, 3) if step_mode == "m" else (2, 3), dtype=dtype)
+            with pytest.raises(TypeError, match=f"floating-point.*{dtype}.*{hint}"):
+                sn(x)
+
+
+def test_a_lower_precision_input_runs_in_the_neurons_dtype():
+    """float16/bfloat16 into a float32 neuron (autocast's case): computed in float32, spikes in the
+    input's dtype, the same in every method."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 2, 3, 4)
+    for dtype, method in itertools.product((torch.float16, torch.bfloat16), methods("time_first")):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", threshold="param", method=method, exp_init=False)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            sn.v_threshold.normal_()
+        xl = x.to(dtype)
+        s = sn(xl)
+        h = reference.mfpsn_charge(xl.double(), sn.weight.detach().double(), 1, "time_first", "param",
+                                   v_threshold=sn.v_threshold.detach().double())[0]
+        clear = h.abs() > 1e-4
+        assert s.dtype == dtype and torch.equal(s[clear].double(), (h >= 0).double()[clear]), method
+
+
+def test_the_ops_functions_check_dtypes():
+    x, w = torch.randn(4, 2, 3, dtype=torch.float64), torch.randn(3, 2)
+    for method in methods("time_first")[:-1]:
+        with pytest.raises(TypeError, match="float64.*float32"):
+            ops.charge(x, w, None, 1, "time_first", method)
+        with pytest.raises(TypeError, match="floating-point"):
+            ops.charge(x.long(), w, None, 1, "time_first", method)
+        with pytest.raises(TypeError, match="bias"):
+            ops.charge(x.float(), w, torch.randn(3, dtype=torch.float64), 1, "time_first", method)
+
+
+# ---------------------------------------------------------------- checkpoints
+def net(channels, k, dilation=1, threshold="bn", **kw):
+    return nn.Sequential(nn.Linear(5, 4), MulFreeChannelwisePSN(channels, k=k, dilation=dilation,
+                                                                 threshold=threshold, step_mode="m", **kw))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_a_checkpoint_of_another_order_dilation_or_width_is_refused_by_name(lazy, threshold):
+    """Regression: a lazy k=5 neuron silently loaded a k=3 checkpoint and then ran as k=3; a non-lazy one
+    gave torch's "size mismatch for 1.weight", never naming k."""
+    saved = net(4, 3, 2, threshold).state_dict()
+    for (k, d, c), what in (((5, 2, 4), "k=3.*k=5"), ((3, 1, 4), "dilation=2.*dilation=1"),
+                            ((3, 2, 6), "channels=4.*channels=6")):
+        if lazy and c != 4:
+            continue  # a lazy neuron takes its width from the checkpoint
+        target = net(None if lazy else c, k, d, threshold)
+        with pytest.raises(RuntimeError, match=f"layer '1'.*{what}"):
+            target.load_state_dict(saved)
+        if lazy:
+            assert target[1].channels is None  # nothing was materialised from the refused checkpoint
+
+
+def test_checkpoints_load_across_layouts_methods_and_versions():
+    """A checkpoint loads into any layout and method (and lazily); one saved before (k, dilation) were
+    stored (without the key) still loads, its order checked from the weight."""
+    torch.manual_seed(0)
+    src = net(4, 3, 2)
+    x = torch.randn(7, 2, 5)
+    src(x)  # running statistics move
+    src.eval()
+    want = src(x)
+    saved = src.state_dict()
+    old = {key: v for key, v in saved.items() if not key.endswith("order_dilation")}
+    for layout, method, state in itertools.product(ops.LAYOUTS, ("auto", "cpp", "shift_add"), (saved, old)):
+        if method not in ops.names(layout=layout) + ["auto"]:
+            continue
+        dst = net(None, 3, 2, layout=layout, method=method)
+        dst.load_state_dict(state)
+        dst.eval()
+        y = dst[0](x)
+        got = dst[1](y) if layout == "time_first" else dst[1](y.movedim(0, -1)).movedim(-1, 0)
+        assert torch.equal(got, want), (layout, method)
+        assert dst.state_dict().keys() == saved.keys()
+    with pytest.raises(RuntimeError, match="k=3.*k=2"):
+        net(4, 2, 2).load_state_dict(old)
+
+
+@pytest.mark.parametrize("eps", [1e-30, 1e-45])
+def test_a_constant_channel_with_a_tiny_eps_gives_the_same_spikes_and_finite_gradients(eps):
+    """BN training on a channel whose charge is constant (variance 0), eps down to float32's smallest
+    subnormal: every method gives the same spikes and finite gradients; eps = 0 is refused."""
+    torch.manual_seed(2)
+    x = torch.randn(6, 4, 3, 2)
+    x[:, :, 1] = 0.7
+    results = []
+    for method in methods("time_first"):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method, eps=eps)
+        xr = x.clone().requires_grad_()
+        s = sn(xr)
+        s.sum().backward()
+        grads = (xr.grad, sn.weight.grad, sn.gamma.grad, sn.beta.grad)
+        assert all(torch.isfinite(g).all() for g in grads), method
+        results.append((method, s))
+    for method, s in results[1:]:
+        assert torch.equal(s, results[0][1]), method
+    with pytest.raises(ValueError, match="eps must be a number > 0"):
+        MulFreeChannelwisePSN(3, eps=0.0)

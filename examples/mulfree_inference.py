@@ -4,8 +4,9 @@
 
 Builds {{c128k3s1-BN-SN}*3-APk2s2}*2-FC256-SN-FC100 with MF-PSN (k = 16, sawtooth dilations), sets
 its batch-norm statistics from two random batches (no training), folds it, and prints: whether folded
-and unfolded eval agree, the integer path's agreement with the float32 path per neuron for several
-fixed-point formats, and single-step streaming against multi-step with the neuron state size. Float32
+and unfolded eval agree, the integer path's agreement with the float32 path per neuron in the
+calibrated fixed-point formats (set_integer(net, calibrate=x)), and single-step streaming against
+multi-step with the neuron state size. Float32
 streaming can differ from multi-step where a charge lands within rounding of the threshold (the
 multi-step charge sums in another order); the integer neuron is exact, so only its float inputs can.
 """
@@ -40,16 +41,18 @@ def main():
     print("folded == unfolded (float eval):", torch.equal(net(x), want))
 
     print("\nspike agreement, integer vs float32 path (local: same input; network: whole net integer)")
-    for frac_bits in (8, 12, 16):
-        rates = deploy.agreement(net, x, frac_bits=frac_bits)
-        local = min(r["local"] for r in rates.values())
-        network = min(r["network"] for r in rates.values())
-        print(f"  frac_bits={frac_bits:2d}: worst layer local {local:.6f}, network {network:.6f}")
+    deploy.set_integer(net, calibrate=x)  # per layer, the widest fixed-point format the data fits
+    formats = {name: m.frac_bits for name, m in deploy.folded_neurons(net)}
+    rates = deploy.agreement(net, x)  # (warns where they differ)
+    local = min(r["local"] for r in rates.values())
+    network = min(r["network"] for r in rates.values())
+    print(f"  calibrated formats {min(formats.values())}-{max(formats.values())} fractional bits: worst layer "
+          f"local {local:.6f}, network {network:.6f}")
 
     print("\nstreaming (step_mode 's', one column at a time) vs multi-step: spikes of the last SN layer")
     body = net[:-1]  # the classifier's float logits differ in the last bit between batched and per-step
     for arithmetic in ("float", "integer"):
-        deploy.set_integer(net, 12) if arithmetic == "integer" else deploy.set_float(net)
+        deploy.set_integer(net, calibrate=x) if arithmetic == "integer" else deploy.set_float(net)
         for t in (2 * T, 4 * T):  # both longer than the largest receptive field (k-1)*d+1 = 46
             xs = image_to_sequence(torch.randn(args.batch, 3, 32, t))
             functional.reset_net(net)

@@ -30,6 +30,9 @@ accumulator width for exactness.
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import warnings
 from typing import Optional
 
 import torch
@@ -40,8 +43,10 @@ from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
 from .tuner import _args
 
-#: Default number of fractional bits of a neuron's fixed-point input.
-FRAC_BITS = 8
+#: Default number of fractional bits of a neuron's fixed-point input (without calibration data: see
+#: :func:`set_integer`). 24 bits hold float32 activations' fractions with the integer part's 30-odd
+#: bits to spare.
+FRAC_BITS = 24
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _MAX_BITS = 62  # magnitude bits an int64 accumulator may use (one spare bit below the sign)
@@ -113,7 +118,8 @@ def _check_taps(shift: torch.Tensor, sign: torch.Tensor, channels: int) -> None:
 
 def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
     """Refuse formats whose accumulator could overflow int64 (instead of wrapping silently)."""
-    top = int(q.abs().max()) if q.numel() else 0
+    # (from the extremes, as Python ints: abs() of int64's most negative value stays negative)
+    top = max(int(q.max()), -int(q.min())) if q.numel() else 0
     bits = top.bit_length() + max(0, int(amount.max())) + amount.shape[1].bit_length()
     if bits > _MAX_BITS:
         raise OverflowError(f"the accumulator needs {bits} bits (inputs up to {top}, left shifts up to "
@@ -214,6 +220,7 @@ class FoldedMulFreePSN(ChargeNeuronBase):
         self.register_buffer("bias", torch.zeros(channels, dtype=bias_dtype))
         self.frac_bits: Optional[int] = None
         self.acc_frac_bits: Optional[int] = None
+        self.layer_name: Optional[str] = None  # its name in the network (set_integer sets it), for errors
         self.register_memory("x_queue", ())
         self.eval()
 
@@ -243,7 +250,7 @@ class FoldedMulFreePSN(ChargeNeuronBase):
         with torch.no_grad():
             neuron.weight.copy_(w)
             neuron.v_threshold.copy_(-b)
-        return neuron.to(b.device).train(self.training)
+        return neuron.to(device=b.device, dtype=b.dtype).train(self.training)
 
     @property
     def channels(self) -> int:
@@ -277,6 +284,16 @@ class FoldedMulFreePSN(ChargeNeuronBase):
     def _compute_dtype(self) -> torch.dtype:
         return self.bias.dtype
 
+    def _check_dtype(self, x: torch.Tensor) -> None:
+        """Integer arithmetic takes fixed-point integers and floats of any precision (made fixed point)."""
+        if self.frac_bits is None:
+            super()._check_dtype(x)
+        elif not (x.is_floating_point() or x.dtype in _INT_DTYPES):
+            raise TypeError(f"x must be a floating-point tensor or a signed fixed-point integer one "
+                            f"({', '.join(map(str, _INT_DTYPES))}), got {x.dtype}"
+                            + (": an unsigned type, which the int64 arithmetic does not take; convert it with "
+                               "x.to(torch.int64)" if str(x.dtype).startswith("torch.uint") else ""))
+
     def _int_format(self) -> tuple[int, torch.Tensor]:
         """(extra_bits, bias_int) of the current integer format."""
         acc = self.acc_frac_bits if self.acc_frac_bits is not None \
@@ -295,25 +312,38 @@ class FoldedMulFreePSN(ChargeNeuronBase):
             return super().multi_step_forward(x_seq)
         self._check_input(x_seq)
         self._refuse_training()
-        extra, bias_int = self._int_format()
-        s = int_fire(self._fixed(x_seq), self.shift, self.sign, bias_int, self.dilation, self._layout, extra)
+        with self._naming_overflow():
+            extra, bias_int = self._int_format()
+            s = int_fire(self._fixed(x_seq), self.shift, self.sign, bias_int, self.dilation, self._layout, extra)
         return s.to(self._spike_dtype(x_seq))
+
+    @contextlib.contextmanager
+    def _naming_overflow(self):
+        """An OverflowError of the integer path, naming this layer and its format."""
+        try:
+            yield
+        except OverflowError as e:
+            where = f"layer {self.layer_name!r}" if self.layer_name else "FoldedMulFreePSN"
+            raise OverflowError(f"{where} (integer format: {self.frac_bits} fractional bits): {e}; "
+                                f"set_integer(net, calibrate=x) fits the format to the data") from None
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frac_bits is None:
             return super().single_step_forward(x)
         self._check_input(x)
         self._refuse_training()
-        q = self._fixed(x)
+        with self._naming_overflow():
+            q = self._fixed(x)
         queue = self.x_queue
         if queue and (queue[-1].shape != q.shape or queue[-1].dtype != q.dtype):
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state holds "
                              f"{tuple(queue[-1].shape)} {queue[-1].dtype} inputs; call functional.reset_net(net) "
                              f"before feeding another shape or switching arithmetic")
         history = queue + (q,)
-        extra, bias_int = self._int_format()
-        s = int_fire(torch.stack(history), self.shift, self.sign, bias_int, self.dilation, "time_first",
-                     extra, last=1)[0]
+        with self._naming_overflow():
+            extra, bias_int = self._int_format()
+            s = int_fire(torch.stack(history), self.shift, self.sign, bias_int, self.dilation, "time_first",
+                         extra, last=1)[0]
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return s.to(self._spike_dtype(x))
@@ -380,20 +410,78 @@ def folded_neurons(net: nn.Module) -> list[tuple[str, FoldedMulFreePSN]]:
     return found
 
 
-def set_integer(net: nn.Module, frac_bits: int = FRAC_BITS, acc_frac_bits: Optional[int] = None) -> nn.Module:
+def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: Optional[int] = None,
+                calibrate=None, headroom_bits: int = 2) -> nn.Module:
     """Run every folded neuron of ``net`` in integer bit-shift arithmetic (see the module docstring).
 
-    :param frac_bits: fractional bits F of the neurons' fixed-point input; float inputs (the synaptic
-        layers' outputs) are rounded to this grid on entry, integer inputs are taken as already in it
+    :param frac_bits: fractional bits F of the neurons' fixed-point input (float inputs, the synaptic
+        layers' outputs, are rounded to this grid on entry; integer inputs are taken as already in it);
+        ``None``: per neuron, from ``calibrate`` when given, else :data:`FRAC_BITS`
     :param acc_frac_bits: accumulator fractional bits; ``None`` picks the exact width per neuron
+    :param calibrate: example input of the network (or a tuple of its positional inputs): each neuron
+        gets the widest F whose int64 accumulator holds its inputs on this data with ``headroom_bits``
+        to spare (inputs up to ``2**headroom_bits`` times larger still fit; larger ones raise
+        ``OverflowError``), and the integer spikes are then compared with the float path's on it:
+        any difference is reported with a warning (see :func:`agreement`)
     Clears the neurons' single-step state. Returns ``net``.
     """
-    _check_bits(frac_bits, "frac_bits")
+    if frac_bits is not None:
+        _check_bits(frac_bits, "frac_bits")
     if acc_frac_bits is not None:
         _check_bits(acc_frac_bits, "acc_frac_bits")
-    for _, m in folded_neurons(net):
-        m.frac_bits, m.acc_frac_bits, m.x_queue = frac_bits, acc_frac_bits, ()
+    neurons = folded_neurons(net)
+    formats = {name: frac_bits if frac_bits is not None else FRAC_BITS for name, _ in neurons}
+    if calibrate is not None and frac_bits is None:
+        tops = _input_magnitudes(net, calibrate, neurons)
+        formats = {name: _widest_format(m, tops.get(name, 0.0), acc_frac_bits, headroom_bits) for name, m in neurons}
+    for name, m in neurons:
+        m.frac_bits, m.acc_frac_bits, m.x_queue, m.layer_name = formats[name], acc_frac_bits, (), name
+    if calibrate is not None:
+        agreement(net, calibrate)  # (warns where the integer spikes differ; leaves the float path set)
+        for name, m in neurons:
+            m.frac_bits, m.acc_frac_bits, m.x_queue = formats[name], acc_frac_bits, ()
     return net
+
+
+@torch.no_grad()
+def _input_magnitudes(net: nn.Module, x, neurons) -> dict[str, float]:
+    """The largest |input| each folded neuron sees when the float network runs ``x``."""
+    tops: dict[str, float] = {}
+
+    def record(name):
+        def hook(mod, inp, out):
+            v = inp[0]
+            top = float(v.detach().abs().max()) if v.numel() else 0.0
+            tops[name] = max(tops.get(name, 0.0), top)
+        return hook
+    hooks = [m.register_forward_hook(record(n)) for n, m in neurons]
+    try:
+        set_float(net)
+        _compat.functional.reset_net(net)
+        net(*_args(x))
+    finally:
+        for h in hooks:
+            h.remove()
+        _compat.functional.reset_net(net)
+    return tops
+
+
+def _widest_format(m: "FoldedMulFreePSN", top: float, acc_frac_bits: Optional[int], headroom_bits: int) -> int:
+    """The largest F in [0, 62] for which inputs up to ``top * 2**headroom_bits`` and the bias fit the
+    int64 accumulator of neuron ``m`` (the widths :func:`int_charge` and :func:`int_bias` check)."""
+    if not math.isfinite(top):
+        raise ValueError(f"calibrate: a folded neuron's input holds NaN or inf (max |x| = {top})")
+    top_bits = math.frexp(top)[1] + headroom_bits if top > 0 else 0  # bits of the integer part, + headroom
+    k_bits = m.k.bit_length()
+    bias_top = float(m.bias.detach().abs().max()) if m.bias.numel() else 0.0
+    bias_bits = math.frexp(bias_top)[1] if bias_top > 0 else 0
+    for f in range(_MAX_BITS, -1, -1):
+        extra = (acc_frac_bits - f) if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, f) - f
+        shifts = max(0, int(m.shift.max()) + extra) if m.shift.numel() else 0
+        if top_bits + f + shifts + k_bits <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS:
+            return f
+    raise OverflowError(f"calibrate: inputs up to {top:g} do not fit an int64 accumulator with any fixed-point "
+                        f"format")
 
 
 def set_float(net: nn.Module) -> nn.Module:
@@ -404,7 +492,7 @@ def set_float(net: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def agreement(net: nn.Module, x, frac_bits: int = FRAC_BITS,
+def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
               acc_frac_bits: Optional[int] = None) -> dict[str, dict[str, float]]:
     """Fraction of spikes on which the integer path equals the float path, per folded neuron.
 
@@ -412,8 +500,13 @@ def agreement(net: nn.Module, x, frac_bits: int = FRAC_BITS,
     isolates the neuron's own rounding; ``'network'``: the whole net run in integer mode against the
     whole net in float mode (differences propagate). Needs multi-step neurons; leaves ``net`` on the
     float path. ``x``: the input, or a tuple of the network's positional inputs (as autoselect's).
+    ``frac_bits``/``acc_frac_bits``: the integer format of every neuron; ``None``: each neuron's own (as
+    :func:`set_integer` left it; :data:`FRAC_BITS` where none is set). Any fraction below 1.0 is also
+    reported with a warning naming the layers.
     """
     neurons = folded_neurons(net)
+    formats = {n: (frac_bits if frac_bits is not None else m.frac_bits if m.frac_bits is not None else FRAC_BITS,
+                   acc_frac_bits if frac_bits is not None else m.acc_frac_bits) for n, m in neurons}
     if any(m.step_mode != "m" for _, m in neurons):
         raise ValueError("agreement needs the folded neurons in step_mode='m' (whole sequences)")
     seen: dict[str, list] = {}
@@ -424,7 +517,8 @@ def agreement(net: nn.Module, x, frac_bits: int = FRAC_BITS,
         _compat.functional.reset_net(net)
         net(*_args(x))
         float_seen, seen = seen, {}
-        set_integer(net, frac_bits, acc_frac_bits)
+        for n, m in neurons:
+            m.frac_bits, m.acc_frac_bits = formats[n]
         _compat.functional.reset_net(net)
         net(*_args(x))
     finally:
@@ -436,13 +530,19 @@ def agreement(net: nn.Module, x, frac_bits: int = FRAC_BITS,
     for name, module in neurons:
         local = network = total = 0
         for (inp, out_f), (_, out_i) in zip(float_seen.get(name, []), seen.get(name, [])):
-            set_integer(module, frac_bits, acc_frac_bits)
+            module.frac_bits, module.acc_frac_bits = formats[name]
             local += int((module(inp) == out_f).sum())
             set_float(module)
             network += int((out_i == out_f).sum())
             total += out_f.numel()
         result[name] = {"local": local / total if total else float("nan"),
                         "network": network / total if total else float("nan")}
+    differ = {n: r for n, r in result.items() if r["local"] < 1.0 or r["network"] < 1.0}
+    if differ:
+        warnings.warn("deploy: the integer spikes differ from the float path's on " + ", ".join(
+            f"{n or type(net).__name__} (format {formats[n][0]} fractional bits: local {r['local']:.6f}, network "
+            f"{r['network']:.6f})" for n, r in differ.items()) + "; set_integer(net, calibrate=x) picks the "
+            "widest format per layer", stacklevel=2)
     return result
 
 

@@ -2,6 +2,7 @@
 import copy
 import io
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -210,7 +211,8 @@ def test_float32_agreement_is_measured():
     assert set(rates) == {n for n, _ in deploy.folded_neurons(net)}
     for r in rates.values():
         assert 0.99 <= r["local"] <= 1.0 and 0.0 <= r["network"] <= 1.0
-    coarse = deploy.agreement(net, x, frac_bits=0)  # rounding inputs to integers does change spikes
+    with pytest.warns(UserWarning, match="integer spikes differ from the float path's on .*calibrate"):
+        coarse = deploy.agreement(net, x, frac_bits=0)  # rounding inputs to integers does change spikes
     assert min(r["local"] for r in coarse.values()) < 1.0
     assert all(m.frac_bits is None for _, m in deploy.folded_neurons(net))  # left on the float path
     # A network of several inputs takes them as a tuple (as autoselect): the same rates.
@@ -375,3 +377,83 @@ def test_bad_input_gives_clear_errors():
         deploy.fold(MulFreeChannelwisePSN(None, step_mode="m"))
     with pytest.raises(ValueError, match="quantize=True"):
         deploy.fold(MulFreeChannelwisePSN(3, quantize=False))
+
+
+# ---------------------------------------------------------------- no silent wrong answers
+def test_the_calibrated_and_default_formats_give_the_float_spikes():
+    """Regression: with the old default format (8 fractional bits) a small network's integer spikes
+    differed from its float eval spikes. Calibrated per layer on the data, and by default (24 bits),
+    they are identical, with no warning; a format too coarse is reported loudly."""
+    torch.manual_seed(21)
+    net = deploy.fold(random_net(3, 2, "bn"))
+    x = torch.randn(16, 8, 2, 5)  # off the fixed-point grid
+    functional.reset_net(net)
+    with torch.no_grad():
+        want = net(x)
+    for call in (dict(calibrate=x), {}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            deploy.set_integer(net, **call)
+        assert all(m.frac_bits is not None for _, m in deploy.folded_neurons(net))
+        functional.reset_net(net)
+        with torch.no_grad():
+            assert torch.equal(net(x), want), call
+        deploy.set_float(net)
+    deploy.set_integer(net, calibrate=x, headroom_bits=0)
+    widest = {n: m.frac_bits for n, m in deploy.folded_neurons(net)}
+    assert all(20 <= f <= 62 for f in widest.values()), widest
+    with pytest.warns(UserWarning, match="integer spikes differ"):
+        deploy.set_integer(net, frac_bits=0, calibrate=x)
+
+
+def test_calibration_headroom_bounds_the_inputs():
+    """Inputs up to 2**headroom_bits times the calibration data's fit; larger ones raise
+    OverflowError naming the layer, never wrap."""
+    torch.manual_seed(3)
+    net = deploy.fold(random_net(2, 1, "param"))
+    x = torch.randn(6, 2, 2, 5)
+    deploy.set_integer(net, calibrate=x, headroom_bits=2)
+    functional.reset_net(net)
+    net(x * 3.9)
+    functional.reset_net(net)
+    with pytest.raises(OverflowError, match="layer '1' .*fractional bits.*calibrate"):
+        net(x * 1e6)
+
+
+def test_the_most_negative_int64_is_out_of_range():
+    """Regression: abs() of int64's most negative value stays negative, so the range check passed
+    it and the accumulator wrapped silently."""
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, step_mode="m")))
+    q = torch.ones(4, 1, 3, dtype=torch.int64)
+    q[1, 0, 1] = torch.iinfo(torch.int64).min
+    with pytest.raises(OverflowError, match="accumulator"):
+        deploy.int_charge(q, f.shift, f.sign, 1)
+    deploy.set_integer(f, 0)
+    with pytest.raises(OverflowError, match="FoldedMulFreePSN .*accumulator"):
+        f(q)
+
+
+def test_unfolding_a_float64_network_keeps_float64():
+    """Regression: unfold gave float32 neurons in a float64 network (and other eval outputs)."""
+    torch.manual_seed(4)
+    net = random_net(3, 1, "bn").double()
+    x = torch.randn(7, 3, 2, 5, dtype=torch.float64)
+    with torch.no_grad():
+        want = net(x)
+    deploy.unfold(deploy.fold(net))
+    neurons = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)]
+    assert neurons and all(p.dtype == torch.float64 for n in neurons for p in n.parameters())
+    functional.reset_net(net)
+    with torch.no_grad():
+        assert torch.equal(net(x), want)
+
+
+def test_unsigned_inputs_are_named_as_such():
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, step_mode="m")))
+    deploy.set_integer(f)
+    with pytest.raises(TypeError, match="unsigned"):
+        f(torch.ones(4, 1, 3, dtype=torch.uint16))
+    deploy.set_float(f)
+    with pytest.raises(TypeError, match="unsigned"):
+        f(torch.ones(4, 1, 3, dtype=torch.uint8))
+

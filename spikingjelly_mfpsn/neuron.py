@@ -299,7 +299,12 @@ class ChargeNeuronBase(MemoryModule):
             def run_stats(w):
                 return (*batch_stats(run_charge(w, None), 1), x.numel() // max(self.channels, 1))
 
-            spikes = self._spikes(x, run_stats, lambda w, b: self.surrogate_function(run_charge(w, b)))
+            def run_fire(w, b):
+                h = ops.exact_where_overflowed(run_charge(w, b), lambda: run_charge(
+                    w.double(), None if b is None else b.double()))
+                return self.surrogate_function(h)
+
+            spikes = self._spikes(x, run_stats, run_fire)
         elif spikes.dtype != x.dtype:
             spikes = spikes.to(x.dtype)
         keep = (self.k - 1) * self.dilation

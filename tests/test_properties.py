@@ -3,7 +3,8 @@
 Drawn: layout, step mode, order k, dilation, threshold mode, shapes (empty and length-1 dims included),
 dtype, and inputs with NaN, inf and extreme finite values. A spike is compared wherever the reference
 charge is farther from 0 than the computation's rounding can reach (a bound from the magnitudes of
-its terms) and within float32's range; charges compare by their NaN/inf pattern and finite values.
+its terms), beyond float32's range too; charges compare by their NaN/inf pattern and finite values
+where float32 does not overflow.
 
 CI runs the "ci" profile (a fixed number of examples, derandomised); HYPOTHESIS_PROFILE=long runs many
 more: ``HYPOTHESIS_PROFILE=long python -m pytest tests/test_properties.py``.
@@ -101,7 +102,7 @@ def check_spikes(call):
     h = reference.charge(xd, wq, b, call["d"], layout)
     terms = reference.charge(torch.nan_to_num(xd.abs(), posinf=0.0), wq.abs(), b.abs(), call["d"], layout)
     eps = torch.finfo(x.dtype).eps
-    clear = ((h.abs() > 4 * call["k"] * eps * terms) & (h.abs() <= F32_MAX)) | torch.isnan(h)
+    clear = (h.abs() > 4 * call["k"] * eps * terms) | torch.isnan(h)  # (beyond float32's range too)
     want = (h >= 0).to(x.dtype)
     for method in methods(layout):
         got = spikes(make_neuron(call, method), x)

@@ -253,3 +253,61 @@ def test_a_constant_channel_with_a_tiny_eps_gives_the_same_spikes_and_finite_gra
         assert torch.equal(s, results[0][1]), method
     with pytest.raises(ValueError, match="eps must be a number > 0"):
         MulFreeChannelwisePSN(3, eps=0.0)
+
+
+# ---------------------------------------------------------------- charges beyond float32's range
+OVERFLOWING = [[3e38, 3e38, -3e38, -3.1e38],   # exact -1e37: a float32 sum in tap order overflows to +inf
+               [-3e38, -3e38, 3e38, 3.1e38],   # exact +1e37
+               [3e38, 3e38, 3e38, -3e38],      # exact 6e38, beyond float32: fires
+               [-3e38, -3e38, -1e38, 2e38]]    # exact -5e38: does not
+
+
+@pytest.mark.parametrize("threshold", ["param", "bn"])
+@pytest.mark.parametrize("layout,step_mode", [("time_first", "m"), ("time_last", "m"), ("time_first", "s")])
+def test_a_charge_beyond_float32_fires_by_the_sign_of_the_exact_one(threshold, layout, step_mode):
+    """Where the float32 charge overflows (on the way or in the end), every method's spike is that of the
+    float64 charge of the same inputs: before, methods summing in other orders gave +inf, -inf or NaN."""
+    x = torch.zeros(4, len(OVERFLOWING), 2)
+    x[:, :, 0] = torch.tensor(OVERFLOWING).T
+    x[:, :, 1] = torch.tensor(OVERFLOWING).T.flip(0)  # (the other order of the same taps)
+    want = (torch.tensor(OVERFLOWING, dtype=torch.float64).sum(1) >= 0).float()
+    want_flipped = want.clone()
+    xin = x if layout == "time_first" else x.movedim(0, -1).contiguous()
+    for method in methods(layout):
+        sn = MulFreeChannelwisePSN(2, k=4, threshold=threshold, step_mode=step_mode, layout=layout, method=method,
+                                   v_threshold=0.0).eval()
+        with torch.no_grad():
+            sn.weight.fill_(1.0)
+            if threshold == "bn":
+                sn.beta.zero_()  # folded: Wq = Q(1 / sqrt(1 + eps)) = 1, b = 0
+        s = run(sn, xin)
+        s = s if layout == "time_first" else s.movedim(-1, 0)
+        assert torch.equal(s[-1, :, 0], want) and torch.equal(s[-1, :, 1], want_flipped), method
+
+
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+def test_bn_statistics_beyond_float32_are_refused_by_every_method(layout):
+    """A charge so large that its batch variance overflows float32: the same ValueError everywhere."""
+    torch.manual_seed(8)
+    x = torch.randn(6, 4, 3) * 1e20
+    x = x if layout == "time_first" else x.movedim(0, -1).contiguous()
+    for method in methods(layout):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", layout=layout, method=method)
+        with pytest.raises(ValueError, match="batch statistics of its charge are NaN or inf"):
+            sn(x)
+
+
+def test_a_half_neuron_on_a_backend_without_half_says_so():
+    """``.half()`` on a neuron pinned to the C++ backend (float32/float64 kernels): whole sequences raise a
+    clear error naming the methods that can; single steps run the general path, with the same spikes."""
+    if "cpp" not in ops.names():
+        pytest.skip("the C++ backend is not available here (no compiler)")
+    torch.manual_seed(9)
+    x = torch.randn(5, 2, 3).half()
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method="cpp", threshold="param").half().eval()
+    with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
+        sn(x)
+    ref = MulFreeChannelwisePSN(3, k=2, step_mode="m", method="shift_add", threshold="param").half().eval()
+    ref.load_state_dict(sn.state_dict())
+    sn.step_mode = "s"
+    assert torch.equal(run(sn, x), ref(x))

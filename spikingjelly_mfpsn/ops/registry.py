@@ -295,7 +295,8 @@ def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], di
         if s is not None:
             return s
     x = _in_weight_dtype(x, weight)
-    h = impl.apply(x, weight, bias, dilation, layout)
+    h = exact_where_overflowed(impl.apply(x, weight, bias, dilation, layout), lambda: impl.apply(
+        x.double(), weight.double(), None if bias is None else bias.double(), dilation, layout))
     if not h.requires_grad and surrogate_kind(surrogate_function) and not torch.compiler.is_compiling() \
             and h.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
         # No backward to come: SpikingJelly's spiking forward, Theta(H), without its Function, in place in
@@ -303,6 +304,17 @@ def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], di
         # a compiled graph fuses the surrogate's forward anyway, and dynamo cannot trace storage pointers.
         return h.ge_(0)
     return surrogate_function(h)
+
+
+def exact_where_overflowed(h: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``h`` where it is finite; where a charge narrower than float64 is not (a sum that overflowed on the
+    way or in the end, or a NaN or inf input), the float64 charge ``exact()`` of the same inputs, cast
+    back (beyond the dtype's range: the infinity of its sign). So a spike is the sign of the exact sum
+    whatever order an implementation adds in, as the fused kernels do too. Eager only (a data-dependent
+    branch); the check is one pass over ``h``."""
+    if h.dtype == torch.float64 or torch.compiler.is_compiling() or bool(torch.isfinite(h).all()):
+        return h
+    return torch.where(torch.isfinite(h), h, exact().to(h.dtype))
 
 
 def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str,

@@ -77,8 +77,10 @@ def _surrogate_grad(h, c1, c2, SG: tl.constexpr):
 def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
                        sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb,
                        HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, SPIKE: tl.constexpr,
-                       ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
-    """H (and/or S) for one (BR, BC, BT) tile; X strided, H and S dense of the same logical shape."""
+                       ACC: tl.constexpr, EXACT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                       BT: tl.constexpr):
+    """H (and/or S) for one (BR, BC, BT) tile; X strided, H and S dense of the same logical shape.
+    EXACT (a float32 accumulator): spikes of non-finite charges from float64 (_exact_if_overflowed)."""
     pid = tl.program_id(0)
     n_tb = tl.cdiv(T, BT)
     n_cb = tl.cdiv(C, BC)
@@ -107,8 +109,32 @@ def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
         tl.store(H + out, h, mask=mask)
         acc = h.to(ACC)  # the Heaviside of the stored (rounded) H, exactly what the surrogate module would see
     if SPIKE:
+        if EXACT:  # a charge beyond float32's range: the sign of the float64 one (see _exact_if_overflowed)
+            acc = _exact_if_overflowed(acc, X, x_rc, rc_mask, t, T, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb,
+                                       HAS_BIAS, BR, BC, BT)
         # (compared widened: the interpreter cannot compare bfloat16)
         tl.store(S + out, tl.where(acc >= 0, 1.0, 0.0).to(S.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _exact_if_overflowed(acc, X, x_rc, rc_mask, t, T, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb,
+                         HAS_BIAS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """``acc`` where it is finite; elsewhere (a sum that overflowed float32 on the way, or a NaN or inf
+    input) the charge recomputed in float64 from the same taps and bias, in the same order. Only tiles
+    with such an element run the recomputation (a branch on the tile)."""
+    bad = (acc - acc) != 0  # (NaN where acc is not finite)
+    if tl.sum(bad.to(tl.int32), axis=None) > 0:
+        exact = tl.zeros((BR, BC, BT), dtype=tl.float64)
+        for i in range(K):
+            src = t - (K - 1 - i) * dilation
+            mask = rc_mask & ((src >= 0) & (t < T))[None, None, :]
+            xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0)
+            wv = tl.load(W + c * sw_c + i * sw_k, mask=c < C, other=0.0)
+            exact += wv.to(tl.float64)[None, :, None] * xv.to(tl.float64)
+        if HAS_BIAS:
+            exact += tl.load(B + c * sb, mask=c < C, other=0.0).to(tl.float64)[None, :, None]
+        acc = tl.where(bad, exact.to(acc.dtype), acc)
+    return acc
 
 
 @triton.jit
@@ -758,7 +784,7 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True
                        r, c, t, m, weight.shape[1], dilation, *xs, *os_, *weight.stride(),
                        bias.stride(0) if bias is not None else 0,
                        HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind),
-                       ACC=_acc_dtype(x, weight, bias))
+                       ACC=_acc_dtype(x, weight, bias), EXACT=_acc_dtype(x, weight, bias) != tl.float64)
     return h, s
 
 

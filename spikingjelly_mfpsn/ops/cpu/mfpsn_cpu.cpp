@@ -355,6 +355,45 @@ inline V heaviside(V h) {
         return __builtin_convertvector(-(h >= S(0)), V);
 }
 
+// Whether every lane of v is 0.
+template <typename S, typename V>
+inline bool all_zero(V v) {
+    if constexpr (std::is_same_v<V, S>) {
+        return v == S(0);
+    } else {
+        bool all = true;
+        for (int i = 0; i < int(sizeof(V) / sizeof(S)); ++i) all &= v[i] == S(0);
+        return all;
+    }
+}
+
+// Where a float charge h is not finite (a sum that overflowed on the way, or a NaN or inf input), h
+// recomputed in double from the same K weights w[j] and inputs x[j] and the bias b, in the same order:
+// the spike of a charge beyond float's range is then the sign of the exact sum, as in every method
+// (a NaN or inf input gives what it gives in double). A double h is returned as it is. It runs in a
+// second sweep of the lanes where the first found such a charge (see forward_lanes).
+template <typename S, typename V>
+inline V exact_if_overflowed(V h, const V* w, const V* x, int K, V b) {
+    if constexpr (std::is_same_v<S, double>) {
+        return h;
+    } else if constexpr (std::is_same_v<V, S>) {
+        if (h - h == S(0)) return h;
+        double acc = double(b);
+        for (int j = 0; j < K; ++j) acc += double(w[j]) * double(x[j]);
+        return S(acc);
+    } else {
+        constexpr int W = sizeof(V) / sizeof(S);
+        const auto finite = (h - h) == S(0);  // lanes of -1 (finite) or 0
+        for (int i = 0; i < W; ++i) {
+            if (finite[i]) continue;
+            double acc = double(b[i]);
+            for (int j = 0; j < K; ++j) acc += double(w[j][i]) * double(x[j][i]);
+            h[i] = S(acc);
+        }
+        return h;
+    }
+}
+
 // x / y. Where the compiler targets AVX-512, float vectors multiply by the 14-bit reciprocal estimate
 // after one Newton step (relative error about 2^-27, a few times cheaper than a division); everything
 // else divides.
@@ -489,34 +528,49 @@ void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
     const V zero = V{} * S(0);
     V b[U], s1[U], s2[U];
     for (int u = 0; u < U; ++u) {
-        for (int j = 0; j < K; ++j) {
-            w[u * K + j] = load<V>(p.w[j] + l + u * W);
-            win[u * K + j] = zero;
-        }
+        for (int j = 0; j < K; ++j) w[u * K + j] = load<V>(p.w[j] + l + u * W);
         b[u] = load<V>(p.b + l + u * W);
         s1[u] = s2[u] = zero;
     }
     S* const* xr = p.x->rows();
     S* const* outs = p.out ? p.out->rows() : nullptr;
     const int64_t T = p.T, d = p.d;
-    for (int64_t t = r; t < T; t += d) {
-        if (p.ahead) {
-            ahead<0>(xr[t] + l);
-            if constexpr (OUT != SUMS) ahead<1>(outs[t] + l);
-        }
-        for (int u = 0; u < U; ++u) {
-            V* x = win + u * K;
-            for (int j = 0; j + 1 < K; ++j) x[j] = x[j + 1];
-            x[K - 1] = load<V>(xr[t] + l + u * W);
-            V h = b[u];
-            for (int j = 0; j < K; ++j) h += w[u * K + j] * x[j];
-            if constexpr (OUT == CHARGE) store(outs[t] + l + u * W, h);
-            if constexpr (OUT == SPIKES) store(outs[t] + l + u * W, heaviside<S, V>(h));
-            if constexpr (OUT == SUMS) {
-                s1[u] += h;
-                s2[u] += h * h;
+    // The sweep; for spikes, CHECK (a second sweep, only where a float charge of the first was not finite:
+    // s1 adds up h - h, 0 while every h is) recomputes such charges in double (exact_if_overflowed).
+    auto sweep = [&](auto check) {
+        for (int u = 0; u < U; ++u)
+            for (int j = 0; j < K; ++j) win[u * K + j] = zero;
+        for (int64_t t = r; t < T; t += d) {
+            if (p.ahead) {
+                ahead<0>(xr[t] + l);
+                if constexpr (OUT != SUMS) ahead<1>(outs[t] + l);
+            }
+            for (int u = 0; u < U; ++u) {
+                V* x = win + u * K;
+                for (int j = 0; j + 1 < K; ++j) x[j] = x[j + 1];
+                x[K - 1] = load<V>(xr[t] + l + u * W);
+                V h = b[u];
+                for (int j = 0; j < K; ++j) h += w[u * K + j] * x[j];
+                if constexpr (OUT == CHARGE) store(outs[t] + l + u * W, h);
+                if constexpr (OUT == SPIKES) {
+                    if constexpr (decltype(check)::value)
+                        h = exact_if_overflowed<S, V>(h, w + u * K, x, K, b[u]);
+                    else
+                        s1[u] += h - h;
+                    store(outs[t] + l + u * W, heaviside<S, V>(h));
+                }
+                if constexpr (OUT == SUMS) {
+                    s1[u] += h;
+                    s2[u] += h * h;
+                }
             }
         }
+    };
+    sweep(std::false_type{});
+    if constexpr (OUT == SPIKES && !std::is_same_v<S, double>) {
+        bool finite = true;
+        for (int u = 0; u < U; ++u) finite &= all_zero<S, V>(s1[u]);
+        if (!finite) sweep(std::true_type{});
     }
     if constexpr (OUT == SUMS)
         for (int u = 0; u < U; ++u) {
@@ -928,7 +982,16 @@ int step_fire(const S* const* xs, const S* w, const S* gamma, const S* beta, con
         if (first) {
             for (int64_t f = 0; f < F; ++f) h[f] = S(bc >= S(0));
         } else {
-            for (int64_t f = 0; f < F; ++f) h[f] = S(h[f] + bc >= S(0));
+            for (int64_t f = 0; f < F; ++f) {
+                S v = h[f] + bc;
+                if (!(v - v == S(0)) && sizeof(S) < sizeof(double)) {  // beyond float's range: in double
+                    double acc = 0.0;
+                    for (int i = 0; i < K; ++i)
+                        if (xs[i]) acc += double(wq[c * K + i]) * double(xs[i][o + f]);
+                    v = S(acc + double(bc));
+                }
+                h[f] = S(v >= S(0));
+            }
         }
     }
     return 0;

@@ -444,26 +444,26 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
 
 
 @torch.no_grad()
-def _input_magnitudes(net: nn.Module, x, neurons) -> dict[str, float]:
-    """The largest |input| each folded neuron sees when the float network runs ``x``."""
-    tops: dict[str, float] = {}
-
-    def record(name):
-        def hook(mod, inp, out):
-            v = inp[0]
-            top = float(v.detach().abs().max()) if v.numel() else 0.0
-            tops[name] = max(tops.get(name, 0.0), top)
-        return hook
-    hooks = [m.register_forward_hook(record(n)) for n, m in neurons]
+def _run_capturing(net: nn.Module, x, neurons) -> dict[str, list]:
+    """Run ``net`` on ``x`` as its neurons are set: ``{name: [(input, spikes) of each call]}``."""
+    seen: dict[str, list] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, []).append((inp[0], out)))
+             for n, m in neurons]
     try:
-        set_float(net)
         _compat.functional.reset_net(net)
         net(*_args(x))
     finally:
         for h in hooks:
             h.remove()
         _compat.functional.reset_net(net)
-    return tops
+    return seen
+
+
+def _input_magnitudes(net: nn.Module, x, neurons) -> dict[str, float]:
+    """The largest |input| each folded neuron sees when the float network runs ``x``."""
+    set_float(net)
+    return {name: max((float(inp.abs().max()) if inp.numel() else 0.0 for inp, _ in calls), default=0.0)
+            for name, calls in _run_capturing(net, x, neurons).items()}
 
 
 def _widest_format(m: "FoldedMulFreePSN", top: float, acc_frac_bits: Optional[int], headroom_bits: int) -> int:
@@ -509,23 +509,14 @@ def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
                    acc_frac_bits if frac_bits is not None else m.acc_frac_bits) for n, m in neurons}
     if any(m.step_mode != "m" for _, m in neurons):
         raise ValueError("agreement needs the folded neurons in step_mode='m' (whole sequences)")
-    seen: dict[str, list] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, []).append((inp[0], out)))
-             for n, m in neurons]
     try:
         set_float(net)
-        _compat.functional.reset_net(net)
-        net(*_args(x))
-        float_seen, seen = seen, {}
+        float_seen = _run_capturing(net, x, neurons)
         for n, m in neurons:
             m.frac_bits, m.acc_frac_bits = formats[n]
-        _compat.functional.reset_net(net)
-        net(*_args(x))
+        seen = _run_capturing(net, x, neurons)
     finally:
-        for h in hooks:
-            h.remove()
         set_float(net)
-        _compat.functional.reset_net(net)
     result = {}
     for name, module in neurons:
         local = network = total = 0

@@ -183,6 +183,14 @@ def test_the_ops_functions_check_dtypes():
             ops.charge(x.long(), w, None, 1, "time_first", method)
         with pytest.raises(TypeError, match="bias"):
             ops.charge(x.float(), w, torch.randn(3, dtype=torch.float64), 1, "time_first", method)
+    # A lower precision input runs in the weight's dtype in every method, the C++ one (float32/float64
+    # kernels) included: it was refused there alone.
+    xh = x.half()
+    want = reference.charge(xh.double(), w.double(), None, 1, "time_first")
+    for method in methods("time_first")[:-1]:
+        got = ops.charge(xh, w, None, 1, "time_first", method)
+        assert got.dtype == torch.float32, method
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{method}: {m}")
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -262,15 +262,19 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 EMPTY_INPUT_METHOD = "shift_add"
 
 
-def _checked(x, weight, bias, dilation, layout, method) -> Implementation:
+def _checked(x, weight, bias, dilation, layout, method) -> tuple[Implementation, torch.Tensor]:
+    """The implementation that runs a validated call, and ``x`` as it reads it: an input of lower precision
+    than the weight in the weight's dtype unless the implementation reads it as it is (e.g. Triton)."""
     check_charge_args(x, weight, bias, dilation, layout)
     impl = get(method)
+    if x.dtype != weight.dtype and not impl.supports(x, weight, dilation, layout):
+        x = x.to(weight.dtype)
     reasons = impl.not_supported_reasons(x, weight, dilation, layout)
     if reasons:
         others = supported(x, weight, dilation, layout)
         raise ValueError(f"method {method!r} cannot run this input: {'; '.join(reasons)}. "
                          f"Methods that can: {others}")
-    return impl if x.numel() else get(EMPTY_INPUT_METHOD)
+    return (impl if x.numel() else get(EMPTY_INPUT_METHOD)), x
 
 
 def _in_weight_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -282,14 +286,14 @@ def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
            layout: str, method: str) -> torch.Tensor:
     """Run the named implementation after validating the call (an input of lower precision than the
     weight is computed in the weight's dtype)."""
-    impl = _checked(x, weight, bias, dilation, layout, method)
+    impl, x = _checked(x, weight, bias, dilation, layout, method)
     return impl.apply(_in_weight_dtype(x, weight), weight, bias, dilation, layout)
 
 
 def fire(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dilation: int,
          layout: str, method: str, surrogate_function) -> torch.Tensor:
     """``surrogate_function(charge(...))``, through the implementation's fused kernel when it has one."""
-    impl = _checked(x, weight, bias, dilation, layout, method)
+    impl, x = _checked(x, weight, bias, dilation, layout, method)
     if impl.fire is not None:
         s = impl.fire(x, weight, bias, dilation, layout, surrogate_function)
         if s is not None:
@@ -320,7 +324,7 @@ def exact_where_overflowed(h: torch.Tensor, exact: Callable[[], torch.Tensor]) -
 def batch_stats(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str,
                 method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` of the bias-free charge, through the fused kernel when there is one."""
-    impl = _checked(x, weight, None, dilation, layout, method)
+    impl, x = _checked(x, weight, None, dilation, layout, method)
     if impl.stats is not None:
         return impl.stats(x, weight, dilation, layout)
     x = _in_weight_dtype(x, weight)
@@ -341,7 +345,7 @@ def bn_fire(x: torch.Tensor, weight: torch.Tensor, gamma: torch.Tensor, beta: to
     constants (no gradient through them), and returned as they are."""
     if get(method).bn_fire is None or not x.numel():  # nothing to check: the caller takes the general path
         return None
-    impl = _checked(x, weight, None, dilation, layout, method)
+    impl, x = _checked(x, weight, None, dilation, layout, method)
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
 
 
@@ -354,7 +358,7 @@ def param_fire(x: torch.Tensor, weight: torch.Tensor, v_threshold: torch.Tensor,
     ``quantize.quantize``, then ``fire``."""
     if get(method).param_fire is None or not x.numel():
         return None
-    impl = _checked(x, weight, None, dilation, layout, method)
+    impl, x = _checked(x, weight, None, dilation, layout, method)
     return impl.param_fire(x, weight, v_threshold, ste, dilation, layout, surrogate_function)
 
 

@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
+import filelock
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
@@ -375,9 +376,10 @@ class TimingCache:
 
     def __init__(self, path: Optional[str]):
         self.path = path
-        if path and _not_a_regular_file(path):
-            warnings.warn(f"autoselect cache {path} is {_not_a_regular_file(path)}, not a file: running without "
-                          f"the cache (cache='path' picks another file)")
+        what = _not_a_regular_file(path) if path else ""
+        if what:
+            warnings.warn(f"autoselect cache {path} is {what}, not a file: running without the cache "
+                          f"(cache='path' picks another file)")
             self.path = None
         self.entries, self.plans = self._read() if self.path else ({}, {})
         self.put_keys: set[str] = set()  # what this object put: saved over the file's, as its newest
@@ -436,8 +438,6 @@ class TimingCache:
                           f"not cached (cache=False stops this warning, cache='path' picks another file)")
 
     def _save(self) -> None:
-        import filelock
-
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         timeout = lock_timeout()

@@ -272,14 +272,11 @@ class FoldedMulFreePSN(ChargeNeuronBase):
                                "statistics): call net.eval(), or spikingjelly_mfpsn.deploy.unfold(net) to get "
                                "trainable MulFreeChannelwisePSN neurons back")
 
-    def _weight_bias_for(self, run_stats):
+    def _mf_psn_args(self) -> dict:
+        """The float path: ``Wq`` (already powers of two: no quantiser) and the bias."""
         self._refuse_training()
-        return self.fused_weight_bias()
-
-    def _step_params(self) -> Optional[tuple]:
-        """The float path's ``(Wq, bias)``, already powers of two (no quantiser)."""
-        self._refuse_training()
-        return (*self.fused_weight_bias(), None, False)
+        w, b = self.fused_weight_bias()
+        return {"weight": w, "bias": b, "quantize": None, "training": False}
 
     def _compute_dtype(self) -> torch.dtype:
         return self.bias.dtype

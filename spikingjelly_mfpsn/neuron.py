@@ -13,7 +13,6 @@ With ``threshold='param'``, ``W_f = W`` and ``b = -V_th`` with a learnable per-c
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
@@ -23,7 +22,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import ops
 from ._compat import MemoryModule, default_surrogate
-from .ops.reduce import batch_stats, fold_bn
+from .ops.core import check_finite, fold_checked
 from .quantize import STE_MODES, quantize, shift_amounts
 
 THRESHOLDS = ("bn", "param")
@@ -38,61 +37,29 @@ def exp_init_weight(channels: int, k: int) -> torch.Tensor:
     return row.repeat(channels, 1)
 
 
-# On CUDA tensors, ``method='auto'`` of the default backend runs the first of these that is registered
-# and supports the call: the kernels that run a training step at the memory floor (Triton: 8 passes over
-# X for a BN-threshold step, 5 with the parameter threshold, against 74.5 and 40 for shift_add).
-CUDA_PREFERENCE = ("triton", "cupy")
-
-
 def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend: str = "torch") -> str:
-    """The implementation ``method='auto'`` uses before any autoselect pass.
-
-    On a CUDA tensor, the first of :data:`CUDA_PREFERENCE` that runs here (fused kernels at the memory
-    floor). Otherwise the heuristic from the speed suite on CPUs: the shift-add implementation reads X
-    once per tap and needs no reshape, which beats every convolution-based method for the small orders
-    MF-PSN is used with; for large orders relative to T the Toeplitz matrix multiplication wins when its
-    (C, T, T) matrix is small, else the layout's native convolution. Non-torch backends have one
-    implementation each.
-    """
-    if backend == "torch" and x.is_cuda:
-        w = x.new_empty(x.shape[ops.channel_dim(layout)], k)
-        for name in CUDA_PREFERENCE:
-            impl = ops.find(name)
-            if impl is not None and impl.supports(x, w, dilation, layout):
-                return name
-    if backend != "torch":
-        names = ops.names(layout=layout, backend=backend)
-        if not names and not ops.backend_available(backend):
-            raise ops.not_here(backend)
-        if not names:
-            raise ValueError(f"backend {backend!r} has no implementation for layout {layout!r}")
-        return names[0]
-    t = x.shape[ops.time_dim(layout)]
-    if k <= 8:
-        return "shift_add"
-    if ops.get("vmap_mm").supports(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout) \
-            and t <= 64:
-        return "vmap_mm"
-    return "conv2d" if layout == "time_last" else "conv1d"
+    """The implementation ``method='auto'`` uses before any autoselect pass (see ``ops.choose``: the
+    supported implementation of the highest declared priority; on CUDA tensors the fused kernels)."""
+    return ops.choose(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout, backend)
 
 
 class ChargeNeuronBase(MemoryModule):
     """What every MF-PSN variant shares: input checks, method resolution, the multi-step and
-    single-step forward around a charge, and the single-step state.
+    single-step forward through ``ops.mf_psn`` / ``ops.mf_psn_step``, and the single-step state.
 
     A subclass provides ``k``, ``dilation``, ``surrogate_function``, ``_layout``, ``_method``,
-    ``_backend``, ``channels``, ``_compute_dtype()`` and ``_weight_bias_for(run_stats)`` (the ``(Wq, b)``
-    of this forward, given a closure ``run_stats(w) -> (mean, biased var, count)`` of the bias-free charge).
-    The configuration protocol (settable ``layout``, ``backend`` and ``method``, ``supported_methods``,
-    ``candidate_methods``) lives here, so that conversion and autoselect treat every variant alike.
+    ``_backend``, ``channels``, ``_compute_dtype()`` and ``_mf_psn_args()`` (the weight, threshold,
+    quantiser and training arguments of ``ops.mf_psn`` for this forward). The configuration protocol
+    (settable ``layout``, ``backend`` and ``method``, ``supported_methods``, ``candidate_methods``) lives
+    here, so that conversion and autoselect treat every variant alike.
     """
 
     def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
-        """The implementation that will run ``x_seq`` (``'auto'`` resolved by :func:`default_method`)."""
+        """The implementation that will run ``x_seq`` (``'auto'`` resolved by ``ops.choose``)."""
         layout = layout or self._layout
         if self._method != "auto":
             return self._method
-        return default_method(x_seq, self.k, self.dilation, layout, self._backend)
+        return ops.choose(x_seq, self._mf_psn_args()["weight"], self.dilation, layout, self._backend)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -150,6 +117,18 @@ class ChargeNeuronBase(MemoryModule):
         this neuron's layout (setting one as ``method`` also sets its backend)."""
         return ops.candidate_names(self._layout)
 
+    def _member(self, name: str):
+        """``getattr(self, name)`` for a parameter, buffer or submodule, read from the module's dicts: an
+        attribute lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each,
+        which shows at small layers. Anything not in them (e.g. a weight under
+        ``torch.nn.utils.parametrize``, which becomes a property) through ``getattr``."""
+        t = self._parameters.get(name)
+        if t is None:
+            t = self._buffers.get(name)
+            if t is None:
+                t = self._modules.get(name)
+        return t if t is not None else getattr(self, name)
+
     # ------------------------------------------------------------------ forward
     def _channel_axis(self, x: torch.Tensor) -> int:
         return 1 if self.step_mode == "s" else ops.channel_dim(self._layout)
@@ -198,115 +177,35 @@ class ChargeNeuronBase(MemoryModule):
                     "or to_time_first(net)")
         return ""
 
-    def _spikes(self, x: torch.Tensor, run_stats, run_fire) -> torch.Tensor:
-        """Spikes of this forward in the weight's precision: ``run_stats(w)`` gives the per-channel batch
-        statistics ``(mean, biased var, count)`` of the bias-free charge, ``run_fire(w, b)`` the spikes
-        (closures over the input).
-
-        Under autocast the charge and the statistics still run in the parameters' dtype (fp32):
-        low-precision inputs are promoted once, and the 0/1 spikes go back in the input's dtype.
-        """
-        device_type = x.device.type
-        guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
-                 else contextlib.nullcontext())
-        with guard:
-            w, b = self._weight_bias_for(run_stats)
-            s = run_fire(w, b)
-        return s if s.dtype == x.dtype else s.to(x.dtype)
+    def _check_input_once(self, x: torch.Tensor) -> None:
+        """:meth:`_check_input`, skipped while inputs keep the shape, dtype and configuration last checked."""
+        key = (x.shape, x.dtype, self._layout, self.step_mode, self.channels, self._compute_dtype()) \
+            if isinstance(x, torch.Tensor) else None
+        if key is None or key != self.__dict__.get("_checked_key"):
+            self._check_input(x)
+            self.__dict__["_checked_key"] = key
 
     def _promoted(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, self._compute_dtype())
         return x if x.dtype == dtype else x.to(dtype)
 
+    def _call_args(self) -> dict:
+        return {**self._mf_psn_args(), "method": self._method, "backend": self._backend,
+                "surrogate_function": self._member("surrogate_function")}
+
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        if isinstance(x_seq, torch.Tensor) and (self._method != "auto" or self._backend != "torch"):
-            # First an implementation that checks everything itself, with none of the checks below
-            # (``direct``): a training step of a small layer spends about as long in them as in its kernels.
-            fused = self._fused_spikes(x_seq, self.resolve_method(x_seq), direct=True)
-            if fused is not None:
-                return fused
-        self._check_input(x_seq)
-        layout = self._layout
-        method = self.resolve_method(x_seq, layout)
-        xp = self._promoted(x_seq)
-        fused = None
-        if xp.dtype != x_seq.dtype and x_seq.dtype in (torch.float16, torch.bfloat16) \
-                and ops.get(method).supports(x_seq, self.weight, self.dilation, layout):
-            fused = self._fused_spikes(x_seq, method)  # kernels that read it as it is (Triton), or None
-        if fused is None:
-            fused = self._fused_spikes(xp, method)
-        if fused is not None:
-            return fused if fused.dtype == x_seq.dtype else fused.to(x_seq.dtype)
-
-        def run_stats(w):
-            mean, var = ops.batch_stats(xp, w, self.dilation, layout, method)
-            return mean, var, xp.numel() // max(self.channels, 1)
-
-        def run_fire(w, b):
-            return ops.fire(xp, w, b, self.dilation, layout, method, self.surrogate_function)
-
-        return self._spikes(x_seq, run_stats, run_fire)
-
-    def _fused_spikes(self, xp: torch.Tensor, method: str, direct: bool = False) -> Optional[torch.Tensor]:
-        """Spikes from an implementation's fused whole forward (``ops.bn_fire``; with ``direct``,
-        ``ops.bn_fire_direct`` on an input nothing has checked yet), or None."""
-        return None
-
-    def _fused_step(self, taps: list) -> Optional[torch.Tensor]:
-        """Spikes of one single-step call from the chosen implementation's fused kernel
-        (``ops.step_fire``: no gradient to compute, e.g. streaming inference under ``torch.no_grad()``),
-        or None for the general path; ``taps``: ``(i, input tap i reads)`` for every tap inside the
-        sequence so far. The default ``method='auto'`` of the torch backend fuses nothing."""
-        if self._method == "auto" and self._backend == "torch":
-            return None
-        x = taps[-1][1]
-        params = None if torch.is_autocast_enabled(x.device.type) else self._step_params()
-        if params is None:
-            return None
-        inputs = [None] * self.k
-        for i, xi in taps:
-            inputs[i] = xi
-        weight, bias, bn, quantize = params
-        return ops.step_fire(inputs, weight, bias, bn, quantize, self.resolve_method(x), self.surrogate_function)
-
-    def _step_params(self) -> Optional[tuple]:
-        """``(weight, bias, bn, quantize)`` of a single step without gradients (see ``ops.step_fire``),
-        or None where the step needs the general path."""
-        return None
+        self._check_input_once(x_seq)
+        return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **self._call_args())
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        self._check_input_once(x)
         queue = self.x_queue
         if queue and queue[-1].shape != x.shape:
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
         history = queue + (self._promoted(x),)
-        # Only the newest step: tap i reads the input (k-1-i)*d steps back, zero before t=0.
-        taps = [(i, history[-1 - lag])
-                for i, lag, _ in ops.tap_schedule(len(history), self.k, self.dilation, start=len(history) - 1)]
-        spikes = self._fused_step(taps)
-        if spikes is None:
-            cshape = [-1] + [1] * (x.dim() - 2)
-
-            def run_charge(w, b):
-                h = None
-                for i, xi in taps:
-                    term = xi * w[:, i].view(cshape)
-                    h = term if h is None else h + term
-                return h if b is None else h + b.view(cshape)
-
-            def run_stats(w):
-                return (*batch_stats(run_charge(w, None), 1), x.numel() // max(self.channels, 1))
-
-            def run_fire(w, b):
-                h = ops.exact_where_overflowed(run_charge(w, b), lambda: run_charge(
-                    w.double(), None if b is None else b.double()))
-                return self.surrogate_function(h)
-
-            spikes = self._spikes(x, run_stats, run_fire)
-        elif spikes.dtype != x.dtype:
-            spikes = spikes.to(x.dtype)
+        spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **self._call_args())
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes
@@ -473,102 +372,31 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
         w = self._member("weight")
         return None if isinstance(w, nn.parameter.UninitializedParameter) else w.shape[0]
 
-    def _member(self, name: str):
-        """``getattr(self, name)`` for a parameter, buffer or submodule, read from the module's dicts: an
-        attribute lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each,
-        which shows at small layers. Anything not in them (e.g. a weight under
-        ``torch.nn.utils.parametrize``, which becomes a property) through ``getattr``."""
-        t = self._parameters.get(name)
-        if t is None:
-            t = self._buffers.get(name)
-            if t is None:
-                t = self._modules.get(name)
-        return t if t is not None else getattr(self, name)
-
     # ------------------------------------------------------------------ weight and bias
-    def _check_finite(self, mean: Optional[torch.Tensor] = None, var: Optional[torch.Tensor] = None,
-                      batch: bool = False) -> None:
-        """Refuse NaN or inf in what this forward folds (weight; gamma, beta and the statistics ``mean``,
-        ``var``, with ``var + eps > 0``; or v_threshold): it would silence a channel. As the C++ kernels
-        check. A folding that overflows is not refused: the quantiser clamps it. ``batch``: the
-        statistics are this batch's."""
-        if torch.compiler.is_compiling():
-            return
+    def _quantizer(self) -> Optional[str]:
+        return self.ste if self.quantize else None
+
+    def _bn(self) -> ops.BatchNorm:
         member = self._member
-        tensors = (member("weight"), member("v_threshold")) if self.threshold != "bn" else \
-            (member("weight"), member("gamma"), member("beta"), mean, var)
-        # Every call, in eval too: a check skipped while the tensors keep their version counters would miss
-        # a change through ``.data`` (e.g. ``p.data.copy_(loaded)``), which moves no counter.
-        with torch.no_grad():  # one sum: NaN or inf anywhere makes it so (in float64 no finite sum overflows)
-            parts = [t.reshape(-1) for t in tensors]
-            if self.threshold == "bn":
-                parts.append(torch.rsqrt(var + self.eps))  # (not finite where var + eps <= 0)
-            total = torch.cat(parts).sum(dtype=torch.float64)
-        if total.is_cuda:
-            torch._assert_async(torch.isfinite(total), "MulFreeChannelwisePSN: NaN/inf in its weight, threshold "
-                                                       "or statistics")
-        elif not math.isfinite(float(total)):
-            raise ValueError(self._non_finite_message(mean, var, batch))
+        return ops.BatchNorm(member("gamma"), member("beta"), member("running_mean"), member("running_var"),
+                             self.eps, self.momentum, member("num_batches_tracked"))
 
-    def _non_finite_message(self, mean, var, batch: bool) -> str:
-        """What :meth:`_check_finite` refused, by name."""
+    def _mf_psn_args(self) -> dict:
         member = self._member
-        names = ("weight", "gamma", "beta") if self.threshold == "bn" else ("weight", "v_threshold")
-        if self.threshold == "bn" and not batch:
-            names += ("running_mean", "running_var")
-        bad = [name for name in names if not torch.isfinite(member(name)).all()]
-        if bad:
-            return (f"MulFreeChannelwisePSN.{', .'.join(bad)} contains NaN or inf (diverged training or a bad "
-                    f"checkpoint); spikes from it would be meaningless")
-        if batch and not (torch.isfinite(mean).all() and torch.isfinite(var).all()):
-            return ("MulFreeChannelwisePSN: the batch statistics of its charge are NaN or inf: NaN or inf in its "
-                    "input, or values large enough to overflow (the running statistics were left as they were)")
-        return (f"MulFreeChannelwisePSN: {'the batch variance' if batch else 'running_var'} + eps <= 0 (min "
-                f"{float(var.min())}): a batch norm cannot be folded into the weight (a bad checkpoint?)")
-
-    def _maybe_quantize(self, w: torch.Tensor) -> torch.Tensor:
-        return quantize(w, self.ste) if self.quantize else w
-
-    def _running_factor(self, uncounted: int = 0) -> float:
-        """How much of a batch's statistics the running ones take in: the momentum, or 1 / batches for
-        a cumulative average (``uncounted``: 1 while num_batches_tracked does not count this batch yet)."""
-        if self.momentum is not None:
-            return self.momentum
-        return 1.0 / (float(self.num_batches_tracked) + uncounted)
-
-    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
-        if self.training and n > 0:  # an empty batch has no statistics to average in
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                factor = self._running_factor()
-                self.running_mean.lerp_(mean.detach().to(self.running_mean), factor)
-                unbiased = var.detach() * (n / max(n - 1, 1))
-                self.running_var.lerp_(unbiased.to(self.running_var), factor)
-
-    def _fuse(self, mean: torch.Tensor, var: torch.Tensor, batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The BN folded into ``(W', b)``, refusing what :meth:`_check_finite` refuses. On the CPU one sum
-        over W', b and var decides (NaN or inf in the weight, gamma, beta, mean or var, or
-        ``var + eps <= 0``, leaves one of them non-finite: a third of the full check's time); only then
-        are the tensors checked by name, and a folding that overflows from finite ones passes."""
-        w, b = fold_bn(self.weight, self.gamma, self.beta, mean, var, self.eps)
-        if w.is_cpu and not torch.compiler.is_compiling():
-            with torch.no_grad():
-                total = torch.cat((w.reshape(-1), b.reshape(-1), var.reshape(-1))).sum(dtype=torch.float64)
-            if math.isfinite(float(total)):
-                return w, b
-        self._check_finite(mean, var, batch)
-        return w, b
+        threshold = {"bn": self._bn()} if self.threshold == "bn" else {"v_threshold": member("v_threshold")}
+        return {"weight": member("weight"), **threshold, "quantize": self._quantizer(), "training": self.training}
 
     def fused_weight_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval-mode ``(Wq, b)``: the (quantised) weight and the bias the neuron runs with, so that
         ``S = Theta(conv(X, Wq) + b)``. Uses running statistics for ``threshold='bn'``. NaN or inf in
         any of them raises a ``ValueError`` naming the tensor."""
         if self.threshold == "bn":
-            w, b = self._fuse(self.running_mean, self.running_var)
+            bn = self._bn()
+            w, b = fold_checked(self.weight, bn, bn.running_mean, bn.running_var)
         else:
-            self._check_finite()
+            check_finite({"weight": self.weight, "v_threshold": self.v_threshold})
             w, b = self.weight, -self.v_threshold
-        return self._maybe_quantize(w), b
+        return (quantize(w, self.ste) if self.quantize else w), b
 
     def export_shifts(self) -> dict[str, torch.Tensor]:
         """Integer form of the eval-mode neuron: ``Wq = sign * 2**shift`` and the fused bias.
@@ -585,55 +413,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             if shift.abs().max() > 127:
                 raise ValueError("a shift amount does not fit in int8; the weights span too many octaves")
             return {"shift": shift.to(torch.int8), "sign": sign.to(torch.int8), "bias": b.detach().clone()}
-
-    def _fused_spikes(self, xp: torch.Tensor, method: str, direct: bool = False) -> Optional[torch.Tensor]:
-        """Spikes through the implementation's fused forward where it has one (same math as
-        :meth:`_weight_bias_for` and ``ops.fire``): ``ops.param_fire`` for the parameter threshold; for the
-        BN threshold ``ops.bn_fire``, in training from the batch statistics, blended into the running ones,
-        in eval from the running statistics. Under autocast too (the fused kernels compute in the
-        parameters' dtype, as the general path does), except ``direct``: through ``ops.bn_fire_direct``, whose
-        implementations check every tensor themselves (``xp`` is unchecked, not promoted)."""
-        if direct and (self.threshold != "bn" or not ops.has_bn_fire_direct(method)
-                       or torch.is_autocast_enabled("cpu" if xp.is_cpu else xp.device.type)):
-            return None
-        member = self._member
-        if self.threshold != "bn":
-            return ops.param_fire(xp, member("weight"), member("v_threshold"), self.ste if self.quantize else None,
-                                  self.dilation, self._layout, method, member("surrogate_function"))
-        weight = member("weight")
-        if direct and isinstance(weight, nn.parameter.UninitializedParameter):
-            return None
-        stats = (member("running_mean"), member("running_var"))
-        training = self.training
-        running = (*stats, self._running_factor(uncounted=1)) if training else None
-        out = (ops.bn_fire_direct if direct else ops.bn_fire)(
-            xp, weight, member("gamma"), member("beta"), self.eps, self.ste if self.quantize else None,
-            self.dilation, self._layout, method, member("surrogate_function"), running, None if training else stats)
-        if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
-            return None
-        if training:
-            member("num_batches_tracked").add_(1)
-        return out[0]
-
-    def _step_params(self) -> Optional[tuple]:
-        """The eval-mode folding (running statistics for ``'bn'``, which in training needs this step's
-        statistics: the general path), or ``Q(W)`` and ``-V_th``."""
-        member = self._member
-        if self.threshold != "bn":
-            return member("weight"), -member("v_threshold"), None, self.quantize
-        if self.training:
-            return None
-        bn = (member("gamma"), member("beta"), member("running_mean"), member("running_var"), self.eps)
-        return member("weight"), None, bn, self.quantize
-
-    def _weight_bias_for(self, run_stats):
-        """(Wq, b) for this forward: batch statistics ``run_stats(W)`` of the charge in BN training."""
-        if self.threshold == "bn" and self.training:
-            mean, var, n = run_stats(self.weight)
-            w, b = self._fuse(mean, var, batch=True)  # (checked before the running statistics take anything in)
-            self._update_running_stats(mean, var, n)
-            return self._maybe_quantize(w), b
-        return self.fused_weight_bias()
 
     def _compute_dtype(self) -> torch.dtype:
         return self._member("weight").dtype

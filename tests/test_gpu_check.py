@@ -38,7 +38,7 @@ def test_the_check_sees_a_wrong_method(monkeypatch):
     good = ops.get("shift_add")
 
     def late(x, weight, bias, dilation, layout):
-        h = good.fn(x, weight, bias, dilation, layout)
+        h = good.charge(x, weight, bias, dilation, layout)
         return h.roll(1, ops.time_dim(layout))
     monkeypatch.setitem(registry._REGISTRY, "late", registry.Implementation("late", "torch", ops.LAYOUTS, late))
     failures = []

@@ -46,13 +46,14 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd.graph import increment_version
 
-from .registry import Implementation, first_order_only, needs_grad, note_unavailable, register, surrogate_kind
+from . import surrogate
+from .registry import LAYOUTS, Implementation, check_charge_args, first_order_only, needs_grad, note_unavailable, register
 
 SOURCE_FILE = Path(__file__).with_name("cpu") / "mfpsn_cpu.cpp"
 BUILD_ENV = "SPIKINGJELLY_MFPSN_BUILD"
 DTYPES = {torch.float32: "f32", torch.float64: "f64"}
-_MODE_CHARGE, _MODE_STATS = 0, 3
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+_MODE_CHARGE, _MODE_STATS = 0, -1  # (the kernels' backward modes besides the surrogates' codes)
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", *surrogate.cpp_defines()]
 
 
 class BuildError(RuntimeError):
@@ -334,7 +335,7 @@ def _stats_bwd(x, weight, mean, g_mean, g_var, dilation, layout, needs):
 
 
 class _CppCharge(torch.autograd.Function):
-    """H = charge(X, W) + b, or S = Heaviside(H) with the surrogate gradient ``kind`` (1 ATan, 2 Sigmoid);
+    """H = charge(X, W) + b, or S = Heaviside(H) with the surrogate gradient ``kind`` (a code of the surrogate table);
     H is recomputed in the backward, so only X, W and b are saved."""
 
     @staticmethod
@@ -558,12 +559,9 @@ def charge(x, weight, bias, dilation, layout):
     return _charge(x, weight, bias, dilation, layout, 0, 0.0)
 
 
-def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
-    """Fused charge + Heaviside + surrogate gradient, or None for a surrogate the kernel does not know."""
-    kind = surrogate_kind(surrogate_function)
-    if not kind:
-        return None
-    return _charge(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha))
+def fire(x, weight, bias, dilation, layout, code, alpha) -> torch.Tensor:
+    """Registry contract: fused charge + Heaviside + the gradient of surrogate ``code``."""
+    return _charge(x, weight, bias, dilation, layout, code, alpha)
 
 
 def stats(x, weight, dilation, layout):
@@ -574,47 +572,39 @@ def stats(x, weight, dilation, layout):
     return _CppStats.apply(x, weight, dilation, layout)
 
 
-def bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None,
-                   given=None):
-    """Registry contract (``ops.bn_fire_direct``): :func:`bn_fire` through the C++ node alone, for callers
-    that skip every check (a neuron's hot path). The node checks the tensors itself (device, dtype,
-    shapes, contiguity; see ``runnable`` in ``cpu/mfpsn_node.cpp``) and runs nothing it cannot take,
-    nor a folding with NaN or inf: None then (the caller's general path runs, or reports them), and
-    where no node builds, for a surrogate the kernel does not know, or under torch.compile. With no
-    gradient to record (``torch.no_grad()``, nothing requiring one) the node runs without a graph."""
-    kind = surrogate_kind(surrogate_function)
-    if not kind or torch.compiler.is_compiling() or x.dtype not in DTYPES:
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running=None, given=None):
+    """Registry contract: ``(spikes, mean, var)`` in one autograd node, on any tensors (it checks them
+    itself: ``checks_inputs``), or None where it cannot run them: through the C++ node, which checks every
+    tensor (device, dtype, shapes, contiguity; see ``runnable`` in ``cpu/mfpsn_node.cpp``), or where no
+    node builds, the Python autograd Function ``_CppBNFire`` after the same checks here; None as well
+    for a folding with NaN or inf (the caller's general path reports it) and under torch.compile (which
+    traces the separate custom ops). With no gradient to record the kernels run without a graph."""
+    if torch.compiler.is_compiling() or x.dtype not in DTYPES:
         return None
     op = node(x.dtype)
     if op is None:
-        return None
+        return _bn_fire_python(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running, given)
     rm, rv, factor = running if running is not None else (None, None, 0.0)
     gm, gv = given if given is not None else (None, None)
     outs = op(x, weight, gamma, beta, rm, rv, gm, gv, float(eps), _STE_CODES[ste], dilation, layout == "time_last",
-              kind, float(surrogate_function.alpha), factor)
+              code, alpha, factor)
     if not outs:
         return None
     return tuple(outs) if given is None else (outs[0], gm, gv)
 
 
-def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None, given=None):
-    """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` in one autograd node, or None for a
-    surrogate the kernel does not know, an empty batch, BN parameters or statistics of another dtype or
-    device than x (or not contiguous), weights with NaN or inf (the general path reports them) or under
-    torch.compile (which traces the separate custom ops)."""
-    if torch.compiler.is_compiling() or not x.numel():
-        return None
-    if node(x.dtype) is not None:  # (it checks the tensors itself)
-        return bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running, given)
-    kind = surrogate_kind(surrogate_function)
-    if not kind:
-        return None
-    dtype, device = x.dtype, x.device
+def _bn_fire_python(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running, given):
+    """:func:`bn_fire` where the node does not build: the same checks, then ``_CppBNFire``."""
     raw = (gamma, beta) + (() if running is None else running[:2]) + (() if given is None else tuple(given))
-    for t in raw:  # read through raw pointers
-        if t.dtype != dtype or t.device != device or not t.is_contiguous():
-            return None
-    cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
+    try:
+        check_charge_args(x, weight, None, dilation, layout)
+    except (TypeError, ValueError):
+        return None
+    if not x.numel() or x.device.type != "cpu" or weight.dtype != x.dtype or any(  # read through raw pointers
+            t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() or tuple(t.shape) != (weight.shape[0],)
+            for t in raw):
+        return None
+    cfg = (float(eps), ste, dilation, layout, code, alpha, running, given)
     try:
         if needs_grad(x, weight, gamma, beta):
             out = _CppBNFire.apply(x, weight, gamma, beta, cfg)
@@ -626,17 +616,15 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     return out if given is None else (out, *given)
 
 
-def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[torch.Tensor]:
-    """Registry contract (``ops.step_fire``): one single-step call's spikes in one kernel call, or None
-    for a surrogate the kernel does not know, a gradient to compute, tensors it cannot read raw
-    (another device or dtype, not contiguous), weights with NaN or inf, or under torch.compile."""
+def step_fire(taps, weight, bias, bn, quantize) -> Optional[torch.Tensor]:
+    """Registry contract: one single-step call's spikes in one kernel call, or None for a gradient to
+    compute, tensors it cannot read raw (another device or dtype, not contiguous), weights with NaN or
+    inf, or under torch.compile."""
     x = taps[-1]  # (the registry checked the shapes)
     gamma, beta, mean, var, eps = bn if bn is not None else (None, None, None, None, 0.0)
     tensors = [t for t in (weight, bias, gamma, beta, mean, var) if t is not None]
     inputs = [t for t in taps if t is not None]
-    if not surrogate_kind(surrogate_function) or torch.compiler.is_compiling():
-        return None
-    if needs_grad(*tensors, *inputs):
+    if torch.compiler.is_compiling() or needs_grad(*tensors, *inputs):
         return None
     if x.dtype not in DTYPES or x.device.type != "cpu" \
             or any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in tensors + inputs):
@@ -650,19 +638,10 @@ def step_fire(taps, weight, bias, bn, quantize, surrogate_function) -> Optional[
     return None if refused else out
 
 
-def requirements(x, weight, dilation, layout) -> list[str]:
-    reasons = []
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        reasons.append(f"cpp kernels run on CPU tensors (x is on {x.device}, weight on {weight.device})")
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        reasons.append(f"cpp supports float32/float64 x with a weight of the same dtype, got x {x.dtype}, "
-                       f"weight {weight.dtype}")
-    return reasons
-
-
-IMPLEMENTATION = Implementation("cpp", "cpp", ("time_first", "time_last"), charge,
-                                "fused C++/OpenMP CPU kernels: charge, spike and batch statistics",
-                                requirements, fire, stats, bn_fire, step_fire, bn_fire_direct=bn_fire_direct)
+IMPLEMENTATION = Implementation(
+    "cpp", "cpp", LAYOUTS, charge, "fused C++/OpenMP CPU kernels: charge, spike and batch statistics",
+    devices=("cpu",), dtypes=tuple(DTYPES), reads_lower_precision=False, priority=lambda device, k, t: -1,
+    fire=fire, stats=stats, bn_fire=bn_fire, step_fire=step_fire, checks_inputs=True)
 
 
 def register_if_available() -> Optional[str]:

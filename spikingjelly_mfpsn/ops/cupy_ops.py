@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .registry import Implementation, check_layout, first_order_only, note_unavailable, register
+from .registry import LAYOUTS, Implementation, check_layout, first_order_only, note_unavailable, register
 
 KERNEL_FILE = Path(__file__).with_name("cuda") / "mfpsn_charge.cu"
 
@@ -218,20 +218,9 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def _requirements(x, weight, dilation, layout) -> list[str]:
-    reasons = []
-    if x.device.type != "cuda" or weight.device != x.device:
-        reasons.append(f"cupy needs x and weight on one CUDA device, got x on {x.device} and weight on "
-                       f"{weight.device}")
-    dtype = torch.result_type(x, weight)
-    if dtype not in DTYPES:
-        reasons.append(f"cupy supports dtypes {[str(d) for d in DTYPES]}, not {dtype}")
-    return reasons
-
-
-IMPLEMENTATION = Implementation("cupy", "cupy", ("time_first", "time_last"), cupy_charge,
+IMPLEMENTATION = Implementation("cupy", "cupy", LAYOUTS, cupy_charge,
                                 "CUDA C kernels via CuPy: one thread per output, block-reduced weight gradient",
-                                _requirements)
+                                devices=("cuda",), dtypes=tuple(DTYPES), priority=lambda device, k, t: 15)
 
 
 def register_if_available() -> Optional[str]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .reduce import channel_dot, channel_sum
-from .registry import Implementation, channel_dim, channel_view_shape, needs_grad, register, tap_schedule, time_dim
+from .registry import LAYOUTS, Implementation, channel_dim, channel_view_shape, needs_grad, register, tap_schedule, time_dim
 
 # A (C, T, T) Toeplitz weight beyond this many elements is refused by Vmap+MM.
 MAX_MM_ELEMENTS = 1 << 28
@@ -184,14 +184,16 @@ def shift_add(x, weight, bias, dilation, layout):
     return _ShiftAdd.apply(x, weight, bias, dilation, layout)
 
 
-register(Implementation("conv1d", "torch", ("time_first", "time_last"), conv1d,
-                        "reshape to (N*, C, T) + grouped Conv1d (the paper's vanilla)"))
-register(Implementation("vmap_mm", "torch", ("time_first", "time_last"), vmap_mm,
-                        "Vmap over C of a (T, T) Toeplitz matrix multiplication",
-                        _vmap_mm_requirements))
+# method='auto' on the torch backend (priorities from the speed suite on CPUs): shift-add reads X once per
+# tap with no reshape, which beats every convolution for the small orders MF-PSN is used with; for large
+# orders the Toeplitz product wins while its (C, T, T) matrix is small, else the layout's convolution.
+register(Implementation("conv1d", "torch", LAYOUTS, conv1d, "reshape to (N*, C, T) + grouped Conv1d (the paper's vanilla)",
+                        priority=lambda device, k, t: 1))
+register(Implementation("vmap_mm", "torch", LAYOUTS, vmap_mm, "Vmap over C of a (T, T) Toeplitz matrix multiplication",
+                        priority=lambda device, k, t: 5 if t <= 64 else 0, requirements=_vmap_mm_requirements))
 register(Implementation("vmap_conv1d", "torch", ("time_last",), vmap_conv1d,
                         "Vmap over the feature dims of a grouped Conv1d"))
 register(Implementation("conv2d", "torch", ("time_last",), conv2d,
-                        "grouped Conv2d with a (1, k) kernel over (N, C, M, T)"))
-register(Implementation("shift_add", "torch", ("time_first", "time_last"), shift_add,
-                        "k shifted slices accumulated in place, custom backward"))
+                        "grouped Conv2d with a (1, k) kernel over (N, C, M, T)", priority=lambda device, k, t: 2))
+register(Implementation("shift_add", "torch", LAYOUTS, shift_add, "k shifted slices accumulated in place, custom backward",
+                        priority=lambda device, k, t: 10 if k <= 8 else 0))

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from .registry import Implementation, first_order_only, needs_grad, register, surrogate_kind
+from . import surrogate
+from .registry import LAYOUTS, Implementation, first_order_only, needs_grad, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -60,11 +61,14 @@ def _constant(hi, lo, ACC: tl.constexpr):
     return tl.cast(hi, ACC) + tl.cast(lo, ACC)
 
 
+_SG_ATAN = tl.constexpr(surrogate.CODES["ATan"])  # the surrogate table's codes
+
+
 @triton.jit
 def _surrogate_grad(h, c1, c2, SG: tl.constexpr):
-    """SpikingJelly's surrogate derivative at ``h`` (constants from :func:`surrogate_constants`):
-    1 = ATan, ``c2 / (1 + (c1 h)^2)``; 2 = Sigmoid, ``c1 s (1 - s)`` with ``s = sigmoid(c1 h)``."""
-    if SG == 1:
+    """SpikingJelly's surrogate derivative at ``h`` (constants from :func:`surrogate_constants`): ATan,
+    ``c2 / (1 + (c1 h)^2)``; Sigmoid, ``c1 s (1 - s)`` with ``s = sigmoid(c1 h)``."""
+    if SG == _SG_ATAN:
         ax = c1 * h
         g = c2 / (1.0 + ax * ax)
     else:
@@ -708,9 +712,9 @@ def _hi_lo(v: float) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=64)
 def surrogate_constants(kind: int, alpha: float) -> tuple[float, float, float, float]:
-    """``(c1, c2)`` of :func:`_surrogate_grad` for SpikingJelly's ATan (kind 1: ``pi/2 alpha``,
-    ``alpha/2``) or Sigmoid (kind 2: ``alpha``), each as ``hi, lo`` (:func:`_hi_lo`)."""
-    c1, c2 = (math.pi / 2 * alpha, alpha / 2) if kind == 1 else (alpha, 0.0)
+    """``(c1, c2)`` of :func:`_surrogate_grad` for the surrogate table's ``kind`` (zeros for none), each as
+    ``hi, lo`` (:func:`_hi_lo`)."""
+    c1, c2 = surrogate.constants(kind, alpha) if kind else (0.0, 0.0)
     return (*_hi_lo(c1), *_hi_lo(c2))
 
 
@@ -1042,28 +1046,24 @@ def charge(x, weight, bias, dilation, layout):
     return _TritonCharge.apply(x, weight, bias, dilation, layout, 0, 0.0)
 
 
-def fire(x, weight, bias, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
-    """Fused charge + Heaviside + surrogate gradient, or None when this surrogate is not fused."""
-    kind = surrogate_kind(surrogate_function)
-    if not kind:
-        return None
-    return _TritonCharge.apply(x, weight, bias, dilation, layout, kind, float(surrogate_function.alpha))
+def fire(x, weight, bias, dilation, layout, code, alpha) -> torch.Tensor:
+    """Registry contract: fused charge + Heaviside + the gradient of surrogate ``code``."""
+    return _TritonCharge.apply(x, weight, bias, dilation, layout, code, alpha)
 
 
-def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_function, running=None, given=None):
-    """Registry contract (``ops.bn_fire``): ``(spikes, mean, var)`` from the three forward kernels (one
-    autograd node, three kernels backward), or None for a surrogate the kernels do not know, an empty
-    batch, parameters or statistics of another dtype or device than the weight, a folding with NaN or
-    inf (on the CPU; on CUDA an asynchronous error stops the stream), or under torch.compile."""
-    kind = surrogate_kind(surrogate_function)
-    if not kind or not x.numel() or torch.compiler.is_compiling():
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running=None, given=None):
+    """Registry contract: ``(spikes, mean, var)`` from the three forward kernels (one autograd node, three
+    kernels backward), or None for an empty batch, parameters or statistics of another dtype or device
+    than the weight, a folding with NaN or inf (on the CPU; on CUDA an asynchronous error stops the
+    stream), or under torch.compile."""
+    if not x.numel() or torch.compiler.is_compiling():
         return None
     dtype, device = weight.dtype, x.device
     vectors = (gamma, beta) + (() if running is None else tuple(running[:2])) + (() if given is None else tuple(given))
     if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
             or any(v.dtype != dtype or v.device != device or v.dim() != 1 for v in vectors):
         return None
-    cfg = (float(eps), ste, dilation, layout, kind, float(surrogate_function.alpha), running, given)
+    cfg = (float(eps), ste, dilation, layout, code, alpha, running, given)
     try:
         if needs_grad(x, weight, gamma, beta):
             out = _TritonBNFire.apply(x, weight, gamma, beta, cfg)
@@ -1075,18 +1075,16 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, surrogate_functi
     return out if given is None else (out, *given)
 
 
-def param_fire(x, weight, v_threshold, ste, dilation, layout, surrogate_function) -> Optional[torch.Tensor]:
-    """Registry contract (``ops.param_fire``): the spikes from two kernels each way, or None for a surrogate
-    the kernels do not know, an empty batch, a threshold of another dtype or device than the weight, NaN
-    or inf in the weight or threshold (on the CPU; on CUDA an asynchronous error), or under
-    torch.compile."""
-    kind = surrogate_kind(surrogate_function)
-    if not kind or not x.numel() or torch.compiler.is_compiling():
+def param_fire(x, weight, v_threshold, ste, dilation, layout, code, alpha) -> Optional[torch.Tensor]:
+    """Registry contract: the spikes from two kernels each way, or None for an empty batch, a threshold
+    of another dtype or device than the weight, NaN or inf in the weight or threshold (on the CPU; on
+    CUDA an asynchronous error), or under torch.compile."""
+    if not x.numel() or torch.compiler.is_compiling():
         return None
     if weight.dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != x.device \
             or v_threshold.dtype != weight.dtype or v_threshold.device != x.device or v_threshold.dim() != 1:
         return None
-    cfg = (ste, dilation, layout, kind, float(surrogate_function.alpha))
+    cfg = (ste, dilation, layout, code, alpha)
     try:
         if needs_grad(x, weight, v_threshold):
             return _TritonParamFire.apply(x, weight, v_threshold, cfg)
@@ -1096,21 +1094,18 @@ def param_fire(x, weight, v_threshold, ste, dilation, layout, surrogate_function
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:
-    reasons = []
-    if not INTERPRETED and not x.is_cuda:
-        reasons.append(f"triton kernels need CUDA tensors (x is on {x.device}); on the CPU set "
-                       "TRITON_INTERPRET=1 before importing spikingjelly_mfpsn")
-    if weight.device != x.device:
-        reasons.append(f"triton needs weight on x's device {x.device}, got {weight.device}")
-    for name, tensor in (("x", x), ("weight", weight)):
-        if tensor.dtype not in DTYPES:
-            reasons.append(f"triton supports {name} dtypes {[str(d) for d in DTYPES]}, got {tensor.dtype}")
-    return reasons
+    """CUDA tensors, or any through Triton's interpreter (read at the call: a test may switch it)."""
+    if INTERPRETED or x.is_cuda:
+        return []
+    return [f"triton kernels need CUDA tensors (x is on {x.device}); on the CPU set TRITON_INTERPRET=1 "
+            f"before importing spikingjelly_mfpsn"]
 
 
-register(Implementation("triton", "triton", ("time_first", "time_last"), charge,
-                        "Triton kernels on the strided layout: bias and (with ATan/Sigmoid) spike fused, "
-                        "and the BN- and parameter-threshold steps in three and two kernels each way",
-                        requirements, fire, bn_fire=bn_fire, param_fire=param_fire,
-                        # a candidate only where its kernels can run compiled: on a CUDA device
-                        autoselect=not INTERPRETED and torch.cuda.is_available()))
+# On the CPU only through Triton's interpreter, and never chosen by method='auto' there.
+register(Implementation(
+    "triton", "triton", LAYOUTS, charge, "Triton kernels on the strided layout: bias and (with a fused surrogate) spike "
+    "fused, and the BN- and parameter-threshold steps in three and two kernels each way",
+    requirements=requirements, dtypes=DTYPES,
+    priority=lambda device, k, t: 20 if device == "cuda" else -1,
+    fire=fire, bn_fire=bn_fire, param_fire=param_fire,
+    autoselect=not INTERPRETED and torch.cuda.is_available()))  # a candidate where its kernels run compiled

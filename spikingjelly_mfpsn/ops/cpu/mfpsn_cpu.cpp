@@ -27,10 +27,10 @@
 //   stats:   per-channel mean and biased variance of Y = charge without bias (Y is not written; float64
 //            sums of Y - shift, shift a sample of Y per channel: see output_sample)
 //   backward, dH formed on the fly from a recomputed H (kept in registers only):
-//     mode 0  dH = G                         (plain charge)
-//     mode 1  dH = G * atan'(H)              (fire with SpikingJelly's ATan surrogate)
-//     mode 2  dH = G * sigmoid'(H)           (fire with SpikingJelly's Sigmoid surrogate)
-//     mode 3  dH = A[c] * Y + B[c]           (backward of the batch statistics, from dL/dmean and dL/dvar)
+//     MODE_CHARGE   dH = G                   (plain charge)
+//     MODE_ATAN     dH = G * atan'(H)        (fire with SpikingJelly's ATan surrogate)
+//     MODE_SIGMOID  dH = G * sigmoid'(H)     (fire with SpikingJelly's Sigmoid surrogate)
+//     MODE_STATS    dH = A[c] * Y + B[c]     (backward of the batch statistics, from dL/dmean and dL/dvar)
 //     dX[t] = sum_i W[c, i] * dH[t + (K-1-i) * d]  (written, or added to what dX holds: accumulate)
 //     dW[c, i] = sum dH[t] X[t - (K-1-i) * d];  db[c] = sum dH
 #include <algorithm>
@@ -47,6 +47,13 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+// The surrogates' codes come from the package's surrogate table (ops/surrogate.py), given by the build
+// as MFPSN_SG_<NAME>; the plain charge and the statistics' backward take codes no surrogate has.
+#if !defined(MFPSN_SG_ATAN) || !defined(MFPSN_SG_SIGMOID)
+#error "build with the surrogate codes of spikingjelly_mfpsn.ops.surrogate.cpp_defines()"
+#endif
+enum : int { MODE_CHARGE = 0, MODE_ATAN = MFPSN_SG_ATAN, MODE_SIGMOID = MFPSN_SG_SIGMOID, MODE_STATS = -1 };
 
 // Steps x lanes of one tile, and the most lanes a tile has. Time-first tiles read long contiguous
 // rows in place (wide tiles prefetch well); time-last tiles are gathered into buffers that should
@@ -409,11 +416,11 @@ inline V divide(S x, V y) {
 }
 
 // The surrogate's derivative at h, with c = pi / 2 * alpha and half = alpha / 2 precomputed:
-// mode 1 ATan half / (1 + (c * h)^2), mode 2 Sigmoid alpha * s * (1 - s) with s = sigmoid(alpha * h)
+// ATan half / (1 + (c * h)^2), Sigmoid alpha * s * (1 - s) with s = sigmoid(alpha * h)
 // (lane by lane: no vector exp).
 template <typename S, typename V, int MODE>
 inline V surrogate_grad(V h, S alpha, S c, S half) {
-    if constexpr (MODE == 1) {
+    if constexpr (MODE == MODE_ATAN) {
         const V a = c * h;
         return divide<S, V>(half, S(1) + a * a);
     } else if constexpr (std::is_same_v<V, S>) {
@@ -432,10 +439,10 @@ inline V surrogate_grad(V h, S alpha, S c, S half) {
 template <typename S>
 struct TileArgs {
     const Tile<S>* x;      // input rows
-    const Tile<S>* grad;   // dL/dout rows (backward modes 1, 2, 0), or null
+    const Tile<S>* grad;   // dL/dout rows (every backward mode but MODE_STATS), or null
     Tile<S>* out;          // output rows: H or S (forward), dL/dX (backward); or null
     const S* const* w;     // [K] per-lane weights
-    const S *b, *a, *c;    // per-lane bias; mode-3 coefficients
+    const S *b, *a, *c;    // per-lane bias; MODE_STATS coefficients
     S* part;               // [count][m] per-lane partial sums of this tile
     Vec<S>* vec;           // [2 forward, 4 backward][K] scratch for KT == 0: vectors
     S* one;                // the same for single lanes
@@ -580,7 +587,7 @@ void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
         }
 }
 
-// Backward, in descending time: dH[t] from the recomputed H (mode 0: dH = dL/dH itself), the db and
+// Backward, in descending time: dH[t] from the recomputed H (MODE_CHARGE: dH = dL/dH itself), the db and
 // dW sums to part, and with out, dL/dX[t] = sum_j W[j] * dH[t + (K-1-j) * d] written to out (or added
 // to what it holds). For vector u, xw[u * K + j] holds X[t - (K-1-j) * d], dw[u * K + j]
 // dH[t + (K-1-j) * d] (zero past step T-1).
@@ -626,12 +633,12 @@ void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
             V* x = xw + u * K;
             V* dhw = dw + u * K;
             V dh;
-            if constexpr (MODE == 0) {
+            if constexpr (MODE == MODE_CHARGE) {
                 dh = load<V>(gr[t] + o);
             } else {
                 V h = b[u];
                 for (int j = 0; j < K; ++j) h += wu[j] * x[j];
-                if constexpr (MODE == 3)
+                if constexpr (MODE == MODE_STATS)
                     dh = a[u] * h + c[u];
                 else
                     dh = load<V>(gr[t] + o) * surrogate_grad<S, V, MODE>(h, p.alpha, sg_c, sg_half);
@@ -753,10 +760,10 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
               const S* mean, const S* g_mean, const S* g_var, S* gx, int accumulate, S* gw, S* gb, int threads) {
     const int64_t L = g.tile(), cf = g.CF(), per = g.tiles_per_block(), tiles = g.N * per;
     const bool sums = gw || gb;
-    const Table<S> wl = tap_weights(g, w, KP), bl = per_lane(g, mode == 3 ? nullptr : b);
+    const Table<S> wl = tap_weights(g, w, KP), bl = per_lane(g, mode == MODE_STATS ? nullptr : b);
     // Mode 3: dL/dY = a[c] * Y + b[c] with a = 2 dL/dvar / n, b = dL/dmean / n - a * mean.
-    std::vector<S> coef_a(mode == 3 ? g.C : 0), coef_b(mode == 3 ? g.C : 0);
-    if (mode == 3) {
+    std::vector<S> coef_a(mode == MODE_STATS ? g.C : 0), coef_b(mode == MODE_STATS ? g.C : 0);
+    if (mode == MODE_STATS) {
         const double n = double(std::max<int64_t>(g.T * g.N * g.F, 1));
         for (int64_t c = 0; c < g.C; ++c) {
             const double a = 2.0 * double(g_var[c]) / n;
@@ -764,8 +771,8 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             coef_b[c] = S(double(g_mean[c]) / n - a * double(mean[c]));
         }
     }
-    const Table<S> al = per_lane(g, mode == 3 ? coef_a.data() : nullptr),
-                   cl = per_lane(g, mode == 3 ? coef_b.data() : nullptr);
+    const Table<S> al = per_lane(g, mode == MODE_STATS ? coef_a.data() : nullptr),
+                   cl = per_lane(g, mode == MODE_STATS ? coef_b.data() : nullptr);
     std::vector<double> acc(sums ? size_t(threads) * (KP + 1) * g.C : 0, 0.0);
 #pragma omp parallel num_threads(threads)
     {
@@ -774,7 +781,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
         std::vector<Vec<S>> vec(4 * KP);
         std::vector<S> one(4 * KP);
         std::vector<const S*> wj(KP);
-        TileArgs<S> p{&xs, mode != 3 ? &gs : nullptr, gx ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr,
+        TileArgs<S> p{&xs, mode != MODE_STATS ? &gs : nullptr, gx ? &os : nullptr, wj.data(), nullptr, nullptr, nullptr,
                       nullptr, vec.data(), one.data(), g.T, 0, g.d, KP, sums, accumulate != 0, alpha, g.prefetch()};
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -782,7 +789,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             g.tile_at(tile, n, o0);
             const int64_t m = std::min(L, cf - o0);
             xs.read(x, n, o0, m);
-            if (mode != 3) gs.read(grad, n, o0, m);
+            if (mode != MODE_STATS) gs.read(grad, n, o0, m);
             if (gx && accumulate)
                 os.read(gx, n, o0, m);  // dL/dX is added to what gx holds
             else if (gx)
@@ -794,10 +801,10 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
             p.c = cl.data() + o0;
             p.m = m;
             switch (mode) {  // the mode a compile-time constant: no branches in the sweep
-                case 0: columns<S, Backward<S, KT, 0>>(p); break;
-                case 1: columns<S, Backward<S, KT, 1>>(p); break;
-                case 2: columns<S, Backward<S, KT, 2>>(p); break;
-                default: columns<S, Backward<S, KT, 3>>(p);
+                case MODE_CHARGE: columns<S, Backward<S, KT, MODE_CHARGE>>(p); break;
+                case MODE_ATAN: columns<S, Backward<S, KT, MODE_ATAN>>(p); break;
+                case MODE_SIGMOID: columns<S, Backward<S, KT, MODE_SIGMOID>>(p); break;
+                default: columns<S, Backward<S, KT, MODE_STATS>>(p);
             }
             if (gx) os.flush(gx, n, o0, m);
         }
@@ -1028,7 +1035,7 @@ void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gam
         g_var[c] = S(-0.5 * g_scale * double(gamma[c]) * rstd * rstd * rstd);
     }
     if (given) return;
-    backward<S, KT>(g, KP, x, w, nullptr, nullptr, 3, S(0), mean, g_mean.data(), g_var.data(), gx, 1,
+    backward<S, KT>(g, KP, x, w, nullptr, nullptr, MODE_STATS, S(0), mean, g_mean.data(), g_var.data(), gx, 1,
                     g_w_stats.data(), nullptr, threads);
     for (int64_t j = 0; j < C * K; ++j) g_w[j] += g_w_stats[j];
 }

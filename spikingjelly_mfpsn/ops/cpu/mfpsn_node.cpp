@@ -115,7 +115,7 @@ bool runnable(const Tensor& x, const Tensor& w, const Tensor& gamma, const Tenso
         return a.has_value() == b.has_value() && (!a || (per_channel(*a) && per_channel(*b)));
     };
     return per_channel(gamma) && per_channel(beta) && optional(running_mean, running_var) &&
-           optional(given_mean, given_var) && eps > 0 && d >= 1 && ste >= 0 && ste <= 2 && (kind == 1 || kind == 2);
+           optional(given_mean, given_var) && eps > 0 && d >= 1 && ste >= 0 && ste <= 2 && (kind == MODE_ATAN || kind == MODE_SIGMOID);
 }
 
 template <typename S>

@@ -1,0 +1,483 @@
+"""The functional core: an MF-PSN layer's spikes as one stateless call.
+
+As ``torch.nn.functional.batch_norm`` is to ``torch.nn.BatchNorm1d``: :func:`mf_psn` holds the math (the
+charge, the batch-norm-fused or parameter threshold, the power-of-two quantiser, the spike) and the
+policies (validation, dtypes, finiteness), and every module calls it; the modules hold parameters,
+running statistics and single-step memories. :func:`mf_psn_step` is its single-step sibling.
+
+A call flows: ``method`` resolved (``'auto'``: :func:`.registry.choose`), the arguments checked once,
+then the implementation's fused step where it has one for this call (``bn_fire``, ``param_fire``,
+``step_fire``, ``fire``), else the general path here: the charge (or fused statistics), the folding
+(:func:`.reduce.fold_bn`), the quantiser (:func:`~spikingjelly_mfpsn.quantize.quantize`) and the
+surrogate module.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from . import reduce, surrogate
+from .registry import (Implementation, channel_dim, check_charge_args, choose, get, input_dtype_error, supported,
+                       tap_schedule)
+
+QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
+
+
+class BatchNorm(NamedTuple):
+    """The batch normalisation folded into the threshold (paper Appendix C), as the arguments of
+    ``torch.nn.functional.batch_norm``: ``gamma``, ``beta`` (C,); the running statistics (C,), or None
+    (training only; nothing to update); ``momentum`` (None: a cumulative average over
+    ``num_batches_tracked``, a one-element integer tensor, counted up in place in training)."""
+    gamma: torch.Tensor
+    beta: torch.Tensor
+    running_mean: Optional[torch.Tensor] = None
+    running_var: Optional[torch.Tensor] = None
+    eps: float = 1e-5
+    momentum: Optional[float] = 0.1
+    num_batches_tracked: Optional[torch.Tensor] = None
+
+
+def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+           v_threshold: Optional[torch.Tensor] = None, bn: Optional[BatchNorm] = None, dilation: int = 1,
+           layout: str = "time_first", method: str = "auto", backend: str = "torch", surrogate_function=None,
+           quantize: Optional[str] = "whole", training: bool = False) -> torch.Tensor:
+    """Spikes ``S = Theta(conv(X, Wq) + b)`` of a multi-step MF-PSN layer, differentiable w.r.t. every tensor.
+
+    :param x: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), floating point of
+        at most the weight's precision (lower precision is computed in the weight's dtype)
+    :param weight: ``(C, k)``; tap ``i`` reads ``X[t - (k-1-i)*dilation]``
+    :param bias: ``(C,)`` added to the charge (the threshold is 0), or
+    :param v_threshold: ``(C,)``: the parameter threshold, ``b = -v_threshold``, or
+    :param bn: a :class:`BatchNorm` folded into the weight and bias: ``Wf = gamma / sqrt(var + eps) * W``,
+        ``b = beta - gamma * mean / sqrt(var + eps)``, with the batch statistics of ``conv(X, W)`` in
+        ``training`` (blended into the running ones in place) and the running ones otherwise
+    :param method: an implementation name (``ops.names()``) or ``'auto'`` (the dispatcher's choice among
+        ``backend``'s)
+    :param surrogate_function: a SpikingJelly surrogate (default ``surrogate.ATan()``); those of the
+        surrogate table are fused into the kernels, any other is applied to the charge
+    :param quantize: ``'whole'`` (``Wq = Q(Wf)`` with the whole straight-through gradient), ``'round'``
+        or None (no quantiser)
+    :return: 0/1 spikes in ``x``'s dtype and shape
+
+    Refuses (``ValueError``) NaN or inf in what it folds (weight, threshold, statistics) and
+    ``var + eps <= 0``; a NaN or inf input changes only the spikes of its window. Under autocast it
+    computes in the weight's dtype.
+    """
+    sg = surrogate_function if surrogate_function is not None else _default_surrogate()
+    code, alpha = surrogate.fused(sg)
+    if bn is not None and code and (method != "auto" or backend != "torch") and isinstance(x, torch.Tensor) \
+            and not torch.is_autocast_enabled(x.device.type):
+        impl = _resolved(x, weight, dilation, layout, method, backend)
+        if impl is not None and impl.checks_inputs:  # first a step that checks every tensor itself
+            s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
+            if s is not None:
+                return s
+    _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, layout)
+    impl, xp = _checked(x, weight, bias, dilation, layout, method, backend)
+    with _weight_precision(x):
+        if bn is not None:
+            s = _bn_spikes(impl, xp, weight, bn, quantize, dilation, layout, code, alpha, training, sg)
+        else:
+            s = _param_spikes(impl, xp, weight, bias, v_threshold, quantize, dilation, layout, code, alpha, sg)
+    return s if s.dtype == x.dtype else s.to(x.dtype)
+
+
+def _resolved(x, weight, dilation, layout, method, backend) -> Optional[Implementation]:
+    """The implementation ``method`` names (None where it is not registered or cannot be resolved yet)."""
+    try:
+        return get(method if method != "auto" else choose(x, weight, dilation, layout, backend))
+    except (ValueError, IndexError, AttributeError, RuntimeError):
+        return None  # (the checks then say what is wrong)
+
+
+def _default_surrogate():
+    from .._compat import default_surrogate
+    return default_surrogate()
+
+
+def _weight_precision(x: torch.Tensor):
+    """Autocast off: the charge and the statistics run in the parameters' dtype (low-precision inputs are
+    promoted once, and the 0/1 spikes go back in the input's dtype)."""
+    device_type = x.device.type
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+        else contextlib.nullcontext()
+
+
+def _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, layout) -> None:
+    if quantize not in QUANTIZERS:
+        raise ValueError(f"quantize must be one of {QUANTIZERS}, got {quantize!r}")
+    if sum(a is not None for a in (bias, v_threshold, bn)) > 1:
+        raise ValueError("give at most one of bias, v_threshold and bn")
+    if bn is not None and not training and (bn.running_mean is None or bn.running_var is None):
+        raise ValueError("bn needs running_mean and running_var when training=False")
+    if bn is not None and not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
+        raise ValueError(f"bn.eps must be a number > 0, got {bn.eps!r}")
+    c = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    named = [("v_threshold", v_threshold)] if bn is None else \
+        [(f"bn.{n}", getattr(bn, n)) for n in ("gamma", "beta", "running_mean", "running_var")]
+    for name, t in named:
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (c,)):
+            raise ValueError(f"{name} must be a tensor of shape ({c},) (one per channel), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+
+
+# Runs an empty input (no samples, features or steps) for every method: each of its ops takes empty
+# tensors, while reshapes to (N, C, -1, T) or convolutions over zero steps do not.
+EMPTY_INPUT_METHOD = "shift_add"
+
+
+def _checked(x, weight, bias, dilation, layout, method, backend="torch") -> tuple[Implementation, torch.Tensor]:
+    """The implementation that runs a validated call (``'auto'`` resolved among ``backend``'s), and ``x``
+    as it reads it: an input of lower precision than the weight in the weight's dtype unless the
+    implementation reads it as it is (e.g. Triton)."""
+    check_charge_args(x, weight, bias, dilation, layout)
+    if method == "auto":
+        method = choose(x, weight, dilation, layout, backend)
+    impl = get(method)
+    if x.dtype != weight.dtype and not impl.supports(x, weight, dilation, layout):
+        x = x.to(weight.dtype)
+    reasons = impl.not_supported_reasons(x, weight, dilation, layout)
+    if reasons:
+        others = supported(x, weight, dilation, layout)
+        raise ValueError(f"method {method!r} cannot run this input: {'; '.join(reasons)}. "
+                         f"Methods that can: {others}")
+    return (impl if x.numel() else get(EMPTY_INPUT_METHOD)), x
+
+
+def _in_weight_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` in the weight's dtype (a checked call's ``x`` has it or a lower precision)."""
+    return x if x.dtype == weight.dtype else x.to(weight.dtype)
+
+
+def _quantized(w: torch.Tensor, quantize: Optional[str]) -> torch.Tensor:
+    from ..quantize import quantize as q
+    return w if quantize is None else q(w, quantize)
+
+
+# ---------------------------------------------------------------------------- the BN threshold
+def _running_factor(bn: BatchNorm, uncounted: int) -> float:
+    """How much of a batch's statistics the running ones take in: the momentum, or 1 / batches for a
+    cumulative average (``uncounted``: 1 while num_batches_tracked does not count this batch yet)."""
+    if bn.momentum is not None:
+        return bn.momentum
+    tracked = 0 if bn.num_batches_tracked is None else int(bn.num_batches_tracked)
+    return 1.0 / (tracked + uncounted)
+
+
+def _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training) -> Optional[torch.Tensor]:
+    """The implementation's fused BN step (``bn_fire``), or None where it has none for this call."""
+    if impl.bn_fire is None or not code:
+        return None
+    stats = (bn.running_mean, bn.running_var)
+    running = (*stats, _running_factor(bn, 1)) if training and stats[0] is not None else None
+    out = impl.bn_fire(x, weight, bn.gamma, bn.beta, bn.eps, quantize, dilation, layout, code, alpha, running,
+                       None if training else stats)
+    if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
+        return None
+    if training and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    return out[0]
+
+
+def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, sg) -> torch.Tensor:
+    if x.numel():
+        s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
+        if s is not None:
+            return s
+    if training:
+        mean, var = _stats(impl, x, weight, dilation, layout)
+        w, b = fold_checked(weight, bn, mean, var, batch=True)  # (checked before the running ones take it in)
+        update_running_stats(bn, mean, var, x.numel() // max(weight.shape[0], 1))
+    else:
+        w, b = fold_checked(weight, bn, bn.running_mean, bn.running_var)
+    return _fire(impl, x, _quantized(w, quantize), b, dilation, layout, code, alpha, sg)
+
+
+def _stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``(mean, biased var)`` of the bias-free charge, through the fused kernel where there is one."""
+    if impl.stats is not None:
+        return impl.stats(x, weight, dilation, layout)
+    x = _in_weight_dtype(x, weight)
+    return reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
+
+
+def update_running_stats(bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
+    """Blend a batch's mean and unbiased variance into ``bn``'s running statistics in place (an empty
+    batch has none to blend in)."""
+    if n <= 0 or bn.running_mean is None:
+        return
+    with torch.no_grad():
+        if bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+        factor = _running_factor(bn, 0)
+        bn.running_mean.lerp_(mean.detach().to(bn.running_mean), factor)
+        bn.running_var.lerp_((var.detach() * (n / max(n - 1, 1))).to(bn.running_var), factor)
+
+
+def fold_checked(weight: torch.Tensor, bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor,
+                 batch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.reduce.fold_bn`, refusing NaN or inf in what it folds (see :func:`check_finite`). On the
+    CPU one sum over the folded weight, bias and var decides first (NaN or inf in any input, or
+    ``var + eps <= 0``, leaves one of them non-finite); a folding that overflows from finite inputs
+    passes (the quantiser clamps it)."""
+    w, b = reduce.fold_bn(weight, bn.gamma, bn.beta, mean, var, bn.eps)
+    if w.is_cpu and not torch.compiler.is_compiling():
+        with torch.no_grad():
+            total = torch.cat((w.reshape(-1), b.reshape(-1), var.reshape(-1))).sum(dtype=torch.float64)
+        if math.isfinite(float(total)):
+            return w, b
+    check_finite({"weight": weight, "gamma": bn.gamma, "beta": bn.beta}, (mean, var, bn.eps), batch)
+    return w, b
+
+
+def check_finite(named: dict, stats: Optional[tuple] = None, batch: bool = False) -> None:
+    """Refuse NaN or inf in the tensors ``named`` (and, for ``stats = (mean, var, eps)``, in the statistics,
+    with ``var + eps > 0``): it would silence a channel. ``batch``: the statistics are the batch's.
+    Every call: a check skipped while tensors keep their version counters would miss a change through
+    ``.data``. On CUDA an asynchronous assertion (no synchronisation)."""
+    if torch.compiler.is_compiling():
+        return
+    with torch.no_grad():  # one sum: NaN or inf anywhere makes it so (in float64 no finite sum overflows)
+        parts = [t.reshape(-1) for t in named.values()]
+        if stats is not None:
+            mean, var, eps = stats
+            parts += [mean.reshape(-1), var.reshape(-1), torch.rsqrt(var + eps).reshape(-1)]
+        total = torch.cat(parts).sum(dtype=torch.float64)
+    if total.is_cuda:
+        torch._assert_async(torch.isfinite(total), "MF-PSN: NaN/inf in its weight, threshold or statistics")
+    elif not math.isfinite(float(total)):
+        raise ValueError(_non_finite_message(named, stats, batch))
+
+
+def _non_finite_message(named: dict, stats: Optional[tuple], batch: bool) -> str:
+    """What :func:`check_finite` refused, by name."""
+    if stats is not None and not batch:
+        named = {**named, "running_mean": stats[0], "running_var": stats[1]}
+    bad = [name for name, t in named.items() if not torch.isfinite(t).all()]
+    if bad:
+        return (f"{', '.join(bad)} contains NaN or inf (diverged training or a bad checkpoint); spikes from it "
+                f"would be meaningless")
+    mean, var, _ = stats
+    if batch and not (torch.isfinite(mean).all() and torch.isfinite(var).all()):
+        return ("the batch statistics of its charge are NaN or inf: NaN or inf in its input, or values large "
+                "enough to overflow (the running statistics were left as they were)")
+    return (f"{'the batch variance' if batch else 'running_var'} + eps <= 0 (min {float(var.min())}): a batch "
+            f"norm cannot be folded into the weight (a bad checkpoint?)")
+
+
+# ---------------------------------------------------------------------------- the parameter threshold
+def _param_spikes(impl, x, weight, bias, v_threshold, quantize, dilation, layout, code, alpha, sg) -> torch.Tensor:
+    if v_threshold is not None and impl.param_fire is not None and code and x.numel():
+        s = impl.param_fire(x, weight, v_threshold, quantize, dilation, layout, code, alpha)
+        if s is not None:
+            return s
+    named = {"weight": weight}
+    if v_threshold is not None:
+        named["v_threshold"] = v_threshold
+        bias = -v_threshold
+    elif bias is not None:
+        named["bias"] = bias
+    check_finite(named)
+    return _fire(impl, x, _quantized(weight, quantize), bias, dilation, layout, code, alpha, sg)
+
+
+def _fire(impl, x, w, b, dilation, layout, code, alpha, sg) -> torch.Tensor:
+    """``sg(charge(...))``, through the implementation's fused kernel when it has one. The folded ``w``,
+    ``b`` are checked against ``x`` as a charge call is (e.g. a BN parameter of higher precision folds
+    into a weight of its dtype, which x is then promoted to)."""
+    impl, x = _checked(x, w, b, dilation, layout, impl.name)
+    if impl.fire is not None and code:
+        s = impl.fire(x, w, b, dilation, layout, code, alpha)
+        if s is not None:
+            return s
+    x = _in_weight_dtype(x, w)
+    h = exact_where_overflowed(impl.apply(x, w, b, dilation, layout), lambda: impl.apply(
+        x.double(), w.double(), None if b is None else b.double(), dilation, layout))
+    if not h.requires_grad and code and not torch.compiler.is_compiling() \
+            and h.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        # No backward to come: SpikingJelly's spiking forward, Theta(H), without its Function, in place in
+        # H (never in the input, should a registered implementation hand back a view of it). Eager only:
+        # a compiled graph fuses the surrogate's forward anyway, and dynamo cannot trace storage pointers.
+        return h.ge_(0)
+    return sg(h)
+
+
+def exact_where_overflowed(h: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``h`` where it is finite; where a charge narrower than float64 is not (a sum that overflowed on the
+    way or in the end, or a NaN or inf input), the float64 charge ``exact()`` of the same inputs, cast
+    back (beyond the dtype's range: the infinity of its sign). So a spike is the sign of the exact sum
+    whatever order an implementation adds in, as the fused kernels do too. Eager only (a data-dependent
+    branch); the check is one read of ``h`` (a float64 sum: no sum of finite float32 values overflows it)."""
+    if h.dtype == torch.float64 or torch.compiler.is_compiling() or bool(h.sum(dtype=torch.float64).isfinite()):
+        return h
+    return torch.where(torch.isfinite(h), h, exact().to(h.dtype))
+
+
+# ---------------------------------------------------------------------------- the charge alone
+def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, dilation: int = 1,
+           layout: str = "time_first", method: str = "auto") -> torch.Tensor:
+    """The charge ``H = conv(X, W) + b`` alone (no quantiser, no spike), by ``method`` (an implementation
+    name, or ``'auto'``), after validating the call; an input of lower precision than the weight is
+    computed in the weight's dtype."""
+    impl, x = _checked(x, weight, bias, dilation, layout, method)
+    return impl.apply(_in_weight_dtype(x, weight), weight, bias, dilation, layout)
+
+
+# ---------------------------------------------------------------------------- one step
+def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                v_threshold: Optional[torch.Tensor] = None, bn: Optional[BatchNorm] = None, method: str = "auto",
+                backend: str = "torch", surrogate_function=None, quantize: Optional[str] = "whole",
+                training: bool = False) -> torch.Tensor:
+    """One step of :func:`mf_psn` from the inputs its taps read (single-step mode's ring buffer): the
+    spikes ``Theta(sum_i Wq[:, i] * taps[i] + b)`` of inputs ``(N, C, ...)``, ``taps[i]`` the input tap
+    ``i`` reads, ``(k-1-i)*dilation`` steps back, or None before the first step (``taps[-1]``: this
+    step's input). The threshold arguments as in :func:`mf_psn`; with ``bn`` in ``training``, the batch
+    statistics are this step's. Without a gradient to compute, a pinned ``method`` (or a kernel
+    ``backend``) with a fused step runs it in one kernel call."""
+    sg = surrogate_function if surrogate_function is not None else _default_surrogate()
+    code, _ = surrogate.fused(sg)
+    _check_step_args(taps, weight, bias, v_threshold, bn)
+    x = taps[-1]
+    bad_dtype = input_dtype_error(x.dtype, weight.dtype)
+    if bad_dtype is not None:
+        raise bad_dtype
+    _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, "time_first")
+    if code and (method != "auto" or backend != "torch") and not (bn is not None and training) \
+            and not torch.is_autocast_enabled(x.device.type):
+        impl = get(method if method != "auto" else choose(x.unsqueeze(0), weight, 1, "time_first", backend))
+        if impl.step_fire is not None:
+            b = -v_threshold if v_threshold is not None else bias
+            folded = None if bn is None else (bn.gamma, bn.beta, bn.running_mean, bn.running_var, bn.eps)
+            s = impl.step_fire(taps, weight, b, folded, quantize is not None)
+            if s is not None:
+                return s if s.dtype == x.dtype else s.to(x.dtype)
+    with _weight_precision(x):
+        s = _step_spikes([t if t is None else _in_weight_dtype(t, weight) for t in taps], weight, bias,
+                         v_threshold, bn, quantize, training, sg)
+    return s if s.dtype == x.dtype else s.to(x.dtype)
+
+
+def _step_charge(taps: list, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    cshape = [-1] + [1] * (taps[-1].dim() - 2)
+    h = None
+    for i, xi in enumerate(taps):
+        if xi is not None:
+            term = xi * w[:, i].view(cshape)
+            h = term if h is None else h + term
+    return h if b is None else h + b.view(cshape)
+
+
+def _step_spikes(taps, weight, bias, v_threshold, bn, quantize, training, sg) -> torch.Tensor:
+    if bn is not None and training:
+        mean, var = reduce.batch_stats(_step_charge(taps, weight, None), 1)
+        w, b = fold_checked(weight, bn, mean, var, batch=True)
+        update_running_stats(bn, mean, var, taps[-1].numel() // max(weight.shape[0], 1))
+    elif bn is not None:
+        w, b = fold_checked(weight, bn, bn.running_mean, bn.running_var)
+    else:
+        named = {"weight": weight}
+        if v_threshold is not None:
+            named["v_threshold"], bias = v_threshold, -v_threshold
+        elif bias is not None:
+            named["bias"] = bias
+        check_finite(named)
+        w, b = weight, bias
+    wq = _quantized(w, quantize)
+    h = exact_where_overflowed(_step_charge(taps, wq, b), lambda: _step_charge(
+        [t if t is None else t.double() for t in taps], wq.double(), None if b is None else b.double()))
+    return sg(h)
+
+
+def _check_step_args(taps: list, weight, bias, v_threshold, bn) -> None:
+    """Validate a :func:`mf_psn_step` call; raises ``ValueError`` naming the offending argument."""
+    inputs = [t for t in taps if t is not None]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] < 1 \
+            or len(taps) != weight.shape[1]:
+        raise ValueError(f"weight must have shape (C, k) with one entry of taps per tap, got weight "
+                         f"{tuple(getattr(weight, 'shape', ()))} and {len(taps)} taps")
+    if not inputs or taps[-1] is None or any(not isinstance(t, torch.Tensor) for t in inputs):
+        raise ValueError("taps[-1] (the current input, lag 0) must be a tensor, and every other entry a tensor or None")
+    x = taps[-1]
+    if x.dim() < 2 or x.shape[1] != weight.shape[0] or any(t.shape != x.shape for t in inputs):
+        raise ValueError(f"every tap must be an (N, C, ...) input like taps[-1] with C = {weight.shape[0]} "
+                         f"channels, got shapes {[tuple(t.shape) for t in inputs]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def step_taps(history: tuple, k: int, dilation: int) -> list:
+    """The ``taps`` of :func:`mf_psn_step` for the newest of ``history`` (inputs oldest first)."""
+    taps: list = [None] * k
+    for i, lag, _ in tap_schedule(len(history), k, dilation, start=len(history) - 1):
+        taps[i] = history[-1 - lag]
+    return taps
+
+
+# ---------------------------------------------------------------------------- deprecated entry points
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(f"spikingjelly_mfpsn.ops.{name} is deprecated: use {instead}", DeprecationWarning, stacklevel=3)
+
+
+def fire(x, weight, bias, dilation, layout, method, surrogate_function) -> torch.Tensor:
+    """Deprecated: ``mf_psn(x, weight, bias=bias, quantize=None, ...)``."""
+    _deprecated("fire", "ops.mf_psn(x, weight, bias=bias, quantize=None, ...)")
+    return mf_psn(x, weight, bias=bias, dilation=dilation, layout=layout, method=method,
+                  surrogate_function=surrogate_function, quantize=None)
+
+
+def batch_stats(x, weight, dilation, layout, method) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deprecated: ``ops.reduce.batch_stats(ops.charge(...), channel_dim)``, or a BatchNorm in mf_psn."""
+    _deprecated("batch_stats", "ops.reduce.batch_stats(ops.charge(x, weight, ...), channel_dim)")
+    impl, x = _checked(x, weight, None, dilation, layout, method)
+    return _stats(impl, x, weight, dilation, layout)
+
+
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, method, surrogate_function, running=None,
+            given=None) -> Optional[tuple]:
+    """Deprecated: ``mf_psn(x, weight, bn=BatchNorm(...), ...)``. The implementation's fused step, or None."""
+    _deprecated("bn_fire", "ops.mf_psn(x, weight, bn=ops.BatchNorm(...), ...)")
+    impl, x = _checked(x, weight, None, dilation, layout, method)
+    code, alpha = surrogate.fused(surrogate_function)
+    if impl.bn_fire is None or not code or not x.numel():
+        return None
+    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running, given)
+
+
+def bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, method, surrogate_function, running=None,
+                   given=None) -> Optional[tuple]:
+    """Deprecated: ``mf_psn(x, weight, bn=BatchNorm(...), method=method)`` tries a self-checking step first."""
+    _deprecated("bn_fire_direct", "ops.mf_psn(x, weight, bn=ops.BatchNorm(...), method=method, ...)")
+    impl = _resolved(x, weight, dilation, layout, method, "torch")
+    code, alpha = surrogate.fused(surrogate_function)
+    if impl is None or not impl.checks_inputs or not code:
+        return None
+    return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running, given)
+
+
+def param_fire(x, weight, v_threshold, ste, dilation, layout, method, surrogate_function) -> Optional[torch.Tensor]:
+    """Deprecated: ``mf_psn(x, weight, v_threshold=v_threshold, ...)``. The fused step, or None."""
+    _deprecated("param_fire", "ops.mf_psn(x, weight, v_threshold=v_threshold, ...)")
+    impl, x = _checked(x, weight, None, dilation, layout, method)
+    code, alpha = surrogate.fused(surrogate_function)
+    if impl.param_fire is None or not code or not x.numel():
+        return None
+    return impl.param_fire(x, weight, v_threshold, ste, dilation, layout, code, alpha)
+
+
+def step_fire(taps, weight, bias, bn, quantize, method, surrogate_function) -> Optional[torch.Tensor]:
+    """Deprecated: ``mf_psn_step(taps, weight, ...)``. The implementation's fused step, or None."""
+    _deprecated("step_fire", "ops.mf_psn_step(taps, weight, ...)")
+    impl = get(method)
+    _check_step_args(taps, weight, bias, None, None)
+    if bn is not None and (bias is not None or any(tuple(t.shape) != (weight.shape[0],) for t in bn[:4])):
+        raise ValueError(f"give either bias or bn = (gamma, beta, mean, var, eps), each of shape "
+                         f"({weight.shape[0]},)")
+    if bn is None and bias is None:
+        raise ValueError("give either bias or bn = (gamma, beta, mean, var, eps)")
+    if impl.step_fire is None or not surrogate.fused(surrogate_function)[0]:
+        return None
+    return impl.step_fire(taps, weight, bias, bn, quantize)

@@ -1,0 +1,56 @@
+"""The surrogate table: SpikingJelly surrogates whose spike the fused kernels reproduce exactly.
+
+One entry per surrogate: its kernel code and the two constants of its derivative from its ``alpha``.
+Every backend reads it from here: the C++ kernels are compiled with the codes as macros
+(:func:`cpp_defines`), the Triton kernels compare against :data:`CODES`, and both take the constants
+from :func:`constants`. Adding a surrogate is one entry here plus its derivative in each kernel
+(``surrogate_grad`` in ``cpu/mfpsn_cpu.cpp``, ``_surrogate_grad`` in ``triton_ops.py``); any other
+surrogate runs unfused (the charge, then the surrogate module), with the same results.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+
+class Fused(NamedTuple):
+    code: int  # > 0; the kernels' ``kind`` (C++ ``MFPSN_SG_<NAME>``, Triton ``SG``)
+    constants: Callable[[float], tuple[float, float]]  # alpha -> (c1, c2) of the kernels' derivative
+
+
+# SpikingJelly class name -> entry. ATan: dS/dH = c2 / (1 + (c1 H)^2); Sigmoid: c1 s (1 - s), s = sigmoid(c1 H).
+TABLE = {
+    "ATan": Fused(1, lambda alpha: (math.pi / 2 * alpha, alpha / 2)),
+    "Sigmoid": Fused(2, lambda alpha: (alpha, 0.0)),
+}
+CODES = {name: entry.code for name, entry in TABLE.items()}
+NONE = (0, 0.0)  # what :func:`fused` gives for a surrogate the kernels do not reproduce
+_BY_CODE = {entry.code: entry for entry in TABLE.values()}
+_TYPES: dict = {}  # SpikingJelly's class -> code, filled at the first call (SpikingJelly imports late)
+
+
+def fused(surrogate_function) -> tuple[int, float]:
+    """``(code, alpha)`` of a surrogate the fused kernels reproduce exactly, else :data:`NONE`.
+
+    Only SpikingJelly's own classes of the table (exact type, spiking mode, a float alpha, no hooks):
+    a subclass or a hooked module may behave differently, so it takes the unfused path."""
+    if not _TYPES:
+        from .._compat import surrogate
+        _TYPES.update({getattr(surrogate, name): code for name, code in CODES.items()})
+    code = _TYPES.get(type(surrogate_function), 0)
+    if not code or not getattr(surrogate_function, "spiking", False) \
+            or not isinstance(surrogate_function.alpha, (int, float)):
+        return NONE
+    if surrogate_function._forward_hooks or surrogate_function._forward_pre_hooks:
+        return NONE
+    return code, float(surrogate_function.alpha)
+
+
+def constants(code: int, alpha: float) -> tuple[float, float]:
+    """``(c1, c2)`` of the derivative of the surrogate with kernel ``code``."""
+    return _BY_CODE[code].constants(alpha)
+
+
+def cpp_defines() -> list[str]:
+    """The compiler flags that give the C++ kernels the table's codes."""
+    return [f"-DMFPSN_SG_{name.upper()}={code}" for name, code in CODES.items()]

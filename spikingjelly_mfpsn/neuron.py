@@ -177,35 +177,36 @@ class ChargeNeuronBase(MemoryModule):
                     "or to_time_first(net)")
         return ""
 
-    def _check_input_once(self, x: torch.Tensor) -> None:
-        """:meth:`_check_input`, skipped while inputs keep the shape, dtype and configuration last checked."""
-        key = (x.shape, x.dtype, self._layout, self.step_mode, self.channels, self._compute_dtype()) \
+    def _checked_args(self, x: torch.Tensor) -> dict:
+        """The arguments of ``ops.mf_psn`` for this forward, after :meth:`_check_input`, which is skipped
+        while inputs keep the shape and dtype last checked, and the neuron its configuration."""
+        args = self._mf_psn_args()
+        w = args["weight"]
+        key = (x.shape, x.dtype, w.shape, w.dtype, self._layout, self.step_mode) \
             if isinstance(x, torch.Tensor) else None
         if key is None or key != self.__dict__.get("_checked_key"):
             self._check_input(x)
             self.__dict__["_checked_key"] = key
+        args["method"], args["backend"] = self._method, self._backend
+        args["surrogate_function"] = self._member("surrogate_function")
+        return args
 
     def _promoted(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, self._compute_dtype())
         return x if x.dtype == dtype else x.to(dtype)
 
-    def _call_args(self) -> dict:
-        return {**self._mf_psn_args(), "method": self._method, "backend": self._backend,
-                "surrogate_function": self._member("surrogate_function")}
-
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        self._check_input_once(x_seq)
-        return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **self._call_args())
+        return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **self._checked_args(x_seq))
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input_once(x)
+        args = self._checked_args(x)
         queue = self.x_queue
         if queue and queue[-1].shape != x.shape:
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
         history = queue + (self._promoted(x),)
-        spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **self._call_args())
+        spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes

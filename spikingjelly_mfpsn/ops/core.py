@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import reduce, surrogate
-from .registry import (Implementation, channel_dim, check_charge_args, choose, get, input_dtype_error, supported,
+from .registry import (Implementation, channel_dim, check_charge_args, choose, find, get, input_dtype_error, supported,
                        tap_schedule)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
@@ -69,10 +69,10 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     """
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, alpha = surrogate.fused(sg)
-    if bn is not None and code and (method != "auto" or backend != "torch") and isinstance(x, torch.Tensor) \
-            and not torch.is_autocast_enabled(x.device.type):
-        impl = _resolved(x, weight, dilation, layout, method, backend)
-        if impl is not None and impl.checks_inputs:  # first a step that checks every tensor itself
+    if bn is not None and code and (method != "auto" or backend != "torch"):
+        impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
+        if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) \
+                and not torch.is_autocast_enabled(x.device.type):  # first a step that checks every tensor itself
             s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
             if s is not None:
                 return s
@@ -117,10 +117,9 @@ def _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, 
     if bn is not None and not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
         raise ValueError(f"bn.eps must be a number > 0, got {bn.eps!r}")
     c = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-    named = [("v_threshold", v_threshold)] if bn is None else \
-        [(f"bn.{n}", getattr(bn, n)) for n in ("gamma", "beta", "running_mean", "running_var")]
-    for name, t in named:
-        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (c,)):
+    for i, t in enumerate((v_threshold,) if bn is None else bn[:4]):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != c):
+            name = "v_threshold" if bn is None else "bn." + BatchNorm._fields[i]
             raise ValueError(f"{name} must be a tensor of shape ({c},) (one per channel), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
 
@@ -172,10 +171,10 @@ def _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, trai
     """The implementation's fused BN step (``bn_fire``), or None where it has none for this call."""
     if impl.bn_fire is None or not code:
         return None
-    stats = (bn.running_mean, bn.running_var)
-    running = (*stats, _running_factor(bn, 1)) if training and stats[0] is not None else None
-    out = impl.bn_fire(x, weight, bn.gamma, bn.beta, bn.eps, quantize, dilation, layout, code, alpha, running,
-                       None if training else stats)
+    gamma, beta, mean, var, eps = bn[:5]
+    running = (mean, var, _running_factor(bn, 1)) if training and mean is not None else None
+    out = impl.bn_fire(x, weight, gamma, beta, eps, quantize, dilation, layout, code, alpha, running,
+                       None if training else (mean, var))
     if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
         return None
     if training and bn.num_batches_tracked is not None:

@@ -25,7 +25,8 @@ from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio
 from spikingjelly.activation_based import layer  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, models, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
+from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 
 class StubbedTriton:

@@ -37,7 +37,8 @@ from _timing import interleaved, machine, markdown_table, median, ratio_cell  # 
 from spikingjelly.activation_based import functional  # noqa: E402
 
 import spikingjelly_mfpsn as mf  # noqa: E402
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, models, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
+from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 VANILLA = ("time_first", "conv1d")
 

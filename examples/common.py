@@ -36,8 +36,9 @@ except ImportError:  # running from a source checkout without installing the pac
 from spikingjelly.activation_based import functional
 from tqdm import tqdm
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, models, ops
-from spikingjelly_mfpsn.data import DataError
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
+from spikingjelly_mfpsn.paper import models
+from spikingjelly_mfpsn.paper.data import DataError
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"

@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import common
-from spikingjelly_mfpsn import data, models
+from spikingjelly_mfpsn.paper import data, models
 
 
 def parse_args(argv=None):

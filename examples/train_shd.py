@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import common
-from spikingjelly_mfpsn import data, models
+from spikingjelly_mfpsn.paper import data, models
 
 
 def parse_args(argv=None):

@@ -18,7 +18,8 @@ import torch
 
 from spikingjelly.activation_based import functional, neuron as sj_neuron
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, data, models
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat
+from spikingjelly_mfpsn.paper import data, models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -525,3 +526,16 @@ def test_paper_networks_run_time_last_with_the_same_outputs(name):
     functional.reset_net(net)
     net = to_time_first(net)
     torch.testing.assert_close(net(x), want)
+
+
+def test_the_paper_nets_and_readers_live_outside_the_library():
+    """The library never imports the paper's networks and data readers; their old names still work."""
+    import subprocess
+    import sys
+    code = ("import sys, spikingjelly_mfpsn, spikingjelly_mfpsn.ops; "
+            "from spikingjelly_mfpsn import functional, deploy, energy, convert, layer, tuner; "
+            "print(sorted(m for m in sys.modules if m.startswith('spikingjelly_mfpsn.paper')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from spikingjelly_mfpsn import data as old_data, models as old_models
+    assert old_models.BUILDERS is models.BUILDERS and old_data.load_digits is data.load_digits

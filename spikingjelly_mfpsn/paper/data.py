@@ -1,0 +1,240 @@
+"""Data for the examples: bundled handwritten digits, CIFAR-10/100 pickles, SHD .h5 files.
+
+Nothing is downloaded. Images come back as float tensors ``(N, C, H, W)`` in ``[0, 1]`` with int64
+labels; :func:`to_columns` and :func:`to_pixels` turn a batch into the time-first sequences of the
+sequential and pixel tasks.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tarfile
+import zlib
+from typing import Optional
+
+import numpy as np
+import torch
+
+Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # x_train, y_train, x_test, y_test
+
+CIFAR = {
+    # name: (archive, extracted folder, train members, test member, label key, classes)
+    "cifar10": ("cifar-10-python.tar.gz", "cifar-10-batches-py",
+                [f"data_batch_{i}" for i in range(1, 6)], "test_batch", b"labels", 10),
+    "cifar100": ("cifar-100-python.tar.gz", "cifar-100-python", ["train"], "test", b"fine_labels", 100),
+}
+CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+SHD_FILES = ("shd_train.h5", "shd_test.h5")
+SHD_URL = "https://zenkelab.org/resources/spiking-heidelberg-datasets-shd/"
+
+
+class DataError(ValueError):
+    """A data file that is there but cannot be used: damaged, truncated or of another format."""
+
+
+def _unpickle(read, where: str, name: str) -> dict:
+    """A CIFAR batch from ``read()`` (its bytes); a damaged or foreign file raises :class:`DataError`."""
+    try:
+        batch = pickle.loads(read(), encoding="bytes")
+    except Exception as e:  # noqa: BLE001  (a damaged pickle raises almost anything)
+        raise DataError(f"{where} is not a readable CIFAR python batch ({type(e).__name__}: {e}): the file is "
+                        f"damaged or of another format; unpack the {name} python archive again") from e
+    if not isinstance(batch, dict):
+        raise DataError(f"{where} is not a CIFAR python batch: it holds a {type(batch).__name__}, not a dict")
+    return batch
+
+
+def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
+    """scikit-learn's bundled handwritten digits (1797 images, 8x8, 10 classes), split in a fixed,
+    class-stratified way. Images ``(N, 1, 8, 8)`` in ``[0, 1]``."""
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as e:
+        raise ImportError("the digits data set needs scikit-learn: pip install scikit-learn") from e
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    d = sk_load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    i_train, i_test = train_test_split(np.arange(len(y)), test_size=test_fraction, random_state=seed,
+                                       stratify=d.target)
+    i_train, i_test = torch.as_tensor(i_train), torch.as_tensor(i_test)
+    return x[i_train], y[i_train], x[i_test], y[i_test]
+
+
+def _cifar_arrays(batch: dict, label_key: bytes, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if b"data" not in batch or label_key not in batch:
+        raise DataError(f"{where} is not a CIFAR python batch: it lacks the keys b'data' and {label_key!r}")
+    data = np.asarray(batch[b"data"], dtype=np.uint8)
+    if data.ndim != 2 or data.shape[1] != 3072:
+        raise DataError(f"{where}: b'data' must be (N, 3072) uint8, got shape {data.shape}")
+    labels = np.asarray(batch[label_key], dtype=np.int64)
+    if labels.shape != (data.shape[0],):
+        raise DataError(f"{where}: {data.shape[0]} images but {labels.shape[0]} labels")
+    x = torch.from_numpy(data.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
+    return x, torch.from_numpy(labels)
+
+
+def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
+    """CIFAR-10/100 from the standard python-pickle archive in ``data_dir``: either the archive itself
+    (``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz``) or its extracted folder
+    (``cifar-10-batches-py/`` / ``cifar-100-python/``), or that folder itself. Images ``(N, 3, 32, 32)``
+    in ``[0, 1]``.
+
+    The batches are Python pickles: only read files from the official archive (or your own).
+    """
+    if name not in CIFAR:
+        raise ValueError(f"name must be one of {sorted(CIFAR)}, got {name!r}")
+    archive, folder, train_members, test_member, label_key, _ = CIFAR[name]
+    archive_path = os.path.join(data_dir, archive)
+    members = train_members + [test_member]
+    folders = [p for p in (os.path.join(data_dir, folder), data_dir)
+               if all(os.path.isfile(os.path.join(p, m)) for m in members)]
+    if folders:
+        folder_path = folders[0]
+        batches = {}
+        for m in members:
+            path = os.path.join(folder_path, m)
+            with open(path, "rb") as f:
+                batches[m] = _unpickle(f.read, path, name)
+    elif os.path.isfile(archive_path):
+        try:
+            with tarfile.open(archive_path, "r:gz") as tar:
+                names = set(tar.getnames())
+                missing = [m for m in members if f"{folder}/{m}" not in names]
+                if missing:
+                    raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python "
+                                            f"archive?")
+                batches = {m: _unpickle(tar.extractfile(f"{folder}/{m}").read, f"{archive_path}:{folder}/{m}", name)
+                           for m in members}
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise DataError(f"{archive_path} cannot be read as a .tar.gz archive ({type(e).__name__}: {e}): it is "
+                            f"damaged or truncated; fetch {archive} again ({CIFAR_URL})") from e
+    else:
+        raise FileNotFoundError(
+            f"{name} not found in --data-dir {data_dir!r}: put the python version of the data set there, either "
+            f"the archive {archive} or its extracted folder {folder}/ (with {', '.join(members)}). "
+            f"It is published at {CIFAR_URL}; nothing is downloaded automatically.")
+    train = [_cifar_arrays(batches[m], label_key, f"{name}/{m}") for m in train_members]
+    x_test, y_test = _cifar_arrays(batches[test_member], label_key, f"{name}/{test_member}")
+    return torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), x_test, y_test
+
+
+def num_classes(name: str) -> int:
+    """Number of classes of an image data set name ('digits', 'cifar10', 'cifar100')."""
+    return 10 if name == "digits" else CIFAR[name][-1]
+
+
+def load_images(name: str, data_dir: Optional[str] = None) -> Split:
+    """``'digits'`` (bundled) or ``'cifar10'`` / ``'cifar100'`` from ``data_dir``."""
+    if name == "digits":
+        return load_digits()
+    if name in CIFAR:
+        if data_dir is None:
+            raise ValueError(f"dataset {name!r} needs --data-dir, the folder holding {CIFAR[name][0]}")
+        return load_cifar(data_dir, name)
+    raise ValueError(f"dataset must be 'digits', 'cifar10' or 'cifar100', got {name!r}")
+
+
+def standardize(x_train: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zero mean, unit variance per channel, with the statistics of ``x_train`` applied to all."""
+    dims = [d for d in range(x_train.dim()) if d != 1]
+    mean = x_train.mean(dims, keepdim=True)
+    std = x_train.std(dims, keepdim=True).clamp_min(1e-6)
+    return tuple((x - mean) / std for x in (x_train, *others))
+
+
+def to_columns(images: torch.Tensor) -> torch.Tensor:
+    """``(N, C, H, W)`` images -> ``(T=W, N, C, H)``: one column per time step."""
+    return images.permute(3, 0, 1, 2).contiguous()
+
+
+def to_pixels(images: torch.Tensor) -> torch.Tensor:
+    """``(N, C, H, W)`` images -> ``(T=H*W, N, C)``: one pixel per time step, row by row."""
+    return images.flatten(2).permute(2, 0, 1).contiguous()
+
+
+class SHD(torch.utils.data.Dataset):
+    """Spiking Heidelberg Digits from its .h5 file (``spikes/times`` in seconds, ``spikes/units`` in
+    0..699, ``labels``), each sample binned into ``bins`` frames of spike counts.
+
+    :param path: ``shd_train.h5`` or ``shd_test.h5``
+    :param bins: number of time steps T
+    :param duration: seconds covered by the bins; spikes at or after it (or before 0) are dropped and
+        counted in :attr:`dropped_spikes`. ``None``: the latest spike time in the file, so nothing is dropped
+    :param unit_bin: sum this many neighbouring input channels (700 / unit_bin features)
+    :param units: number of input channels of the recording (700 for SHD)
+
+    An item is ``(frames (T, units / unit_bin) float32, label int64)``.
+    """
+
+    def __init__(self, path: str, bins: int = 100, duration: Optional[float] = None, unit_bin: int = 5,
+                 units: int = 700):
+        try:
+            import h5py
+        except ImportError as e:
+            raise ImportError("reading SHD needs h5py: pip install h5py") from e
+        for name, v in (("bins", bins), ("unit_bin", unit_bin), ("units", units)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"SHD file {path!r} not found: put {SHD_FILES[0]} and {SHD_FILES[1]} (gunzip the .h5.gz files "
+                f"published at {SHD_URL}) in --data-dir; nothing is downloaded automatically.")
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise DataError(f"{path} cannot be read as HDF5 ({e}): it is damaged, truncated or still gzipped; "
+                            f"gunzip the .h5.gz published at {SHD_URL} again") from e
+        with f:
+            for key in ("spikes/times", "spikes/units", "labels"):
+                if key not in f:
+                    raise DataError(f"{path} is not an SHD file: it has no dataset {key!r}")
+            self.times = [np.asarray(t, dtype=np.float64) for t in f["spikes/times"]]
+            self.units = [np.asarray(u, dtype=np.int64) for u in f["spikes/units"]]
+            self.labels = np.asarray(f["labels"], dtype=np.int64)
+        if not len(self.times) == len(self.units) == len(self.labels):
+            raise DataError(f"{path}: {len(self.times)} spike-time lists, {len(self.units)} unit lists and "
+                            f"{len(self.labels)} labels; they must match")
+        for i, (t, u) in enumerate(zip(self.times, self.units)):
+            if t.shape != u.shape:
+                raise DataError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")
+            if u.size and (u.min() < 0 or u.max() >= units):
+                raise DataError(f"{path}: sample {i} has a unit outside 0..{units - 1}")
+        latest = max((t.max() for t in self.times if t.size), default=0.0)
+        if duration is None:
+            duration = float(np.nextafter(latest, np.inf)) if latest > 0 else 1.0
+        if not duration > 0:
+            raise ValueError(f"duration must be > 0 seconds, got {duration!r}")
+        self.bins, self.duration, self.unit_bin = bins, float(duration), unit_bin
+        self.features = -(-units // unit_bin)
+        self.dropped_spikes = int(sum(((t < 0) | (t >= self.duration)).sum() for t in self.times))
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.labels.max()) + 1 if len(self.labels) else 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t, u = self.times[i], self.units[i]
+        keep = (t >= 0) & (t < self.duration)
+        step = np.minimum((t[keep] / self.duration * self.bins).astype(np.int64), self.bins - 1)
+        frames = np.zeros((self.bins, self.features), dtype=np.float32)
+        np.add.at(frames, (step, u[keep] // self.unit_bin), 1.0)
+        return torch.from_numpy(frames), torch.tensor(self.labels[i])
+
+
+def load_shd(data_dir: str, **kwargs) -> tuple[SHD, SHD]:
+    """``(train, test)`` :class:`SHD` sets from ``data_dir``; both are binned over the same duration."""
+    train = SHD(os.path.join(data_dir, SHD_FILES[0]), **kwargs)
+    kwargs["duration"] = train.duration
+    return train, SHD(os.path.join(data_dir, SHD_FILES[1]), **kwargs)
+
+
+__all__ = ["CIFAR", "SHD", "DataError", "load_cifar", "load_digits", "load_images", "load_shd", "num_classes", "standardize", "to_columns",
+           "to_pixels"]

@@ -123,7 +123,8 @@ def has_time_last_boundary(net: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------- to_time_last
-_TIME_LAST = (layer.TimeLastModule, layer.TimeLastDropout, layer.TimeLastSequential, layer.TLastSeqToANNContainer)
+#: The wrappers that run time-last whatever they wrap (a network holding one runs time-last inside).
+TIME_LAST_TYPES = (layer.TimeLastModule, layer.TimeLastDropout, layer.TimeLastSequential, layer.TLastSeqToANNContainer)
 
 
 def _layout_aware(m: nn.Module) -> bool:
@@ -176,7 +177,7 @@ class _Converter:
         return self.done[key]
 
     def _replacement(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
-        if isinstance(m, _TIME_LAST) or _has_hooks(m, _island_enter, _island_exit):
+        if isinstance(m, TIME_LAST_TYPES) or _has_hooks(m, _island_enter, _island_exit):
             return m
         if _layout_aware(m):
             if per_step or getattr(m, "step_mode", "m") != "m":

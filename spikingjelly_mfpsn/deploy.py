@@ -39,9 +39,9 @@ import torch
 import torch.nn as nn
 
 from . import _compat, ops
+from ._util import run_hooked
 from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
-from .tuner import _args
 
 #: Default number of fractional bits of a neuron's fixed-point input (without calibration data: see
 #: :func:`set_integer`). 24 bits hold float32 activations' fractions with the integer part's 30-odd
@@ -440,19 +440,12 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
     return net
 
 
-@torch.no_grad()
 def _run_capturing(net: nn.Module, x, neurons) -> dict[str, list]:
     """Run ``net`` on ``x`` as its neurons are set: ``{name: [(input, spikes) of each call]}``."""
     seen: dict[str, list] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, []).append((inp[0], out)))
-             for n, m in neurons]
-    try:
-        _compat.functional.reset_net(net)
-        net(*_args(x))
-    finally:
-        for h in hooks:
-            h.remove()
-        _compat.functional.reset_net(net)
+    _compat.functional.reset_net(net)
+    run_hooked(net, x, [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, []).append((inp[0], out)))
+                        for n, m in neurons])
     return seen
 
 

@@ -35,11 +35,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _compat, ops
+from ._util import as_args
 from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
 from .neuron import MulFreeChannelwisePSN
-from .tuner import _args
 
 #: Energy per operation in pJ at 45 nm (paper Sec. 5.4: FP32 MUL/ADD, FIX32 SHIFT, MAC/AC of Eq. syn).
 COSTS_45NM = {"mul": 3.7, "add": 0.9, "shift": 0.13, "mac": 4.6, "ac": 0.9}
@@ -333,7 +333,7 @@ def _own_pass(net: nn.Module, x) -> list[dict]:
         elif _synaptic_layer(module) is not None:
             hooks.append(module.register_forward_hook(on_synapse(label, _synaptic_layer(module))))
     try:
-        net(*_args(x))
+        net(*as_args(x))
     finally:
         for h in hooks:
             h.remove()
@@ -347,7 +347,7 @@ def _spikingjelly_pass(net: nn.Module, x) -> dict[str, dict]:
     synop = oc.SynOpCounter(extra_ignore_modules=list(NEURON_TYPES))
     neuron = NeuronOpCounter()
     with oc.ModuleCounterMode([neuron], model=net), oc.DispatchCounterMode([mac, synop]):
-        net(*_args(x))
+        net(*as_args(x))
     scopes: dict[str, dict] = {}
     for counter, op in ((mac, "mac"), (synop, "sop")):
         for scope, per_func in counter.get_counts().items():
@@ -394,7 +394,7 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
     """
     if sops not in ("formula", "events"):
         raise ValueError(f"sops must be 'formula' or 'events', got {sops!r}")
-    first = _args(x)[0] if _args(x) else None
+    first = as_args(x)[0] if as_args(x) else None
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor (or a tuple of inputs, the first a tensor), got "
                         f"{type(x).__name__}" + (f" of {type(first).__name__}" if isinstance(x, tuple) else ""))

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, ops
+from ._util import run_hooked
 from .neuron import MulFreeChannelwisePSN
 
 logger = _compat.logger
@@ -99,17 +100,12 @@ def _run_order(net: nn.Module, modules: list[nn.Module], example_input) -> dict[
                 step = getattr(mod, "step_mode", "s")
                 seen[id(mod)] = x.shape[2 if step == "m" and x.dim() >= 3 else 1] if x.dim() >= 2 else x.shape[0]
         hooks.append(m.register_forward_pre_hook(hook))
-    from .tuner import _args
     was_training = net.training
+    net.eval()
     try:
-        with torch.no_grad():
-            net.eval()
-            net(*_args(example_input))
+        run_hooked(net, example_input, hooks)
     finally:
         net.train(was_training)
-        for h in hooks:
-            h.remove()
-        _compat.functional.reset_net(net)
     return seen
 
 

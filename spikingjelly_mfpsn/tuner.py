@@ -33,9 +33,9 @@ from typing import Callable, Optional, Sequence, Union
 import filelock
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from . import _compat, ops
+from ._util import as_args, device_type, run_hooked, sync, tensors
 
 CACHE_SCHEMA = 1
 # A candidate whose timed runs all took more than this many times the best time so far is no longer
@@ -127,12 +127,6 @@ def _clone_args(args, grad: bool = True):
                  else a for a in args)
 
 
-def _args(x) -> tuple:
-    """A network's positional inputs: a tuple ``x`` holds several (as ``torch.jit.trace`` takes them),
-    anything else (a tensor, a list, a dict) is the one input."""
-    return x if isinstance(x, tuple) else (x,)
-
-
 def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple]:
     seen: dict[str, tuple] = {}
     hooks = []
@@ -141,19 +135,8 @@ def _capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dic
             if name not in seen:
                 seen[name] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
         hooks.append(m.register_forward_pre_hook(hook, prepend=True))  # before a fallback island's own
-    try:
-        with torch.no_grad():
-            net(*_args(x))
-    finally:
-        for h in hooks:
-            h.remove()
-        _compat.functional.reset_net(net)
+    run_hooked(net, x, hooks)
     return seen
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _SeedGradient(torch.autograd.Function):
@@ -200,7 +183,7 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         _compat.functional.reset_net(module)
         t0 = timer()
         out = module(*inputs)
-        _sync(device)
+        sync(device)
         t1 = timer()
         elapsed = t1 - t0
         if warm:
@@ -210,14 +193,14 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
             slow_warmups += lost
             if slow_warmups == 2:  # a second forward, without one-off costs, lost as well
                 break
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs = [t for t in tensors(out) if t.requires_grad]
         if not lost and backward and outs:
             if z is None or [t.shape for t in z] != [t.shape for t in outs]:
                 z = [torch.ones_like(t) for t in outs]
             seed = sum(_SeedGradient.apply(t, g) for t, g in zip(outs, z))
             t2 = timer()
             seed.backward()
-            _sync(device)
+            sync(device)
             elapsed += timer() - t2
         if not warm:
             warm = not lost or not backward  # (without gradients, a forward is the whole run)
@@ -255,9 +238,9 @@ def _run_mode(tensors) -> dict:
     (forward-only timings and plans, for inference) or under autocast (its dtype); nothing otherwise,
     so earlier training keys stay valid."""
     mode = {} if torch.is_grad_enabled() else {"forward_only": True}
-    device_type = _device_type(tensors)
-    if torch.is_autocast_enabled(device_type):
-        mode["autocast"] = str(torch.get_autocast_dtype(device_type))
+    kind = device_type(tensors)
+    if torch.is_autocast_enabled(kind):
+        mode["autocast"] = str(torch.get_autocast_dtype(kind))
     return mode
 
 
@@ -279,28 +262,18 @@ def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
 
-def _tensors(x) -> list:
-    """The tensors of a network's input: ``x`` itself, or those inside tuples, lists and dicts of
-    inputs (a batch given as a dict included)."""
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def _device_type(tensors: list) -> str:
-    return tensors[0].device.type if tensors else "cpu"
-
-
 def net_key(net: nn.Module, x, layouts, fallback: Optional[str] = None) -> str:
     """Cache key of a whole network's choice: every module's signature, the input, the device, the
     layouts considered (and the time-last conversion's fallback), the registered implementations and
     the library versions."""
-    tensors = _tensors(x)
+    ts = tensors(x)
     mods = [[name, f"{type(m).__module__}.{type(m).__qualname__}",
              _repr_without_method(m) if is_tunable(m) else m.extra_repr(),
              [list(p.shape) for p in m.parameters(recurse=False)], m.training]
             for name, m in net.named_modules()]
-    sig = {"modules": mods, "inputs": [[list(t.shape), str(t.dtype)] for t in tensors],
-           "device": _device_name(tensors[0].device) if tensors else "none", "layouts": list(layouts),
-           "implementations": sorted(ops.names()), "versions": _versions(), **_run_mode(tensors),
+    sig = {"modules": mods, "inputs": [[list(t.shape), str(t.dtype)] for t in ts],
+           "device": _device_name(ts[0].device) if ts else "none", "layouts": list(layouts),
+           "implementations": sorted(ops.names()), "versions": _versions(), **_run_mode(ts),
            **({"fallback": fallback} if fallback else {})}
     return hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()
 
@@ -614,8 +587,8 @@ def _outputs(net: nn.Module, x) -> torch.Tensor:
     was_training = net.training
     net.eval()
     try:
-        with torch.no_grad(), torch.autocast(_device_type(_tensors(x)), enabled=False):
-            return net(*_args(x))
+        with torch.no_grad(), torch.autocast(device_type(tensors(x)), enabled=False):
+            return net(*as_args(x))
     finally:
         net.train(was_training)
         _compat.functional.reset_net(net)
@@ -882,8 +855,8 @@ def _time_compiled(net, x_example, m, measure_fn, backend, reference, snap, repo
     The compiled step is timed after its first run (the compilation itself is not counted)."""
     def step_time():  # fed data, no input gradient: the very graph training will run
         if measure_fn is measure:
-            return measure(net, _args(x_example), m, input_grad=False)
-        return float(measure_fn(net, _args(x_example), m))
+            return measure(net, as_args(x_example), m, input_grad=False)
+        return float(measure_fn(net, as_args(x_example), m))
 
     eager = step_time()
     _restore(net, snap)
@@ -913,10 +886,10 @@ def _progress(mods, layout, progress):
 def _check_time_first_input(net: nn.Module) -> None:
     """autoselect feeds ``net`` time-first inputs: a network converted with ``to_time_last(net,
     boundary=False)`` takes ``(N, ..., T)`` instead, which the layout conversions cannot tell."""
-    from .convert import _TIME_LAST, has_time_last_boundary
+    from .convert import TIME_LAST_TYPES, has_time_last_boundary
     if has_time_last_boundary(net):
         return
-    inner = next((name for name, m in net.named_modules() if isinstance(m, _TIME_LAST)
+    inner = next((name for name, m in net.named_modules() if isinstance(m, TIME_LAST_TYPES)
                   or getattr(m, "layout", None) == "time_last"), None)
     if inner is not None:
         raise ValueError(f"net runs time-last without the boundary that takes time-first inputs (module "
@@ -981,7 +954,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     _check_time_first_input(net)
-    for t in _tensors(x_example):
+    for t in tensors(x_example):
         if not t.numel():
             raise ValueError(f"x_example has an empty tensor (shape {tuple(t.shape)}): autoselect times the "
                              f"shapes training runs, so give it a batch of real samples and steps")

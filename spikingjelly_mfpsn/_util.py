@@ -1,0 +1,44 @@
+"""Small helpers the package's modules share: a network's inputs, running it with recording hooks,
+the device it runs on."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from . import _compat
+
+
+def as_args(x) -> tuple:
+    """A network's positional inputs: a tuple ``x`` holds several (as ``torch.jit.trace`` takes them),
+    anything else (a tensor, a list, a dict) is the one input."""
+    return x if isinstance(x, tuple) else (x,)
+
+
+def run_hooked(net: nn.Module, x, hooks: list) -> None:
+    """Run ``net`` on input ``x`` without gradients, then remove ``hooks`` (that recorded the run) and
+    reset the network's state."""
+    try:
+        with torch.no_grad():
+            net(*as_args(x))
+    finally:
+        for h in hooks:
+            h.remove()
+        _compat.functional.reset_net(net)
+
+
+def tensors(x) -> list:
+    """The tensors of a network's input or output: ``x`` itself, or those inside tuples, lists and dicts
+    (a batch given as a dict included)."""
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def device_type(ts: list) -> str:
+    """The device type of the first of tensors ``ts`` ('cpu' for none)."""
+    return ts[0].device.type if ts else "cpu"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; nothing to wait for elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

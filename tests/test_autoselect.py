@@ -378,10 +378,34 @@ def test_a_network_with_structured_outputs_gets_a_plan(tmp_path):
     after = eval_out(net, x)
     torch.testing.assert_close(after[0], before[0])
     assert after[1].keys() == before[1].keys() and after[1]["steps"] == 6
-    agree = tuner._agree
-    assert agree(before, after) and not agree(before, (before[0], {"total": before[1]["total"] + 1, "steps": 6}))
-    assert not agree(before, (before[0], {"total": before[1]["total"]})) and not agree(before, list(before))
-    assert not agree(before, (before[0], {"total": before[1]["total"], "steps": 7}))
+
+
+class _Reconfigured(nn.Module):
+    """_WithExtras whose output changes in one ``part`` once its neurons run a method other than the one
+    they were built with ('auto'), as every configuration autoselect applies sets one ('few_samples':
+    the tensor, on a batch of at most ``tuner.PROBE`` samples only)."""
+
+    def __init__(self, part):
+        super().__init__()
+        self.body, self.part = seq_net(), part
+
+    def forward(self, x):
+        changed = any(m.method != "auto" for m in self.modules() if isinstance(m, MulFreeChannelwisePSN))
+        y = self.body(x) + (changed and self.part == "few_samples" and x.shape[1] <= tuner.PROBE)
+        extras = {"total": y.sum() + (changed and self.part == "tensor"), "steps": 6}
+        if changed and self.part in ("value", "keys"):
+            extras.update({"steps": 7} if self.part == "value" else {"more": 6})
+        return [y, extras] if changed and self.part == "container" else (y, extras)
+
+
+@pytest.mark.parametrize("part", ["tensor", "value", "keys", "container"])
+def test_the_self_check_compares_structured_outputs_part_by_part(part):
+    """A configuration that changes one part of a structured output (a tensor in a dict, another value,
+    the dict's keys, a list for a tuple) does not reproduce the outputs: it is not applied."""
+    net, x = _Reconfigured(part), example()
+    with pytest.warns(UserWarning, match="does not reproduce the network's outputs"):
+        report = mf.autoselect(net, x, cache=False, measure_fn=FakeTimes(1), progress=False)
+    assert report.layouts and report.layout is None and current_layout(net) == "time_first"
 
 
 @pytest.mark.parametrize("second", ["gain", "mask"])
@@ -664,16 +688,16 @@ def test_a_dict_input_keys_its_tensors(tmp_path):
         mf.autoselect(net, {"x": example(n=0)}, cache=False, measure_fn=FakeTimes(), progress=False)
 
 
-def test_cached_plan_is_checked_on_the_whole_batch_when_the_samples_disagree(tmp_path, monkeypatch):
+def test_cached_plan_is_checked_on_the_whole_batch_when_the_samples_disagree(tmp_path):
     path = str(tmp_path / "c.json")
     x = example(n=9)
-    r1 = mf.autoselect(seq_net(), x, cache=path, measure_fn=FakeTimes(2), progress=False)
-    agree = tuner._agree
-    monkeypatch.setattr(tuner, "_agree", lambda a, b: a.shape[1] == x.shape[1] and agree(a, b))
-    net = seq_net()
+    time_first = dict(layouts=("time_first",), cache=path, progress=False)  # (N on dim 1)
+    r1 = mf.autoselect(_Reconfigured("few_samples"), x, measure_fn=FakeTimes(2), **time_first)
+    assert r1.layout is not None
+    net = _Reconfigured("few_samples")  # other weights: its state was never checked
     batches = []
     net.register_forward_pre_hook(lambda mod, args: batches.append(args[0].shape[1]))
-    report = mf.autoselect(net, x, cache=path, measure_fn=_no_timing, progress=False)
+    report = mf.autoselect(net, x, measure_fn=_no_timing, **time_first)
     assert not report.layouts and (report.layout, report.methods) == (r1.layout, r1.methods)
     assert tuner.PROBE in batches and x.shape[1] in batches
 
@@ -740,8 +764,7 @@ def test_damaged_cached_plan_is_measured_again(tmp_path, damage):
 def test_plan_stored_under_other_library_versions_is_not_used(tmp_path, monkeypatch):
     path = str(tmp_path / "c.json")
     mf.autoselect(seq_net(), example(), cache=path, measure_fn=FakeTimes(5), progress=False)
-    versions = tuner._versions()
-    monkeypatch.setattr(tuner, "_versions", lambda: {**versions, "torch": versions["torch"] + "+other"})
+    monkeypatch.setattr(mf, "__version__", mf.__version__ + "+other")  # this plugin upgraded
     fake = FakeTimes(5)
     report = mf.autoselect(seq_net(), example(), cache=path, measure_fn=fake, progress=False)
     assert report.layouts and fake.calls > 0  # neither the plan nor the per-layer timings were reused
@@ -791,9 +814,9 @@ def test_measure_abandons_a_candidate_whose_timed_runs_all_lose():
     assert tuner.measure(nn.Linear(3, 2), (torch.rand(4, 3),), timer=clock, **m) == 1.0
 
 
-class _CountBackward(torch.autograd.Function):
-    """Identity that counts its backward calls."""
-    calls = 0
+class _RecordBackward(torch.autograd.Function):
+    """Identity that records the gradients its backward gets."""
+    grads = []
 
     @staticmethod
     def forward(ctx, x):
@@ -801,7 +824,7 @@ class _CountBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        _CountBackward.calls += 1
+        _RecordBackward.grads.append(g.clone())
         return g
 
 
@@ -813,30 +836,21 @@ class _StructuredOut(nn.Module):
         self.lin = nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.lin(x), {"spikes": _CountBackward.apply(x), "steps": 6}
+        return self.lin(x), {"spikes": _RecordBackward.apply(x), "steps": 6}
 
 
 def test_measure_seeds_the_backward_of_every_tensor_of_a_structured_output():
     """A whole network's output may be a tuple or a dict (autoselect's compile timing measures the
-    network): its backward ran for none of them, so only forward passes were timed."""
+    network): its backward ran for none of them, so only forward passes were timed. Each tensor's
+    backward gets a gradient of ones."""
     module, x = _StructuredOut(), torch.rand(4, 3)
-    _CountBackward.calls = 0
+    _RecordBackward.grads = []
     reads = iter(range(100))
     tuner.measure(module, (x,), m=1, timer=lambda: float(next(reads)), input_grad=True)
-    assert _CountBackward.calls == 3  # one backward per run, each reaching the dict's tensor too
+    assert len(_RecordBackward.grads) == 3  # one backward per run, each reaching the dict's tensor too
     assert next(reads) == 12  # four clock reads per run: forward and backward timed
-
-
-def test_seed_gradient_runs_the_backward_of_an_explicit_gradient():
-    lin = nn.Linear(3, 2)
-    x = torch.rand(4, 3, requires_grad=True)
-    z = torch.randn(4, 2)
-    tuner._SeedGradient.apply(lin(x), z).backward()
-    got = (x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone())
-    x.grad = lin.weight.grad = lin.bias.grad = None
-    lin(x).backward(z)
-    for a, b in zip(got, (x.grad, lin.weight.grad, lin.bias.grad)):
-        torch.testing.assert_close(a, b)
+    assert all(torch.equal(g, torch.ones(4, 3)) for g in _RecordBackward.grads)
+    torch.testing.assert_close(module.lin.weight.grad, 3 * torch.ones(2, 4) @ x)  # ones, three times
 
 
 class _NoBackward(torch.autograd.Function):
@@ -869,7 +883,7 @@ def test_measure_without_gradients_times_the_forward_alone(mode):
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_autoselect_without_gradients_times_forward_passes_apart_from_training(tmp_path, mode, monkeypatch):
+def test_autoselect_without_gradients_times_forward_passes_apart_from_training(tmp_path, mode):
     path = str(tmp_path / "c.json")
     torch.manual_seed(0)
     net = seq_net()
@@ -878,10 +892,12 @@ def test_autoselect_without_gradients_times_forward_passes_apart_from_training(t
     functional.reset_net(net)
     net.eval()
     train_copy, before_out, before_state = copy.deepcopy(net).train(), eval_out(net, x), state_of(net)
-    seeded = []
-    monkeypatch.setattr(tuner._SeedGradient, "apply", lambda *a: seeded.append(1) or 1 / 0)
+    seeded = []  # a backward reaching any parameter
+    hooks = [p.register_hook(lambda g: seeded.append(1)) for p in net.parameters()]
     with getattr(torch, mode)():
         report = mf.autoselect(net, x, m=1, cache=path, progress=False)
+    for h in hooks:
+        h.remove()
     assert report.forward_only and report.layout is not None and report.timed > 0 and not seeded
     assert "forward passes only" in str(report)
     after_state = state_of(net)
@@ -889,7 +905,6 @@ def test_autoselect_without_gradients_times_forward_passes_apart_from_training(t
         assert torch.equal(before_state[k], after_state[k]), k
     torch.testing.assert_close(eval_out(net, x), before_out)
     # Training's timings and plan are not the forward-only ones (nor the other way round).
-    monkeypatch.undo()
     trained = mf.autoselect(train_copy, x, m=1, cache=path, progress=False)
     assert not trained.forward_only and trained.timed == report.timed and trained.cache_hits == report.cache_hits
     again = copy.deepcopy(net)
@@ -903,12 +918,13 @@ def test_autoselect_under_autocast_checks_in_full_precision_and_keeps_its_timing
     torch.manual_seed(0)
     net = seq_net()
     x = example()
-    plain = tuner._outputs(net, x)
+    eval_out(net, x)  # (materialises the lazy neurons)
+    selected, calls = copy.deepcopy(net), []  # (training, autocast) of every call of the network
+    selected.register_forward_pre_hook(lambda mod, args: calls.append((mod.training, torch.is_autocast_enabled("cpu"))))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        checked = tuner._outputs(net, x)  # the self-check compares configurations in float32
-        report = mf.autoselect(copy.deepcopy(net), x, m=1, cache=path, progress=False)
-    assert checked.dtype == torch.float32
-    torch.testing.assert_close(checked, plain, rtol=0, atol=0)
+        report = mf.autoselect(selected, x, m=1, cache=path, progress=False)
+    # The self-check (eval-mode calls) compares configurations in float32; the timings ran under autocast.
+    assert set(calls) == {(True, True), (False, False)}
     assert report.layout is not None and report.timed > 0 and not report.skipped
     fp32 = mf.autoselect(copy.deepcopy(net), x, m=1, cache=path, progress=False)
     assert fp32.timed == report.timed  # bf16 timings are not float32's
@@ -1051,13 +1067,20 @@ def test_state_digest_sees_every_parameter_and_buffer():
 def test_fused_kernels_are_timed_first_then_the_layers_default():
     """The order candidates are timed in: a fast first time lets the slow ones be abandoned early."""
     x = torch.rand(6, 3, 4)
-    sn = MulFreeChannelwisePSN(4, k=2, step_mode="m")
-    order = tuner._ordered(sn, (x,))
+    sn, lin = MulFreeChannelwisePSN(4, k=2, step_mode="m"), layer.Linear(4, 2, step_mode="m")
+    default = sn.resolve_method(x)  # (method 'auto')
+    timed = []
+
+    def record(module, args, m):
+        timed.append((module, getattr(module, "method", "-")))
+        return 1.0
+
+    mf.autoselect(nn.Sequential(sn, lin), x, layouts=("time_first",), cache=False, measure_fn=record, progress=False)
+    order = [method for module, method in timed if module is sn]
     assert sorted(order) == sorted(sn.candidate_methods)
     fused = [c for c in order if ops.get(c).backend != "torch"]
     assert order[:len(fused)] == fused  # every non-torch backend's kernel first ('cpp' here when built)
-    assert order[len(fused)] == sn.resolve_method(x)  # then the layer's own default ('shift_add')
+    assert order[len(fused)] == default  # then the layer's own default ('shift_add')
     if "cpp" in ops.names():
         assert order[0] == "cpp"
-    lin = nn.Linear(3, 2)
-    assert tuner._ordered(lin, (torch.rand(2, 3),)) == ["-"]
+    assert [method for module, method in timed if module is lin] == ["-"]

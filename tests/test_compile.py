@@ -105,6 +105,11 @@ def test_bf16_autocast_training_tracks_fp32():
     assert losses["bf16"][-1] < losses["bf16"][0]
 
 
+def _compiled_wins(module, args, m):
+    """measure_fn under which every candidate ties and the whole compiled network "wins"."""
+    return 0.5 if getattr(module, "_compiled_call_impl", None) is not None else 1.0
+
+
 @pytest.mark.parametrize("layout", ["time_first", "time_last"])
 def test_autoselect_compile_traces_the_whole_network_once(layout):
     """``autoselect(compile=...)`` compiles the network as one graph, and repeated training steps
@@ -127,11 +132,8 @@ def test_autoselect_compile_traces_the_whole_network_once(layout):
     net = models.sequential_image_net(2, 8, 5, T=6, channels=8, hidden=8)  # 7 neurons, dilations 1,2,3,...
     x, y = torch.rand(6, 4, 2, 8), torch.randint(0, 5, (4,))
 
-    def fake_times(module, args, m):  # every candidate ties; the whole compiled step "wins"
-        return 0.5 if getattr(module, "_compiled_call_impl", None) is not None else 1.0
-
     counter = CompileCounterWithBackend("eager")
-    report = mf.autoselect(net, x, layouts=(layout,), cache=False, measure_fn=fake_times, progress=False,
+    report = mf.autoselect(net, x, layouts=(layout,), cache=False, measure_fn=_compiled_wins, progress=False,
                            compile=counter)
     assert report.compiled and report.layout == layout
     checked = counter.frame_count  # autoselect checked the compiled network's outputs in eval mode
@@ -150,19 +152,21 @@ def test_autoselect_compile_traces_the_whole_network_once(layout):
 
 def test_each_compiled_network_has_its_own_compile_cache():
     """Networks compiled by autoselect do not share dynamo's per-code cache (8 versions): nine different
-    networks are each compiled, none falls back to eager."""
+    networks are each compiled (its check in eval mode, then a training step), none falls back to eager."""
     import torch._dynamo as dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from spikingjelly_mfpsn import tuner
+    import spikingjelly_mfpsn as mf
 
     dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     for width in range(2, 11):
         net = nn.Sequential(layer.Linear(3, width, step_mode="m"), nn.ReLU(), layer.Linear(width, 2, step_mode="m"))
-        tuner._compile(net, counter)
-        net(torch.rand(4, 2, 3))
-    assert counter.frame_count == 9
+        x, before = torch.rand(4, 2, 3), counter.frame_count
+        report = mf.autoselect(net, x, layouts=("time_first",), cache=False, measure_fn=_compiled_wins,
+                               progress=False, compile=counter)
+        net(x)
+        assert report.compiled and counter.frame_count == before + 2, (width, before, counter.frame_count)
 
 
 def test_whole_network_timing_compiles_the_graph_training_runs():
@@ -171,15 +175,17 @@ def test_whole_network_timing_compiles_the_graph_training_runs():
     import torch._dynamo as dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    import spikingjelly_mfpsn as mf
     from spikingjelly_mfpsn import tuner
 
     dynamo.reset()
     counter = CompileCounterWithBackend("eager")
-    net = small_net()
-    tuner._compile(net, counter)
-    x = torch.rand(5, 3, 6)
-    tuner.measure(net, (x,), 1, input_grad=False)
+    net, x = small_net(), torch.rand(5, 3, 6)
+    report = mf.autoselect(net, x, layouts=("time_first",), cache=False, measure_fn=_compiled_wins, progress=False,
+                           compile=counter)
+    checked = counter.frame_count  # the self-check's graph, in eval mode
+    tuner.measure(net, (x,), 1, input_grad=False)  # how autoselect times the whole network
     timed = counter.frame_count
     net(x).sum().backward()
     functional.reset_net(net)
-    assert timed == 1 and counter.frame_count == 1
+    assert report.compiled and timed == checked + 1 and counter.frame_count == timed

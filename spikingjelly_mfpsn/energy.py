@@ -423,8 +423,17 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
         unknown = sorted(set(firing_rate) - set(synaptic))
         if unknown:
             raise ValueError(f"firing_rate names no synaptic layer {unknown}; the synaptic layers are {synaptic}")
+    notes = []
+    if sj is None:
+        notes.append("synaptic counts derived by this plugin (SpikingJelly's op_counter not used)")
+    return EnergyReport(_layer_counts(records, sj, type(net).__name__, firing_rate, sops, batch), cost_table, batch,
+                        sops, notes)
 
-    root = type(net).__name__
+
+def _layer_counts(records: list[dict], sj: Optional[dict], root: str, firing_rate, sops: str,
+                  batch: int) -> list[LayerCount]:
+    """Each layer's counts per sample: this plugin's records, with SpikingJelly's counts ``sj`` where
+    taken (scopes under the network's class name ``root``)."""
     layers = []
     for r in records:
         scope = r["name"] if r["name"] == root else f"{root}.{r['name']}"
@@ -442,10 +451,7 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
                                  _per_sample(r["counted"], batch),
                                  None if theirs is None else _per_sample(theirs, batch),
                                  r.get("firing_rate"), r.get("time_steps")))
-    notes = []
-    if sj is None:
-        notes.append("synaptic counts derived by this plugin (SpikingJelly's op_counter not used)")
-    return EnergyReport(layers, cost_table, batch, sops, notes)
+    return layers
 
 
 # ---------------------------------------------------------------------------------- SpikingJelly 2.x

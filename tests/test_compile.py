@@ -1,5 +1,6 @@
 """torch.compile and mixed precision with MF-PSN."""
 import copy
+import operator
 
 import pytest
 import torch
@@ -189,3 +190,30 @@ def test_whole_network_timing_compiles_the_graph_training_runs():
     net(x).sum().backward()
     functional.reset_net(net)
     assert report.compiled and timed == checked + 1 and counter.frame_count == timed
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_module_compile_still_skips_a_sequential():
+    """What autoselect's compile works around (pytorch/pytorch#150915): ``nn.Module.compile`` on an
+    ``nn.Sequential`` lets dynamo skip the container's frame (it lives in torch.nn), so the layers are
+    not traced as one graph: torch.nn's own run eager, others are compiled one frame each. Once this
+    fails, the bug is fixed: ``net.compile(backend=...)`` would do, without the workaround."""
+    import torch._dynamo as dynamo
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    dynamo.reset()
+    net = nn.Sequential(nn.Linear(3, 4), _Double(), nn.Linear(4, 2), _Double())
+    net.compile(backend=counting_backend)
+    net(torch.rand(5, 3))
+    whole = len(graphs) == 1 and [graphs[0].count(op) for op in (nn.functional.linear, operator.mul)] == [2, 2]
+    assert not whole, ("pytorch/pytorch#150915 looks fixed: drop the workaround in "
+                       "spikingjelly_mfpsn.tuner._compile (use net.compile(backend=backend))")

@@ -197,10 +197,11 @@ class _Selection:
                 self.snap = _state_snapshot(self.net)
                 plans = {layout: plan for layout in self.layouts if (plan := self._time_layout(layout)) is not None}
                 self.cache.save()
-                self._choose(plans, start_layout)
+                if not self._choose(plans):  # none reproduces the outputs: the network as it came
+                    _apply(self.net, start_layout, start_methods, self.fallback)
             return self.report
         except BaseException:
-            _convert(self.net, start_layout, self.fallback)
+            _apply(self.net, start_layout, start_methods, self.fallback)
             if self.snap is not None:
                 _restore(self.net, self.snap)
             raise
@@ -332,9 +333,8 @@ class _Selection:
         _restore(self.net, self.snap)  # timing ran forward/backward in training mode
         return times, False
 
-    def _choose(self, plans: dict[str, dict[str, str]], start_layout: str) -> None:
-        """Apply and store the fastest layout's plan that reproduces the outputs; none: back to
-        ``start_layout``."""
+    def _choose(self, plans: dict[str, dict[str, str]]) -> bool:
+        """Apply and store the fastest layout's plan that reproduces the outputs; False if none does."""
         for layout in sorted(plans, key=self.report.totals.get):  # fastest first
             _apply(self.net, layout, plans[layout], self.fallback)
             out = _outputs(self.net, self.x)
@@ -347,10 +347,10 @@ class _Selection:
                         "compiled": self.report.compiled}
                 self.cache.put_plan(self.key, with_check(plan, self.digest))
                 self.cache.save()
-                return
+                return True
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
             self._skip(msg, msg)
-        _convert(self.net, start_layout, self.fallback)
+        return False
 
     def _time_compiled(self) -> None:
         """Time a whole training step eager and compiled; keep ``torch.compile`` if faster and correct.

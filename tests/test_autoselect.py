@@ -406,6 +406,7 @@ def test_the_self_check_compares_structured_outputs_part_by_part(part):
     with pytest.warns(UserWarning, match="does not reproduce the network's outputs"):
         report = mf.autoselect(net, x, cache=False, measure_fn=FakeTimes(1), progress=False)
     assert report.layouts and report.layout is None and current_layout(net) == "time_first"
+    assert all(m.method == "auto" for m in net.modules() if isinstance(m, MulFreeChannelwisePSN))  # as it came
 
 
 @pytest.mark.parametrize("second", ["gain", "mask"])

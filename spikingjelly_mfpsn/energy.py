@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _compat, ops
-from ._util import as_args
+from ._util import as_args, run_hooked
 from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
@@ -332,11 +332,7 @@ def _own_pass(net: nn.Module, x) -> list[dict]:
             hooks.append(module.register_forward_hook(on_neuron(label)))
         elif _synaptic_layer(module) is not None:
             hooks.append(module.register_forward_hook(on_synapse(label, _synaptic_layer(module))))
-    try:
-        net(*as_args(x))
-    finally:
-        for h in hooks:
-            h.remove()
+    run_hooked(net, x, hooks)
     return records
 
 
@@ -407,12 +403,11 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
     net.eval()
     try:
         _compat.functional.reset_net(net)
-        records = _own_pass(net, x)
+        records = _own_pass(net, x)  # (resets the network after its run)
         sj = None
         if use_spikingjelly and _compat.op_counter is not None:
-            _compat.functional.reset_net(net)
             sj = _spikingjelly_pass(net, x)
-        _compat.functional.reset_net(net)
+            _compat.functional.reset_net(net)
     finally:
         for m, training in modes.items():
             m.train(training)

@@ -117,10 +117,7 @@ def state_digest(net: nn.Module) -> Optional[str]:
 def _check_id(digest: Optional[str], plan: dict) -> Optional[str]:
     """What a plan records once it reproduced the outputs of a network in state ``digest``: the state
     and the plan's own choice together (an edited plan matches no record)."""
-    if digest is None:
-        return None
-    return hashlib.sha256(json.dumps({"state": digest, "layout": plan["layout"], "methods": plan["methods"]},
-                                     sort_keys=True).encode()).hexdigest()
+    return None if digest is None else _hash({"state": digest, "layout": plan["layout"], "methods": plan["methods"]})
 
 
 def checked_on(plan, digest: Optional[str], layouts) -> bool:

@@ -14,9 +14,8 @@ samples of the example batch. That check is skipped for a network whose paramete
 bit for bit those of a network the stored choice was checked on (a digest of them is kept with the
 choice), e.g. the next run of a seeded script.
 
-This module chooses and applies; what is timed and how is :mod:`~spikingjelly_mfpsn.timing`, the cache
-:mod:`~spikingjelly_mfpsn.timing_cache`, the report :mod:`~spikingjelly_mfpsn.report` (their public
-names, e.g. ``measure``, ``TimingCache``, ``LOCK_TIMEOUT``, are read and set here as well).
+Measuring is in :mod:`.timing`, the cache in :mod:`.timing_cache`, the report in :mod:`.report`; their
+public names (``measure``, ``TimingCache``, ``LOCK_TIMEOUT``...) are read and set here as well.
 """
 from __future__ import annotations
 

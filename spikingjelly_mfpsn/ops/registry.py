@@ -183,7 +183,9 @@ def choose(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str, ba
     """The implementation ``method='auto'`` runs for this call (before any autoselect pass): the supported
     one of the highest priority (see :class:`Implementation`) among ``backend``'s, where backend 'torch'
     (the default) also takes the kernel backends of priority >= 0 (Triton and CuPy on CUDA)."""
-    ranked = _ranked(tuple(map(id, _REGISTRY.values())), backend, x.device.type, weight.shape[-1], x.shape[time_dim(layout)] if x.dim() else 0)
+    rank = _ranked.__wrapped__ if torch.compiler.is_compiling() else _ranked  # (dynamo traces no cache)
+    ranked = rank(tuple(map(id, _REGISTRY.values())), backend, x.device.type, weight.shape[-1],
+                  x.shape[time_dim(layout)] if x.dim() else 0)
     for impl in ranked:
         if impl.supports(x, weight, dilation, layout):
             return impl.name

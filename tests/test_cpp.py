@@ -78,7 +78,7 @@ def test_batch_stats_match_reference(layout, t, n, c, feat, k, dilation):
     x = make_input(t, n, c, feat, layout, torch.float64, True) + 3.0  # a mean far from 0
     w = torch.randn(c, k, dtype=torch.float64)
     (xa, wa), (xr, wr) = leaves(x, w), leaves(x, w)
-    mean, var = ops.batch_stats(xa, wa, dilation, layout, "cpp")
+    mean, var = ops.get("cpp").stats(xa, wa, dilation, layout)
     h_ref = reference.charge(xr, wr, None, dilation, layout)
     dims = [d for d in range(x.dim()) if d != ops.channel_dim(layout)]
     mean_ref, var_ref = h_ref.mean(dims), h_ref.var(dims, unbiased=False)
@@ -93,7 +93,7 @@ def test_batch_stats_float32_match_two_pass(layout):
     x = make_input(12, 4, 6, (5,), layout, torch.float32, False) * 4 + 10
     w = torch.randn(6, 3)
     (xa, wa), (xr, wr) = leaves(x, w), leaves(x, w)
-    got = ops.batch_stats(xa, wa, 2, layout, "cpp")
+    got = ops.get("cpp").stats(xa, wa, 2, layout)
     want = reference_stats(reference.charge(xr, wr, None, 2, layout), ops.channel_dim(layout))
     for a, b in zip(got, want):
         assert a.dtype == torch.float32
@@ -111,8 +111,8 @@ def test_fused_fire_matches_surrogate(layout, sg, dtype, t, n, c, feat):
     x = make_input(t, n, c, feat, layout, dtype, False)
     w, b = torch.randn(c, 3, dtype=dtype), torch.randn(c, dtype=dtype) * 0.5
     args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
-    s = ops.fire(*args, 2, layout, "cpp", sg)
-    assert type(s.grad_fn).__name__ == "_CppChargeBackward" and s.dtype == dtype
+    s = ops.get("cpp").fire(*args, 2, layout, *ops.surrogate.fused(sg))  # the fused entry itself
+    assert s.dtype == dtype
     h_ref = reference.charge(*args_ref, 2, layout)
     s_ref = sg(h_ref)
     clear = h_ref.detach().abs() > 1e-4  # rounding may flip a spike where |H| ~ 0
@@ -141,7 +141,7 @@ def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
     torch.testing.assert_close(h.double(), h_ref, **TOL[dtype])
     check_grads(h, h_ref, args, args_ref, TOL[dtype])
     args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
-    s = ops.fire(*args, dilation, layout, "cpp", surrogate.ATan())
+    s = ops.get("cpp").fire(*args, dilation, layout, *ops.surrogate.fused(surrogate.ATan()))
     s_ref = surrogate.ATan()(reference.charge(*args_ref, dilation, layout))
     check_grads(s, s_ref, args, args_ref, TOL[dtype])
     unreached = [i for i in range(k) if (k - 1 - i) * dilation >= t]
@@ -216,7 +216,7 @@ def test_every_vector_width_matches_the_reference(nbytes, layout, monkeypatch):
         torch.testing.assert_close(h.double(), h_ref, **tol)
         check_grads(h, h_ref, args, args_ref, tol)
         args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
-        s = ops.fire(*args, dilation, layout, "cpp", surrogate.ATan())
+        s = ops.get("cpp").fire(*args, dilation, layout, *ops.surrogate.fused(surrogate.ATan()))
         check_grads(s, surrogate.ATan()(reference.charge(*args_ref, dilation, layout)), args, args_ref, tol)
     for k in (1, 2, 5):  # the BN step's sweeps: lines of vectors at orders 1 and 2, single vectors at 5 (as 8)
         ref, fast, shape, tol = _fused_and_general(layout, True, "whole", surrogate.ATan(), torch.float32, monkeypatch,
@@ -230,8 +230,7 @@ def test_fire_falls_back_for_other_surrogates():
     w, b = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
     for sg in (surrogate.PiecewiseQuadratic(), surrogate.ATan(spiking=False)):
         args, args_ref = leaves(x, w, b), leaves(x, w, b)
-        s = ops.fire(*args, 1, "time_first", "cpp", sg)
-        assert type(s.grad_fn).__name__ != "_CppChargeBackward"
+        s = ops.mf_psn(args[0], args[1], bias=args[2], method="cpp", surrogate_function=sg, quantize=None)
         s_ref = sg(reference.charge(*args_ref, 1, "time_first"))
         torch.testing.assert_close(s, s_ref)
         check_grads(s, s_ref, args, args_ref, TOL[torch.float64])
@@ -241,7 +240,7 @@ def test_fire_without_grad_and_empty_batch():
     x = torch.randn(6, 2, 3)
     w, b = torch.randn(3, 2), torch.randn(3)
     with torch.no_grad():
-        s = ops.fire(x, w, b, 1, "time_first", "cpp", surrogate.ATan())
+        s = ops.mf_psn(x, w, bias=b, method="cpp", quantize=None)
     assert torch.equal(s, (reference.charge(x, w, b, 1, "time_first") >= 0).float())
     empty = torch.randn(6, 0, 3, requires_grad=True)
     h = ops.charge(empty, w, b, 1, "time_first", "cpp")
@@ -395,7 +394,7 @@ def test_fused_bn_statistics_changed_in_place_are_caught():
     before the backward must raise, as for any saved tensor, not give wrong gradients."""
     x = torch.randn(5, 3, 4, requires_grad=True)
     w, gamma, beta = torch.rand(4, 2, requires_grad=True), torch.ones(4, requires_grad=True), -torch.ones(4)
-    spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first",
+    spikes, mean, var = ops.get("cpp").bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first",
                                         *ops.surrogate.fused(surrogate.ATan()))
     spikes.sum().backward(retain_graph=True)  # untouched: fine
     mean.add_(1.0)
@@ -467,20 +466,20 @@ def test_single_step_inference_runs_one_kernel_and_matches(threshold, quantize, 
 
 
 def test_step_fire_refuses_arguments_that_do_not_fit():
-    """ops.step_fire reads raw pointers: shapes that do not fit are a clear error, not a read out of bounds."""
+    """The single-step kernel reads raw pointers: shapes that do not fit are a clear error, not a read out
+    of bounds."""
     x, w = torch.randn(3, 4, 5), torch.randn(4, 2)
     bias, ones = torch.zeros(4), torch.ones(4)
-    sg = surrogate.ATan()
     with torch.no_grad():
-        ok = ops.step_fire([x, x], w, bias, None, True, "cpp", sg)
-        assert ok is not None and ok.shape == x.shape
+        ok = ops.mf_psn_step([x, x], w, bias=bias, method="cpp")
+        assert ok.shape == x.shape
         bad = [([x], w, bias, None), ([x, None], w, bias, None), ([x, x], w[:3], bias, None),
                ([torch.randn(3, 4, 6), x], w, bias, None), ([x, x], w, torch.zeros(3), None),
-               ([x, x], w, None, None), ([x, x], w, bias, (ones, ones, ones, ones, 1e-5)),
-               ([x, x], w, None, (ones, ones, ones[:3], ones, 1e-5))]
+               ([x, x], w, bias, ops.BatchNorm(ones, ones, ones, ones)),
+               ([x, x], w, None, ops.BatchNorm(ones, ones, ones[:3], ones))]
         for taps, weight, b, bn in bad:
             with pytest.raises(ValueError):
-                ops.step_fire(taps, weight, b, bn, True, "cpp", sg)
+                ops.mf_psn_step(taps, weight, bias=b, bn=bn, method="cpp")
 
 
 def test_single_step_takes_the_general_path_where_the_kernel_does_not_apply(monkeypatch):
@@ -536,7 +535,7 @@ def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype, monkeypatch):
     gamma[-2:] = 1.0
     x = torch.zeros(3, 2, c, dtype=dtype, requires_grad=True)
     monkeypatch.setattr(cpp_ops, "node", lambda dtype: None)  # the Python node keeps the folded weight readable
-    spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, torch.zeros(c, dtype=dtype), 0.25, "whole", 1, "time_first",
+    spikes, mean, var = ops.get("cpp").bn_fire(x, w, gamma, torch.zeros(c, dtype=dtype), 0.25, "whole", 1, "time_first",
                                         *ops.surrogate.fused(surrogate.ATan()))
     assert torch.equal(var, torch.zeros_like(var))
     wq = spikes.grad_fn.folded[0]
@@ -825,7 +824,7 @@ def _bn_fire_step(x, params, layout, ste, sg, given, need_gx, running):
     xi = x.clone().requires_grad_(need_gx)
     w, gamma, beta = leaves(*params)
     rm, rv = (t.clone() for t in running)
-    out = cpp_ops.bn_fire(xi, w, gamma, beta, 1e-3, ste, 2, layout, *ops.surrogate.fused(sg),
+    out = ops.get("cpp").bn_fire(xi, w, gamma, beta, 1e-3, ste, 2, layout, *ops.surrogate.fused(sg),
                           None if given else (rm, rv, 0.25), (rm, rv) if given else None)
     spikes = out[0]
     g = torch.randn(spikes.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(0))
@@ -875,13 +874,15 @@ def test_the_direct_bn_fire_refuses_what_it_cannot_run():
 
     def call(x=x, w=w, gamma=gamma, beta=beta, running=(rm, rv, 0.1), given=None, dilation=1, eps=1e-5,
              layout="time_first", sg=sg):
-        return ops.bn_fire_direct(x, w, gamma, beta, eps, "whole", dilation, layout, "cpp", sg, running, given)
+        return ops.get("cpp").bn_fire(x, w, gamma, beta, eps, "whole", dilation, layout, *ops.surrogate.fused(sg),
+                                      running, given)
 
-    got = call(running=(rm.clone(), rv.clone(), 0.1))
-    want = ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first", "cpp", sg, (rm.clone(), rv.clone(), 0.1))
-    assert got is not None and "CppNode" in got[0].grad_fn.name()
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    got_rm, got_rv, want_rm, want_rv = rm.clone(), rv.clone(), rm.clone(), rv.clone()
+    got = call(running=(got_rm, got_rv, 0.1))
+    want = ops.mf_psn(x, w, bn=ops.BatchNorm(gamma, beta, want_rm, want_rv, 1e-5, 0.1), method="cpp", training=True)
+    assert got is not None and got[0].grad_fn is not None
+    assert torch.equal(got[0], want) and torch.equal(got_rm, want_rm) and torch.equal(got_rv, want_rv)
+    want = (want, *got[1:])
     with torch.no_grad():  # no graph to record: the node runs without one
         plain = call(running=(rm.clone(), rv.clone(), 0.1))
     assert plain[0].grad_fn is None
@@ -963,12 +964,12 @@ def test_a_neuron_on_cpp_skips_its_python_checks_and_falls_back_on_what_the_node
 def test_the_cpp_node_refuses_a_double_backward_and_in_place_changes():
     x = torch.randn(6, 2, 4, dtype=torch.float64, requires_grad=True)
     w, gamma, beta = leaves(torch.rand(4, 2).double(), torch.ones(4).double(), -torch.ones(4).double())
-    spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first",
+    spikes, mean, var = ops.get("cpp").bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first",
                                         *ops.surrogate.fused(surrogate.ATan()))
     assert "CppNode" in spikes.grad_fn.name()
     with pytest.raises(RuntimeError, match="first-order gradients only.*create_graph=True"):
         torch.autograd.grad(spikes.sum(), x, create_graph=True)
-    spikes, mean, var = cpp_ops.bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first",
+    spikes, mean, var = ops.get("cpp").bn_fire(x, w, gamma, beta, 1e-5, "whole", 1, "time_first",
                                         *ops.surrogate.fused(surrogate.ATan()))
     var.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

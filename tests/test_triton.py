@@ -173,8 +173,8 @@ def check_fire(sg, layout, dtype=torch.float32, fused=True):
     x = make_input(8, 2, 3, (2,), layout, dtype, True).to(DEVICE).requires_grad_()
     w = rand(3, 3, dtype=dtype).requires_grad_()
     b = rand(3, dtype=dtype).mul(0.5).requires_grad_()
-    s = ops.fire(x, w, b, 2, layout, "triton", sg)
-    assert (type(s.grad_fn).__name__ == "_TritonChargeBackward") == fused
+    s = ops.mf_psn(x, w, bias=b, dilation=2, layout=layout, method="triton", surrogate_function=sg, quantize=None)
+    assert bool(ops.surrogate.fused(sg)[0]) == fused  # (fused into the kernel, or the surrogate applied to H)
     args = [t.detach().double().requires_grad_() for t in (x, w, b)]
     h_ref = reference.charge(*args, 2, layout)
     s_ref = sg(h_ref)
@@ -227,7 +227,7 @@ def test_fire_without_grad():
     x = rand(6, 2, 3, dtype=torch.float32)
     w, b = rand(3, 2, dtype=torch.float32), rand(3, dtype=torch.float32)
     with torch.no_grad():
-        s = ops.fire(x, w, b, 1, "time_first", "triton", surrogate.ATan())
+        s = ops.mf_psn(x, w, bias=b, method="triton", quantize=None)
     assert torch.equal(s, (reference.charge(x, w, b, 1, "time_first") >= 0).float())
 
 
@@ -532,7 +532,7 @@ def test_strided_bias_and_fp64_fire(layout):
     check_charge(x, rand(3, 2), bias, 1, layout, TOL[torch.float64])
     assert not bias.is_contiguous()
     xr, w, b = [t.detach().clone().requires_grad_() for t in (x, rand(3, 2), bias)]
-    s = ops.fire(xr, w, b, 1, layout, "triton", surrogate.ATan())
+    s = ops.mf_psn(xr, w, bias=b, layout=layout, method="triton", quantize=None)
     h_ref = reference.charge(*[t.detach().requires_grad_() for t in (x, w, b)], 1, layout)
     assert torch.equal(s, (h_ref >= 0).double())
     check_fire(surrogate.Sigmoid(alpha=1.5), layout, dtype=torch.float64)

@@ -287,8 +287,9 @@ def _param_spikes(impl, x, weight, bias, v_threshold, quantize, dilation, layout
 def _fire(impl, x, w, b, dilation, layout, code, alpha, sg) -> torch.Tensor:
     """``sg(charge(...))``, through the implementation's fused kernel when it has one. The folded ``w``,
     ``b`` are checked against ``x`` as a charge call is (e.g. a BN parameter of higher precision folds
-    into a weight of its dtype, which x is then promoted to)."""
-    impl, x = _checked(x, w, b, dilation, layout, impl.name)
+    into a weight of its dtype, which x is then promoted to; their shapes were checked already)."""
+    if x.dtype != w.dtype or (b is not None and b.dtype != w.dtype):
+        impl, x = _checked(x, w, b, dilation, layout, impl.name)
     if impl.fire is not None and code:
         s = impl.fire(x, w, b, dilation, layout, code, alpha)
         if s is not None:

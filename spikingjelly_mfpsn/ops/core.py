@@ -274,14 +274,19 @@ def _param_spikes(impl, x, weight, bias, v_threshold, quantize, dilation, layout
         s = impl.param_fire(x, weight, v_threshold, quantize, dilation, layout, code, alpha)
         if s is not None:
             return s
+    return _fire(impl, x, _quantized(weight, quantize), _checked_bias(weight, bias, v_threshold), dilation, layout,
+                 code, alpha, sg)
+
+
+def _checked_bias(weight, bias, v_threshold) -> Optional[torch.Tensor]:
+    """The bias of a call without BN (``-v_threshold``, or ``bias``), refusing NaN or inf in it or the weight."""
     named = {"weight": weight}
     if v_threshold is not None:
-        named["v_threshold"] = v_threshold
-        bias = -v_threshold
+        named["v_threshold"], bias = v_threshold, -v_threshold
     elif bias is not None:
         named["bias"] = bias
     check_finite(named)
-    return _fire(impl, x, _quantized(weight, quantize), bias, dilation, layout, code, alpha, sg)
+    return bias
 
 
 def _fire(impl, x, w, b, dilation, layout, code, alpha, sg) -> torch.Tensor:
@@ -379,13 +384,7 @@ def _step_spikes(taps, weight, bias, v_threshold, bn, quantize, training, sg) ->
     elif bn is not None:
         w, b = fold_checked(weight, bn, bn.running_mean, bn.running_var)
     else:
-        named = {"weight": weight}
-        if v_threshold is not None:
-            named["v_threshold"], bias = v_threshold, -v_threshold
-        elif bias is not None:
-            named["bias"] = bias
-        check_finite(named)
-        w, b = weight, bias
+        w, b = weight, _checked_bias(weight, bias, v_threshold)
     wq = _quantized(w, quantize)
     h = exact_where_overflowed(_step_charge(taps, wq, b), lambda: _step_charge(
         [t if t is None else t.double() for t in taps], wq.double(), None if b is None else b.double()))

@@ -48,6 +48,7 @@ class Traffic(TorchDispatchMode):
         self.read = self.written = 0
         self.launches = 0  # operators that run a kernel (neither views nor allocations) and Triton launches
         self.paused = False
+        self.extra = None  # (name, args, out) -> (more bytes read, more written), for fused operators
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -57,6 +58,9 @@ class Traffic(TorchDispatchMode):
             if name not in WRITE_ONLY:
                 self.read += sum(_bytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
             self.written += sum(_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            if self.extra is not None:
+                more_read, more_written = self.extra(name, args, out)
+                self.read, self.written = self.read + more_read, self.written + more_written
         return out
 
 
@@ -109,58 +113,30 @@ def count_triton(mode: Traffic):
         cls.run = real
 
 
+def _cpp_bn_sweeps(name: str, args, out) -> tuple[int, int]:
+    """The sweeps of backend 'cpp''s fused BN-threshold operators beyond the one read of each argument and
+    the one write of each result that :class:`Traffic` counts: the forward reads X twice (the statistics'
+    sweep, then the spikes'), the backward reads X twice too (the spikes' backward, then the statistics',
+    which adds to dL/dX: reads and writes it again), unless the statistics were given (eval)."""
+    if name == "cpp_bn_forward" and args[6] is None:
+        return _bytes(args[0]), 0
+    if name == "cpp_bn_backward" and not args[14]:
+        return _bytes(args[0]) + _bytes(out[0]), _bytes(out[0])
+    return 0, 0
+
+
 @contextlib.contextmanager
 def count_cpp(mode: Traffic):
-    """Count the C++ kernels (backend 'cpp') into ``mode``: a forward reads X once and writes its output
-    (none for the batch statistics); a backward reads X, and dL/dS or dL/dH unless it is the
-    statistics' backward, and writes dL/dX (reading it too when it adds to it). Each step of a sweep
-    loads one input row: the taps read a window of earlier inputs kept in registers."""
-    from spikingjelly_mfpsn.ops import cpp_ops
-    real_fwd, real_bwd = cpp_ops.forward, cpp_ops.backward
-
-    def forward(x, weight, bias, dilation, layout, spike=False, stats=False):
-        mode.read += _bytes(x)
-        out = real_fwd(x, weight, bias, dilation, layout, spike=spike, stats=stats)
-        mode.written += 0 if stats else _bytes(out)
-        return out
-
-    def backward(x, weight, bias, grad, *args, add_to=None):
-        mode.read += _bytes(x) + (_bytes(grad) if grad is not None else 0)
-        mode.read += _bytes(add_to) if add_to is not None else 0  # dL/dX added to what it holds
-        gx, gw, gb = real_bwd(x, weight, bias, grad, *args, add_to=add_to)
-        mode.written += _bytes(gx) if gx is not None else 0
-        return gx, gw, gb
-
-    # The BN-threshold training node: forward, the statistics' sweep and the spikes' (reads X twice,
-    # writes S); backward, the spikes' backward (reads X and dL/dS, writes dL/dX), then the statistics'
-    # (reads X, adds to dL/dX: reads and writes it).
-    real_bn_fwd, real_bn_bwd = cpp_ops.bn_forward, cpp_ops.bn_backward
-
-    def bn_forward(x, *args):
-        out = real_bn_fwd(x, *args)
-        mode.read += 2 * _bytes(x)
-        mode.written += _bytes(out[0])
-        return out
-
-    def bn_backward(x, *args):
-        gx, *rest = real_bn_bwd(x, *args)
-        grad = args[6]
-        mode.read += 2 * _bytes(x) + _bytes(grad) + (_bytes(gx) if gx is not None else 0)
-        mode.written += 2 * _bytes(gx) if gx is not None else 0
-        return (gx, *rest)
-
-    cpp_ops.forward, cpp_ops.backward = forward, backward
-    cpp_ops.bn_forward, cpp_ops.bn_backward = bn_forward, bn_backward
-    # The C++ autograd node calls the same kernels from C++, where they cannot be counted: count its
-    # Python counterpart, which makes the same calls.
-    real_node = cpp_ops.node
-    cpp_ops.node = lambda dtype: None
+    """Count the C++ operators (backend 'cpp') into ``mode``: they run through the dispatcher, so
+    :class:`Traffic` sees each (a forward reads X once and writes its output, none for the batch
+    statistics; a backward reads X and dL/dS or dL/dH and writes dL/dX), plus the fused BN operators'
+    second sweeps (:func:`_cpp_bn_sweeps`). Each step of a sweep loads one input row: the taps read a
+    window of earlier inputs kept in registers."""
+    mode.extra = _cpp_bn_sweeps
     try:
         yield mode
     finally:
-        cpp_ops.forward, cpp_ops.backward = real_fwd, real_bwd
-        cpp_ops.bn_forward, cpp_ops.bn_backward = real_bn_fwd, real_bn_bwd
-        cpp_ops.node = real_node
+        mode.extra = None
 
 
 def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2) -> tuple[float, float, int, int]:

@@ -5,14 +5,11 @@ The plain charge of 'cpp' is also held to the reference on the full grid of test
 """
 import copy
 import dataclasses
-import ctypes
 import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +42,8 @@ def threads(request):
 
 
 def fused(t):
-    """Whether ``t`` came out of the fused BN-threshold node: the C++ one (``cpp_ops.node``) or, where that
-    does not build, the Python autograd Function over the same kernels."""
+    """Whether ``t`` came out of the fused BN-threshold node (``torch.ops.spikingjelly_mfpsn.cpp_bn_fire``'s
+    autograd node)."""
     return t.grad_fn is not None and "BNFire" in t.grad_fn.name()
 
 
@@ -151,38 +148,9 @@ def test_charge_and_fire_every_kernel_width(layout, k, dilation, t, dtype):
         assert torch.equal(w_leaf.grad[:, unreached], torch.zeros_like(w_leaf.grad[:, unreached]))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("spike", [0, 1])
-@pytest.mark.parametrize("k", [2, 8, 11])
-def test_forward_kernel_asked_for_statistics_and_an_output_at_once(layout, spike, k):
-    """The C forward asked for the statistics and H (or S) in one call (the Python wrapper asks for one
-    or the other; each tile then runs the sums' sweep and the output's) gives what two calls give."""
-    torch.manual_seed(k)
-    x = make_input(12, 3, LANES, (), layout, torch.float32, False).contiguous()
-    w, b = torch.randn(LANES, k), torch.randn(LANES) * 0.5
-    want_out = cpp_ops.forward(x, w, b, 2, layout, spike=bool(spike))
-    want_mean, want_var = cpp_ops.forward(x, w, b, 2, layout, stats=True)
-    out, mean, var = torch.full_like(x, math.nan), torch.full((LANES,), math.nan), torch.full((LANES,), math.nan)
-    cpp_ops.library(torch.float32).mfpsn_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(), spike,
-                                                     mean.data_ptr(), var.data_ptr(), *cpp_ops._geometry(x, k, 2, layout))
-    assert torch.equal(out, want_out)
-    assert torch.equal(mean, want_mean) and torch.equal(var, want_var)
-
-
-def _kernels_of_width(nbytes, dtype, monkeypatch):
-    """Route 'cpp' for ``dtype`` through kernels built with ``nbytes``-byte vectors (the default build where
-    that is its width), the training step included (the C++ node holds its own copy of the default ones)."""
-    suffix = cpp_ops.DTYPES[dtype]
-    lib = cpp_ops.library(dtype)
-    if lib.mfpsn_vec_bytes() != nbytes:
-        with cpp_ops._LOCK:
-            lib = cpp_ops._built(f"mfpsn_cpu_{suffix}_v{nbytes}",
-                                 [*cpp_ops._FLAGS, f"-DMFPSN_ONLY_{suffix.upper()}", f"-DMFPSN_VEC_BYTES={nbytes}"],
-                                 lambda path: ctypes.CDLL(str(path)))
-        cpp_ops._declare(lib, suffix)
-        monkeypatch.setitem(cpp_ops._LIBS, suffix, lib)
-    assert cpp_ops.library(dtype).mfpsn_vec_bytes() == nbytes
-    monkeypatch.setitem(cpp_ops._NODES, suffix, None)
+def _vec_bytes():
+    cpp_ops.load()
+    return torch.ops.spikingjelly_mfpsn.cpp_vec_bytes()
 
 
 def test_the_default_vector_width_is_one_register_of_the_target():
@@ -194,17 +162,13 @@ def test_the_default_vector_width_is_one_register_of_the_target():
     assert run.returncode == 0, run.stderr
     macros = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("#define ")}
     want = 64 if "__AVX512F__" in macros else 32 if "__AVX__" in macros else 16
-    assert cpp_ops.library(torch.float32).mfpsn_vec_bytes() == want
+    assert _vec_bytes() == want
 
 
-@pytest.mark.parametrize("nbytes", [16, 32, 64])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_vector_width_matches_the_reference(nbytes, layout, monkeypatch):
-    """Kernels built for another CPU's vector width (AVX-512's 64 bytes, AVX's 32, SSE's and NEON's 16) give
-    the reference's charge, spikes and gradients on this one, lines of vectors side by side, whole vectors
-    and single lanes (LANES), every kernel order (2, 3 padded to 4, 8, 11 generic), and the fused BN
-    training step equals the general path built from the same kernels."""
-    _kernels_of_width(nbytes, torch.float32, monkeypatch)
+def check_kernels_at_this_width(layout):
+    """The reference's charge, spikes and gradients, lines of vectors side by side, whole vectors and single
+    lanes (LANES), every kernel order (2, 3 padded to 4, 8, 11 generic); the fused BN training step equals
+    the general path built from the same kernels."""
     tol = TOL[torch.float32]
     for k, dilation in [(2, 1), (3, 2), (8, 1), (11, 1)]:
         torch.manual_seed(k)
@@ -219,10 +183,30 @@ def test_every_vector_width_matches_the_reference(nbytes, layout, monkeypatch):
         s = ops.get("cpp").fire(*args, dilation, layout, *ops.surrogate.fused(surrogate.ATan()))
         check_grads(s, surrogate.ATan()(reference.charge(*args_ref, dilation, layout)), args, args_ref, tol)
     for k in (1, 2, 5):  # the BN step's sweeps: lines of vectors at orders 1 and 2, single vectors at 5 (as 8)
-        ref, fast, shape, tol = _fused_and_general(layout, True, "whole", surrogate.ATan(), torch.float32, monkeypatch,
-                                                   k=k)
+        ref, fast, shape, tol = _fused_and_general(layout, True, "whole", surrogate.ATan(), torch.float32, k=k)
         for _ in range(2):
             _same_step(ref, fast, torch.randn(shape) * 2, tol)
+
+
+@pytest.mark.parametrize("nbytes", [16, 32, 64])
+def test_every_vector_width_matches_the_reference(nbytes, threads, tmp_path_factory):
+    """Kernels built for another CPU's vector width (AVX-512's 64 bytes, AVX's 32, SSE's and NEON's 16,
+    through $SPIKINGJELLY_MFPSN_CXXFLAGS) give the reference's results on this one: in this process at
+    the default width, in a fresh process with its own build at the others."""
+    if nbytes == _vec_bytes():
+        for layout in LAYOUTS:
+            check_kernels_at_this_width(layout)
+        return
+    out = run_python(f"""
+        import torch, test_cpp
+        assert test_cpp._vec_bytes() == {nbytes}
+        torch.set_num_threads({threads})
+        for layout in test_cpp.LAYOUTS:
+            test_cpp.check_kernels_at_this_width(layout)
+        print("ok")
+    """, SPIKINGJELLY_MFPSN_CXXFLAGS=f"-DMFPSN_VEC_BYTES={nbytes}",  # (built once, for both thread counts)
+                     SPIKINGJELLY_MFPSN_BUILD=str(tmp_path_factory.getbasetemp() / "builds"))
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 def test_fire_falls_back_for_other_surrogates():
@@ -279,18 +263,21 @@ def test_neuron_backend_cpp(layout, threshold):
     torch.testing.assert_close(fast(x), ref(x))
 
 
-@pytest.fixture(autouse=True)
-def cpp_unfused():
+def register_unfused():
     """'cpp' registered once more without its fused steps, as 'cpp_unfused': its general path (the
     charge, statistics and spike kernels, folded in Python) on the same kernels."""
-    if "cpp" in ops.names():
-        ops.register(dataclasses.replace(ops.get("cpp"), name="cpp_unfused", bn_fire=None, step_fire=None,
-                                         checks_inputs=False, autoselect=False))
+    ops.register(dataclasses.replace(ops.get("cpp"), name="cpp_unfused", bn_fire=None, step_fire=None,
+                                     checks_inputs=False, autoselect=False))
+
+
+@pytest.fixture(autouse=True)
+def cpp_unfused():
+    register_unfused()
     yield
     ops.unregister("cpp_unfused")
 
 
-def _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch, k=5, dilation=2):
+def _fused_and_general(layout, quantize, ste, sg, dtype, k=5, dilation=2):
     """A BN-threshold neuron on 'cpp' (fused) and its reference taking the general path: in float64 the
     torch neuron, in float32 the general path of 'cpp' itself (the same kernels, so no spike flips where
     float32 rounding differs); the input shape and the gradient tolerance."""
@@ -303,6 +290,7 @@ def _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch, k=5, dilat
     fast = copy.deepcopy(ref)
     fast.method = "cpp"
     if dtype == torch.float32:
+        register_unfused()
         ref.method = "cpp_unfused"
     shape = (11, 3, 6, 5) if layout == "time_first" else (3, 6, 5, 11)
     # At order 1 the BN leaves the loss all but invariant to the weight's scale: its gradient is the small
@@ -347,7 +335,7 @@ def test_fused_bn_training_matches_the_general_path(layout, quantize, ste, sg, d
     """BN-threshold training on 'cpp' runs as one autograd node (statistics, folding, quantiser and
     spikes; the statistics' dL/dX added in place) and equals a graph autograd builds op by op. Spikes,
     dL/dX, every parameter's gradient and the running statistics, over two steps."""
-    ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch)
+    ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype)
     for _ in range(2):
         _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)
 
@@ -361,7 +349,7 @@ def test_fused_bn_training_every_kernel_width(layout, k, dilation, sg, dtype, mo
     sweeps) at every order the kernels specialise (1, 2, 3 padded to 4, 8) and the generic kernel (11),
     30 lanes per step (lines of vectors side by side, whole vectors and single lanes), equals the
     general path."""
-    ref, fast, shape, tol = _fused_and_general(layout, True, "whole", sg, dtype, monkeypatch, k=k, dilation=dilation)
+    ref, fast, shape, tol = _fused_and_general(layout, True, "whole", sg, dtype, k=k, dilation=dilation)
     for _ in range(2):
         _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)
 
@@ -372,7 +360,7 @@ def test_fused_bn_eval_matches_the_general_path(layout, quantize, ste, sg, dtype
     nothing updated) and equals the general path, with gradients (e.g. an attack on the input), under
     no_grad and under inference_mode; after two training steps, so the running statistics are not
     their initial values."""
-    ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype, monkeypatch)
+    ref, fast, shape, tol = _fused_and_general(layout, quantize, ste, sg, dtype)
     for _ in range(2):
         _same_step(ref, fast, torch.randn(shape, dtype=dtype) * 2, tol)
     ref.eval()
@@ -514,7 +502,7 @@ def test_single_step_takes_the_general_path_where_the_kernel_does_not_apply(monk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype, monkeypatch):
+def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype):
     """The fused node quantises in C++ (exponent and mantissa, no log2): it must give Q's powers of two,
     including next to the rounding point 2**(e + 1/2), for zero, subnormal and huge (clamped) weights,
     and a folded weight that overflows to inf. With X = 0 and eps = 0.25 the folding scale is exactly
@@ -534,11 +522,10 @@ def test_fused_bn_quantiser_rounds_the_exponent_exactly(dtype, monkeypatch):
     gamma = torch.full((c,), 0.5, dtype=dtype)
     gamma[-2:] = 1.0
     x = torch.zeros(3, 2, c, dtype=dtype, requires_grad=True)
-    monkeypatch.setattr(cpp_ops, "node", lambda dtype: None)  # the Python node keeps the folded weight readable
-    spikes, mean, var = ops.get("cpp").bn_fire(x, w, gamma, torch.zeros(c, dtype=dtype), 0.25, "whole", 1, "time_first",
-                                        *ops.surrogate.fused(surrogate.ATan()))
+    cpp_ops.load()  # the node's forward operator returns the folded weight too
+    spikes, mean, var, wq, _ = torch.ops.spikingjelly_mfpsn.cpp_bn_forward(
+        x.detach(), w, gamma, torch.zeros(c, dtype=dtype), None, None, None, None, 0.25, True, 1, False, 0.0)
     assert torch.equal(var, torch.zeros_like(var))
-    wq = spikes.grad_fn.folded[0]
     torch.testing.assert_close(wq[:-2], reference.pow2(w[:-2], top), rtol=0, atol=0)
     assert wq[-5].item() == 1.0 and wq[-4].item() == 2.0 and wq[-3].item() == -16.0  # either side of 2**(1/2)
     assert wq[-2].item() == 2.0 ** top and wq[-1].item() == -(2.0 ** top)  # inf (clamped), then -2/3 max
@@ -603,92 +590,7 @@ def test_requirements_name_the_problem():
 
 def run_python(code, **env):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=300)
-
-
-def test_build_cache_survives_a_corrupted_library(tmp_path):
-    """A truncated library in the build directory is rebuilt, not loaded (and not a crash)."""
-    code = """
-        import torch
-        from spikingjelly_mfpsn import ops
-        from spikingjelly_mfpsn.ops import cpp_ops
-        x, w = torch.randn(5, 2, 3), torch.randn(3, 2)
-        h = ops.charge(x, w, None, 1, "time_first", "cpp")
-        want = ops.charge(x, w, None, 1, "time_first", "shift_add")
-        assert torch.allclose(h, want), (h, want)
-        print(sorted(p.name for p in cpp_ops.build_dir().iterdir()))
-    """
-    first = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
-    assert first.returncode == 0, first.stderr
-    libs = list(tmp_path.glob("*.so"))
-    assert len(libs) == 1 and libs[0].name.startswith("mfpsn_cpu_f32_")  # float32 only: float64 not built
-    libs[0].write_bytes(b"not a shared library")
-    second = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
-    assert second.returncode == 0, second.stderr
-    assert libs[0].read_bytes()[:4] == b"\x7fELF"
-    assert not [p for p in tmp_path.iterdir() if p.suffix != ".so"]  # no temporary files left behind
-
-
-def test_an_unwritable_build_directory_builds_in_a_temporary_one(tmp_path, monkeypatch):
-    """A build directory that cannot be written (here: below a regular file): the kernels are built in
-    a temporary directory for this process, with a warning, and run."""
-    built = Path(cpp_ops.library(torch.float32)._name)  # a good library to stand in for the compiler
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monkeypatch.setenv(cpp_ops.BUILD_ENV, str(blocker / "build"))
-    monkeypatch.setattr(cpp_ops, "_LIBS", {})
-    monkeypatch.setattr(cpp_ops, "_PROCESS_DIR", [])  # (a library loaded from this process's one stays mapped)
-    outputs = []
-    monkeypatch.setattr(cpp_ops, "_compile", lambda cxx, out, *_: outputs.append(out) or shutil.copy(built, out))
-    with pytest.warns(UserWarning, match="cannot be written to .*for this process only"):
-        lib = cpp_ops.library(torch.float32)
-    assert len(outputs) == 1 and blocker not in outputs[0].parents and Path(lib._name) == outputs[0]
-    x, w = torch.randn(5, 2, 3), torch.randn(3, 2)
-    torch.testing.assert_close(ops.charge(x, w, None, 1, "time_first", "cpp"),
-                               ops.charge(x, w, None, 1, "time_first", "shift_add"))
-
-
-def test_a_failed_build_leaves_no_temporary_directory(tmp_path):
-    """Regression: a build refused by an unwritable build directory and then failing (here: a compiler that
-    fails) left its spikingjelly_mfpsn-build-* temporary directory behind."""
-    fake = tmp_path / "fake-c++"
-    fake.write_text("#!/bin/sh\necho 'error: no' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    blocker, tmp = tmp_path / "file", tmp_path / "tmp"
-    blocker.write_text("")
-    tmp.mkdir()
-    out = run_python("""
-        import torch, warnings
-        from spikingjelly_mfpsn import ops
-        from spikingjelly_mfpsn.ops import cpp_ops
-        warnings.simplefilter("ignore")
-        try:
-            cpp_ops.library(torch.float32)
-        except cpp_ops.BuildError:
-            print("refused")
-    """, CXX=str(fake), SPIKINGJELLY_MFPSN_BUILD=str(blocker / "build"), TMPDIR=str(tmp))
-    assert out.returncode == 0 and "refused" in out.stdout, out.stderr
-    assert not list(tmp.iterdir())
-
-
-def test_without_compiler():
-    """No compiler: 'cpp' is not registered, backend='cpp' says why, and everything else still works."""
-    out = run_python("""
-        import torch
-        from spikingjelly.activation_based import neuron
-        import spikingjelly_mfpsn
-        from spikingjelly_mfpsn import ops
-        assert "cpp" not in ops.names() and "cpp" not in ops.available_backends()
-        try:
-            neuron.MulFreeChannelwisePSN(3, backend="cpp")
-        except ImportError as e:
-            print("ERROR:", e)
-        sn = neuron.MulFreeChannelwisePSN(3, step_mode="m")
-        print(sn(torch.randn(4, 2, 3)).shape)
-    """, CXX="/nonexistent/compiler")
-    assert out.returncode == 0, out.stderr
-    assert "ERROR: backend='cpp' cannot run here: no C++ compiler" in out.stdout
-    assert "torch.Size([4, 2, 3])" in out.stdout
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **env}, timeout=300)
 
 
 def test_autoselect_candidates_and_method_switch_backend():
@@ -737,15 +639,22 @@ def test_compiled_training_matches_eager():
         torch.testing.assert_close(b, a)
 
 
-def test_custom_ops_pass_opcheck():
-    """The custom ops' schemas, fake kernels and autograd registrations are consistent."""
-    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("time_last", [False, True])
+def test_custom_ops_pass_opcheck(time_last):
+    """The operators' schemas, fake kernels and autograd registrations are consistent."""
+    cpp_ops.load()
+    lib = torch.ops.spikingjelly_mfpsn
+    shape = (2, 3, 4, 5) if time_last else (5, 2, 3, 4)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(cpp_ops._charge_op, (x, w, b, 1, "time_first", 1, 2.0))
-    torch.library.opcheck(cpp_ops._charge_op, (x, w, None, 2, "time_first", 0, 0.0))
-    torch.library.opcheck(cpp_ops._stats_op, (x, w, 1, "time_first"))
-
+    torch.library.opcheck(lib.cpp_charge, (x, w, b, 1, time_last, 1, 2.0))
+    torch.library.opcheck(lib.cpp_charge, (x, w, None, 2, time_last, 0, 0.0))
+    torch.library.opcheck(lib.cpp_stats, (x, w, 1, time_last))
+    g, m = torch.randn(shape, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    for need_gx in (True, False):
+        torch.library.opcheck(lib.cpp_charge_backward, (x.detach(), w.detach(), None, g, 2, time_last, 1, 2.0, need_gx))
+        torch.library.opcheck(lib.cpp_stats_backward, (x.detach(), w.detach(), m, m, m.abs(), 1, time_last, need_gx))
 
 
 @pytest.mark.parametrize("threshold,expected", [("param", (2.0, 3.0)), ("bn", (3.0, 6.0))])
@@ -818,55 +727,11 @@ def test_fused_bn_training_updates_running_statistics(momentum, buffers):
         torch.testing.assert_close(fast(x), ref(x))
 
 
-def _bn_fire_step(x, params, layout, ste, sg, given, need_gx, running):
-    """One ``cpp_ops.bn_fire`` forward and backward on copies: outputs, the running statistics after it,
-    and the gradients of x (if asked) and of weight, gamma, beta."""
-    xi = x.clone().requires_grad_(need_gx)
-    w, gamma, beta = leaves(*params)
-    rm, rv = (t.clone() for t in running)
-    out = ops.get("cpp").bn_fire(xi, w, gamma, beta, 1e-3, ste, 2, layout, *ops.surrogate.fused(sg),
-                          None if given else (rm, rv, 0.25), (rm, rv) if given else None)
-    spikes = out[0]
-    g = torch.randn(spikes.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(0))
-    (spikes * g).sum().backward()
-    grads = ([xi.grad] if need_gx else []) + [w.grad, gamma.grad, beta.grad]
-    return spikes.grad_fn.name(), [*out, rm, rv, *grads]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("given", [False, True], ids=["training", "eval"])
-@pytest.mark.parametrize("ste", [None, "whole", "round"], ids=["no_quantiser", "whole", "round"])
-@pytest.mark.parametrize("sg", ["ATan", "Sigmoid"])
-@pytest.mark.parametrize("need_gx", [True, False], ids=["gx", "no_gx"])
-def test_the_cpp_node_equals_the_python_function(layout, dtype, given, ste, sg, need_gx, monkeypatch):
-    """The C++ autograd node and the Python autograd Function run the same kernels: the same spikes,
-    batch statistics, running statistics and gradients, bit for bit."""
-    if cpp_ops.node(dtype) is None:
-        pytest.fail(f"the C++ node does not build here: {cpp_ops.NODE_UNAVAILABLE}")
-    torch.manual_seed(11)
-    shape = (9, 3, 5, 4) if layout == "time_first" else (3, 5, 4, 9)
-    x = torch.randn(shape, dtype=dtype) * 2
-    params = (torch.rand(5, 3, dtype=dtype) * 2 - 1, torch.rand(5, dtype=dtype) + 0.5, torch.rand(5, dtype=dtype) - 1)
-    running = (torch.randn(5, dtype=dtype) * 0.1, torch.rand(5, dtype=dtype) + 0.5)
-    sg = getattr(surrogate, sg)()
-    name, got = _bn_fire_step(x, params, layout, ste, sg, given, need_gx, running)
-    assert "CppNode" in name
-    monkeypatch.setattr(cpp_ops, "node", lambda dtype: None)
-    name, want = _bn_fire_step(x, params, layout, ste, sg, given, need_gx, running)
-    assert name == "_CppBNFireBackward"
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"output {i} differs"
-
-
 def test_the_direct_bn_fire_refuses_what_it_cannot_run():
-    """ops.bn_fire_direct runs with no check in Python (a neuron's hot path): the C++ node checks every
+    """The fused BN step runs with no check in Python (a neuron's hot path): the C++ operator checks every
     tensor and runs nothing it cannot take. Each argument that does not fit returns None, with nothing
-    written (the running statistics as they were) and no read out of bounds; a fitting one equals the
-    checked ops.bn_fire."""
-    if cpp_ops.node(torch.float32) is None:
-        pytest.fail(f"the C++ node does not build here: {cpp_ops.NODE_UNAVAILABLE}")
+    written (the running statistics as they were) and no read out of bounds; a fitting one equals
+    ops.mf_psn."""
     x = torch.randn(6, 3, 4, requires_grad=True)
     w, gamma, beta = leaves(torch.rand(4, 2), torch.rand(4) + 0.5, torch.rand(4) - 1)
     rm, rv = torch.zeros(4), torch.ones(4)
@@ -974,25 +839,3 @@ def test_the_cpp_node_refuses_a_double_backward_and_in_place_changes():
     var.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         spikes.sum().backward()
-
-
-def test_a_cpp_node_that_does_not_build_leaves_training_to_the_python_function(tmp_path, monkeypatch):
-    """Where the node does not build against the installed torch (here: a source that does not compile),
-    a warning says so once and training runs the same kernels through the Python autograd Function."""
-    broken = tmp_path / "mfpsn_node.cpp"
-    broken.write_text('#include "no_such_header.h"\n')
-    monkeypatch.setattr(cpp_ops, "NODE_SOURCE", broken)
-    monkeypatch.setattr(cpp_ops, "_NODES", {})
-    monkeypatch.setattr(cpp_ops, "NODE_UNAVAILABLE", {})
-    monkeypatch.setenv(cpp_ops.BUILD_ENV, str(tmp_path / "build"))
-    monkeypatch.setattr(cpp_ops, "_LIBS", dict(cpp_ops._LIBS))  # (the kernels: already built)
-    sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="m", method="cpp")
-    ref = copy.deepcopy(sn)
-    ref.method = "shift_add"
-    x = torch.randn(6, 3, 4)
-    with pytest.warns(UserWarning, match="autograd node does not build.*Python autograd Function"):
-        s = sn(x.requires_grad_())
-    assert s.grad_fn.name() == "_CppBNFireBackward" and "no_such_header" in cpp_ops.NODE_UNAVAILABLE["f32"]
-    torch.testing.assert_close(s, ref(x))
-    s2 = sn(x)  # no second warning
-    assert s2.grad_fn.name() == "_CppBNFireBackward"

@@ -1,4 +1,4 @@
-// Fused CPU kernels of the MF-PSN charge (plain C++ with OpenMP, loaded through ctypes).
+// Fused CPU kernels of the MF-PSN charge (plain C++ with OpenMP; torch operators in mfpsn_ops.cpp).
 //
 // A multi-step tensor is seen as N blocks of CF lanes (CF = C * F, F the product of the feature
 // dims), each lane a sequence of T steps. Lane o of a block has channel o / F. Element (t, n, o) is at
@@ -33,6 +33,8 @@
 //     MODE_STATS    dH = A[c] * Y + B[c]     (backward of the batch statistics, from dL/dmean and dL/dvar)
 //     dX[t] = sum_i W[c, i] * dH[t + (K-1-i) * d]  (written, or added to what dX holds: accumulate)
 //     dW[c, i] = sum dH[t] X[t - (K-1-i) * d];  db[c] = sum dH
+#include "mfpsn_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,70 +50,8 @@
 #include <omp.h>
 #endif
 
-// The surrogates' codes come from the package's surrogate table (ops/surrogate.py), given by the build
-// as MFPSN_SG_<NAME>; the plain charge and the statistics' backward take codes no surrogate has.
-#if !defined(MFPSN_SG_ATAN) || !defined(MFPSN_SG_SIGMOID)
-#error "build with the surrogate codes of spikingjelly_mfpsn.ops.surrogate.cpp_defines()"
-#endif
-enum : int { MODE_CHARGE = 0, MODE_ATAN = MFPSN_SG_ATAN, MODE_SIGMOID = MFPSN_SG_SIGMOID, MODE_STATS = -1 };
-
-// Steps x lanes of one tile, and the most lanes a tile has. Time-first tiles read long contiguous
-// rows in place (wide tiles prefetch well); time-last tiles are gathered into buffers that should
-// stay in the L1/L2 cache (benchmarked on an x86-64 CPU).
-#ifndef MFPSN_TILE_FIRST
-#define MFPSN_TILE_FIRST 16384
-#endif
-#ifndef MFPSN_TILE_LAST
-#define MFPSN_TILE_LAST 4096
-#endif
-#ifndef MFPSN_TILE_LANES
-#define MFPSN_TILE_LANES 512
-#endif
-// Time-first sweeps of sequences of at least MFPSN_PREFETCH_STEPS steps ask for each row's data
-// MFPSN_PREFETCH bytes ahead of the lanes they read and write (0: never; see ahead()).
-#ifndef MFPSN_PREFETCH
-#define MFPSN_PREFETCH 512
-#endif
-#ifndef MFPSN_PREFETCH_STEPS
-#define MFPSN_PREFETCH_STEPS 8
-#endif
-// Steps a thread's float partial sums run over before they go to float64 (see Partials).
-#ifndef MFPSN_PARTIAL_STEPS
-#define MFPSN_PARTIAL_STEPS 64
-#endif
-
+namespace mfpsn {
 namespace {
-
-struct Geometry {
-    int64_t T, N, C, F;
-    int K, d;
-    bool time_last;
-    int64_t CF() const { return C * F; }
-    // Taps i < first_tap() only ever read X before step 0 (their lag is >= T): they add nothing.
-    int first_tap() const { return int(std::max<int64_t>(0, K - 1 - (T - 1) / d)); }
-    int taps() const { return K - first_tap(); }
-    // Lanes per tile (see MFPSN_TILE_*).
-    int64_t tile() const {
-        const int64_t budget = (time_last ? MFPSN_TILE_LAST : MFPSN_TILE_FIRST) / std::max<int64_t>(T, 1);
-        return std::min<int64_t>(CF(), std::max<int64_t>(16, std::min<int64_t>(MFPSN_TILE_LANES, budget)));
-    }
-    int64_t tiles_per_block() const { return (CF() + tile() - 1) / tile(); }
-    // Whether the sweeps prefetch (see ahead()).
-    bool prefetch() const { return MFPSN_PREFETCH > 0 && !time_last && T >= MFPSN_PREFETCH_STEPS; }
-    // Tile number -> (block n, first lane o0). Lanes-major (the same lanes of consecutive blocks in turn)
-    // for short sequences, where a thread's partial sums then run over many blocks (see Partials);
-    // block-major otherwise, which reads whole rows in turn (timed side by side on an x86-64 CPU:
-    // lanes-major 1.1-1.15x faster at T <= 4, 2-5 % slower from T = 8).
-    void tile_at(int64_t i, int64_t& n, int64_t& o0) const {
-        const bool lanes_major = T <= 4;
-        n = lanes_major ? i % N : i / tiles_per_block();
-        o0 = (lanes_major ? i / N : i % tiles_per_block()) * tile();
-    }
-    // Offset of element (t, n, o).
-    int64_t at(int64_t t, int64_t n, int64_t o) const {
-        return time_last ? (n * CF() + o) * T + t : (t * N + n) * CF() + o;
-    }
-};
 
 int thread_id() {
 #ifdef _OPENMP
@@ -1040,10 +980,6 @@ void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gam
     for (int64_t j = 0; j < C * K; ++j) g_w[j] += g_w_stats[j];
 }
 
-Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int time_last) {
-    return Geometry{T, N, C, F, K, d, time_last != 0};
-}
-
 // Run CALL(KT, KP) with the kernel unrolled for the K taps (KT = KP = K) up to 8, or with the generic
 // kernel (KT = 0, KP = K) above that.
 #define MFPSN_DISPATCH_K(K, CALL)             \
@@ -1061,70 +997,66 @@ Geometry geometry(int64_t T, int64_t N, int64_t C, int64_t F, int K, int d, int 
 
 }  // namespace
 
-#define MFPSN_FWD(KT, KP) forward<S, KT>(g, KP, x, w, b, out, spike, mean, var, threads)
-#define MFPSN_BWD(KT, KP) \
-    backward<S, KT>(g, KP, x, w, b, grad, mode, S(alpha), mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
+#define MFPSN_RUN_FORWARD(KT, KP) forward<S, KT>(g, KP, x, w, b, out, spike, mean, var, threads)
+template <typename S>
+void run_forward(const Geometry& g, const S* x, const S* w, const S* b, S* out, int spike, S* mean, S* var,
+                 int threads) {
+    MFPSN_DISPATCH_K(g.taps(), MFPSN_RUN_FORWARD)
+}
 
-#define MFPSN_BN_FWD(KT, KP)                                                                                  \
-    refused = bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, given, out, mean, var, wq, b, running_mean,       \
-                      running_var, factor, threads)
-#define MFPSN_BN_BWD(KT, KP)                                                                                  \
-    bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, S(alpha), eps, ste, given, gx, g_w,     \
+#define MFPSN_RUN_BACKWARD(KT, KP) \
+    backward<S, KT>(g, KP, x, w, b, grad, mode, alpha, mean, g_mean, g_var, gx, accumulate, gw, gb, threads)
+template <typename S>
+void run_backward(const Geometry& g, const S* x, const S* w, const S* b, const S* grad, int mode, S alpha,
+                  const S* mean, const S* g_mean, const S* g_var, S* gx, int accumulate, S* gw, S* gb, int threads) {
+    MFPSN_DISPATCH_K(g.taps(), MFPSN_RUN_BACKWARD)
+}
+
+#define MFPSN_RUN_BN_FORWARD(KT, KP)                                                                          \
+    return bn_forward<S, KT>(g, KP, x, w, gamma, beta, eps, quantize, given, out, mean, var, wq, b, running_mean, \
+                             running_var, factor, threads)
+template <typename S>
+int run_bn_forward(const Geometry& g, const S* x, const S* w, const S* gamma, const S* beta, double eps, int quantize,
+                   int given, S* out, S* mean, S* var, S* wq, S* b, S* running_mean, S* running_var, double factor,
+                   int threads) {
+    if (!all_finite(w, g.C * g.K)) return 1;  // nothing computed: the caller reports the weights
+    MFPSN_DISPATCH_K(g.taps(), MFPSN_RUN_BN_FORWARD)
+}
+
+#define MFPSN_RUN_BN_BACKWARD(KT, KP)                                                                     \
+    bn_backward<S, KT>(g, KP, x, w, gamma, mean, var, wq, b, grad, mode, alpha, eps, ste, given, gx, g_w, \
                        g_gamma, g_beta, threads)
+template <typename S>
+void run_bn_backward(const Geometry& g, const S* x, const S* w, const S* gamma, const S* mean, const S* var,
+                     const S* wq, const S* b, const S* grad, int mode, S alpha, double eps, int ste, int given, S* gx,
+                     S* g_w, S* g_gamma, S* g_beta, int threads) {
+    MFPSN_DISPATCH_K(g.taps(), MFPSN_RUN_BN_BACKWARD)
+}
 
-#define MFPSN_EXPORT(T_, suffix)                                                                              \
-    extern "C" void mfpsn_forward_##suffix(const T_* x, const T_* w, const T_* b, T_* out, int spike, T_* mean,   \
-                                            T_* var, int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,  \
-                                            int time_last, int threads) {                                      \
-        using S = T_;                                                                                          \
-        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
-        MFPSN_DISPATCH_K(g.taps(), MFPSN_FWD)                                                                         \
-    }                                                                                                          \
-    extern "C" void mfpsn_backward_##suffix(const T_* x, const T_* w, const T_* b, const T_* grad, int mode,    \
-                                             double alpha, const T_* mean, const T_* g_mean, const T_* g_var,   \
-                                             T_* gx, int accumulate, T_* gw, T_* gb, int64_t T, int64_t N,      \
-                                             int64_t C, int64_t F, int K, int d, int time_last, int threads) {  \
-        using S = T_;                                                                                          \
-        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
-        MFPSN_DISPATCH_K(g.taps(), MFPSN_BWD)                                                                         \
-    }                                                                                                          \
-    extern "C" int mfpsn_bn_forward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* beta,         \
-                                              double eps, int quantize, int given, T_* out, T_* mean, T_* var,  \
-                                              T_* wq, T_* b, T_* running_mean, T_* running_var, double factor,  \
-                                              int64_t T, int64_t N, int64_t C, int64_t F, int K, int d,         \
-                                              int time_last, int threads) {                                     \
-        using S = T_;                                                                                          \
-        if (!all_finite(w, C * K)) return 1; /* nothing computed: the caller reports the weights */            \
-        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
-        int refused = 0; /* a folding that is not finite: nothing but mean and var written */                  \
-        MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_FWD)                                                               \
-        return refused;                                                                                        \
-    }                                                                                                          \
-    extern "C" void mfpsn_bn_backward_##suffix(const T_* x, const T_* w, const T_* gamma, const T_* mean,       \
-                                                const T_* var, const T_* wq, const T_* b, const T_* grad,       \
-                                                int mode, double alpha, double eps, int ste, int given, T_* gx, \
-                                                T_* g_w, T_* g_gamma, T_* g_beta, int64_t T, int64_t N,         \
-                                                int64_t C, int64_t F, int K, int d, int time_last,              \
-                                                int threads) {                                                  \
-        using S = T_;                                                                                          \
-        const Geometry g = geometry(T, N, C, F, K, d, time_last);                                             \
-        MFPSN_DISPATCH_K(g.taps(), MFPSN_BN_BWD)                                                               \
-    }                                                                                                          \
-    extern "C" int mfpsn_step_##suffix(const T_* const* xs, const T_* w, const T_* gamma, const T_* beta,       \
-                                        const T_* mean, const T_* var, double eps, int quantize,                \
-                                        const T_* bias, T_* out, int64_t N, int64_t C, int64_t F, int K,         \
-                                        int threads) {                                                          \
-        /* 1: nothing computed, the weights or their folding are not finite (the caller reports them) */        \
-        return step_fire<T_>(xs, w, gamma, beta, mean, var, eps, quantize, bias, out, N, C, F, K, threads);    \
+template <typename S>
+int run_step(const S* const* xs, const S* w, const S* gamma, const S* beta, const S* mean, const S* var, double eps,
+             int quantize, const S* bias, S* out, int64_t N, int64_t C, int64_t F, int K, int threads) {
+    return step_fire<S>(xs, w, gamma, beta, mean, var, eps, quantize, bias, out, N, C, F, K, threads);
+}
+
+template <typename S>
+int vec_bytes() {
+    return MFPSN_VEC_BYTES;
+}
+
+}  // namespace mfpsn
+
+// Every entry of mfpsn_cpu.h for scalar type S (each dtype in its own file: compiled side by side).
+#define MFPSN_INSTANTIATE(S)                                                                                      \
+    namespace mfpsn {                                                                                            \
+    template void run_forward<S>(const Geometry&, const S*, const S*, const S*, S*, int, S*, S*, int);           \
+    template void run_backward<S>(const Geometry&, const S*, const S*, const S*, const S*, int, S, const S*,     \
+                                  const S*, const S*, S*, int, S*, S*, int);                                     \
+    template int run_bn_forward<S>(const Geometry&, const S*, const S*, const S*, const S*, double, int, int, S*,  \
+                                   S*, S*, S*, S*, S*, S*, double, int);                                           \
+    template void run_bn_backward<S>(const Geometry&, const S*, const S*, const S*, const S*, const S*, const S*, \
+                                     const S*, const S*, int, S, double, int, int, S*, S*, S*, S*, int);          \
+    template int run_step<S>(const S* const*, const S*, const S*, const S*, const S*, const S*, double, int,      \
+                             const S*, S*, int64_t, int64_t, int64_t, int, int);                                 \
+    template int vec_bytes<S>();                                                                                 \
     }
-
-// The width of the kernels' vectors, in bytes (see Vec).
-extern "C" int mfpsn_vec_bytes() { return MFPSN_VEC_BYTES; }
-
-// One library per dtype (-DMFPSN_ONLY_F32 or -DMFPSN_ONLY_F64: each half of the build time), or both.
-#ifndef MFPSN_ONLY_F64
-MFPSN_EXPORT(float, f32)
-#endif
-#ifndef MFPSN_ONLY_F32
-MFPSN_EXPORT(double, f64)
-#endif

@@ -8,7 +8,6 @@ import sys
 import torch
 
 from spikingjelly_mfpsn import ops
-from spikingjelly_mfpsn.ops import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +27,7 @@ def test_dry_run_writes_its_report(tmp_path):
     assert "## (a) correctness: " in text and "bit-identical" in text and "| Table 10 | 2 | mfpsn |" in text
 
 
-def test_the_check_sees_a_wrong_method(monkeypatch):
+def test_the_check_sees_a_wrong_method():
     """The correctness part fails a method whose charge is off (here by one step of delay)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
@@ -40,8 +39,11 @@ def test_the_check_sees_a_wrong_method(monkeypatch):
     def late(x, weight, bias, dilation, layout):
         h = good.charge(x, weight, bias, dilation, layout)
         return h.roll(1, ops.time_dim(layout))
-    monkeypatch.setitem(registry._REGISTRY, "late", registry.Implementation("late", "torch", ops.LAYOUTS, late))
+    ops.register(ops.Implementation("late", "torch", ops.LAYOUTS, late))
     failures = []
-    gpu_check.check_training("late", "time_first", "param", 2, 1, "float32", torch.device("cpu"), (7, 2, 3, 3),
-                             failures)
+    try:
+        gpu_check.check_training("late", "time_first", "param", 2, 1, "float32", torch.device("cpu"), (7, 2, 3, 3),
+                                 failures)
+    finally:
+        ops.unregister("late")
     assert failures and "spikes differ" in failures[0]

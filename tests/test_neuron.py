@@ -191,7 +191,7 @@ def test_train_runs_two_charges_eval_one():
         sn(torch.randn(4, 2, 2))
         assert len(calls) == 1
     finally:
-        ops.registry._REGISTRY.pop("counting", None)
+        ops.unregister("counting")
 
 
 def test_exp_init_is_already_power_of_two():
@@ -468,7 +468,7 @@ def test_a_mixed_up_input_form_is_named(step_mode, layout, shape, hint):
 
 
 @pytest.mark.skipif("cpp" not in ops.names(), reason="no C++ compiler here: the network cannot be saved with cpp")
-def test_a_network_saved_with_cpp_loads_where_cpp_does_not_run(monkeypatch):
+def test_a_network_saved_with_cpp_loads_where_cpp_does_not_run(request):
     """A whole network pickled with cpp neurons, loaded where the cpp backend is not registered (no
     compiler): its forward and autoselect say why and how to switch ('method must be one of [...],
     got cpp' before), and set_backend(net, 'torch') switches it (it left the method on cpp, and its
@@ -485,8 +485,9 @@ def test_a_network_saved_with_cpp_loads_where_cpp_does_not_run(monkeypatch):
     expected = net(x).detach()
     buffer = io.BytesIO()
     torch.save(net, buffer)
-    monkeypatch.delitem(ops.registry._REGISTRY, "cpp")
-    monkeypatch.setitem(ops.registry._UNAVAILABLE_REASONS, "cpp", "no C++ compiler found (a test)")
+    cpp = ops.unregister("cpp")
+    request.addfinalizer(lambda: ops.register(cpp))
+    ops.registry.note_unavailable("cpp", "no C++ compiler found (a test)")
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     say = r"method 'cpp' cannot run here: no C\+\+ compiler found \(a test\).*set_backend\(net, 'torch'\)"
@@ -715,7 +716,7 @@ def test_theta_without_a_graph_never_writes_into_the_input():
         assert torch.equal(x, kept)
         assert torch.equal(s, (kept >= 0).to(kept.dtype))
     finally:
-        ops.registry._REGISTRY.pop("identity_view", None)
+        ops.unregister("identity_view")
 
 
 @pytest.mark.parametrize("method,layout", [(m, layout) for m in ops.names() if ops.get(m).backend != "cupy"

@@ -159,8 +159,9 @@ _REGISTRY: dict[str, Implementation] = {}
 
 
 def register(impl: Implementation) -> Implementation:
-    """Add ``impl`` to the registry (re-registering the same name replaces it)."""
+    """Add ``impl`` to the registry (re-registering the same name replaces it); its backend is available."""
     _REGISTRY[impl.name] = impl
+    _UNAVAILABLE_REASONS.pop(impl.backend, None)
     return impl
 
 

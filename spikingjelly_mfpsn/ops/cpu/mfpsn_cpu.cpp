@@ -665,8 +665,7 @@ void forward(const Geometry& g, int KP, const S* x, const S* w, const S* b, S* o
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             int64_t n, o0;
-            g.tile_at(tile, n, o0);
-            const int64_t m = std::min(L, cf - o0);
+            const int64_t m = g.tile_at(tile, n, o0);
             xs.read(x, n, o0, m);
             if (out) os.write(out, n, o0, m);
             if (sums) p.part = part.take(o0, m, g.T);
@@ -726,8 +725,7 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             int64_t n, o0;
-            g.tile_at(tile, n, o0);
-            const int64_t m = std::min(L, cf - o0);
+            const int64_t m = g.tile_at(tile, n, o0);
             xs.read(x, n, o0, m);
             if (mode != MODE_STATS) gs.read(grad, n, o0, m);
             if (gx && accumulate)

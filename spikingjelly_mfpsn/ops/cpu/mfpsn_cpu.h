@@ -55,14 +55,15 @@ struct Geometry {
     int64_t tiles_per_block() const { return (CF() + tile() - 1) / tile(); }
     // Whether the sweeps prefetch (see ahead()).
     bool prefetch() const { return MFPSN_PREFETCH > 0 && !time_last && T >= MFPSN_PREFETCH_STEPS; }
-    // Tile number -> (block n, first lane o0). Lanes-major (the same lanes of consecutive blocks in turn)
+    // Tile number -> (block n, first lane o0); returns its number of lanes. Lanes-major (the same lanes of consecutive blocks in turn)
     // for short sequences, where a thread's partial sums then run over many blocks (see Partials);
     // block-major otherwise, which reads whole rows in turn (timed side by side on an x86-64 CPU:
     // lanes-major 1.1-1.15x faster at T <= 4, 2-5 % slower from T = 8).
-    void tile_at(int64_t i, int64_t& n, int64_t& o0) const {
+    int64_t tile_at(int64_t i, int64_t& n, int64_t& o0) const {
         const bool lanes_major = T <= 4;
         n = lanes_major ? i % N : i / tiles_per_block();
         o0 = (lanes_major ? i / N : i % tiles_per_block()) * tile();
+        return std::min(tile(), CF() - o0);
     }
     // Offset of element (t, n, o).
     int64_t at(int64_t t, int64_t n, int64_t o) const {

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import pooling
 from torch.nn.modules.utils import _ntuple
 from torch.nn.utils import parametrize
 
@@ -68,14 +69,18 @@ def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
                          f"got shape {tuple(x.shape)}")
 
 
-def _share_hooks(wrapper: nn.Module, module: nn.Module) -> None:
-    """Give ``wrapper`` the very hook dictionaries of ``module``: a wrapper runs ``module``'s forward
-    without ``module.__call__``, so hooks registered on either (before or after a conversion) run on
-    the wrapper's call, on ``(N, ..., T)``."""
+def _attach(wrapper: nn.Module, module: nn.Module) -> None:
+    """Make ``wrapper`` a multi-step view of ``module``: it keeps ``module`` (``_time_first``), takes its
+    train/eval mode and gets its very hook dictionaries. A wrapper runs ``module``'s forward without
+    ``module.__call__``, so hooks registered on either (before or after a conversion) run on the
+    wrapper's call, on ``(N, ..., T)``."""
     for name, value in vars(module).items():
         if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
             object.__setattr__(wrapper, name, value)
     object.__setattr__(wrapper, "_is_full_backward_hook", getattr(module, "_is_full_backward_hook", None))
+    object.__setattr__(wrapper, "_time_first", module)
+    wrapper.training = module.training
+    wrapper.step_mode = "m"
 
 
 class _MultiStepOnly:
@@ -107,11 +112,8 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
             raise TypeError(f"module must be a time-first torch.nn.Module, got {type(module).__name__}")
         for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, name, getattr(module, name))
-        _share_hooks(self, module)
-        object.__setattr__(self, "_time_first", module)
         self._version = getattr(module, "_version", 1)
-        self.training = module.training
-        self.step_mode = "m"
+        _attach(self, module)
 
     @property
     def time_first_module(self) -> nn.Module:
@@ -124,22 +126,20 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
         return _torch_forward(self._time_first)(self._time_first, x)
 
     def _vmap(self, x_seq: torch.Tensor) -> torch.Tensor:
-        return _compat.t_last_seq_to_ann_forward(self._vmap_input(x_seq), self._step)
+        """Every step at once with ``torch.vmap``.
 
-    def _no_steps(self, x_seq: torch.Tensor) -> torch.Tensor:
-        """A sequence of zero steps ``(N, ..., 0)`` as the time-first layer runs it (one batch of T*N = 0
-        samples): vmap over an empty dim and the (n+1)-d kernels refuse it or get its shape wrong."""
-        y = self._step(x_seq.movedim(-1, 0).flatten(0, 1))
-        return y.reshape(0, x_seq.shape[0], *y.shape[1:]).movedim(0, -1)
-
-    def _vmap_input(self, x_seq: torch.Tensor) -> torch.Tensor:
-        """``torch.vmap`` runs its function without autocast, so a reduced-precision input would meet
-        the layer's full-precision parameters (an error): under autocast a layer with floating
-        parameters gets its input in their dtype and runs in full precision."""
-        if not torch.is_autocast_enabled(x_seq.device.type):
-            return x_seq
-        dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), x_seq.dtype)
-        return x_seq if x_seq.dtype == dtype else x_seq.to(dtype)
+        A sequence of zero steps ``(N, ..., 0)`` runs as the time-first layer runs it (one batch of
+        T*N = 0 samples): vmap over an empty dim and the (n+1)-d kernels refuse it or get its shape wrong.
+        ``torch.vmap`` runs its function without autocast, so a reduced-precision input would meet the
+        layer's full-precision parameters (an error): under autocast a layer with floating parameters
+        gets its input in their dtype and runs in full precision.
+        """
+        if not x_seq.shape[-1]:
+            y = self._step(x_seq.movedim(-1, 0).flatten(0, 1))
+            return y.reshape(0, x_seq.shape[0], *y.shape[1:]).movedim(0, -1)
+        if torch.is_autocast_enabled(x_seq.device.type):
+            x_seq = x_seq.to(next((p.dtype for p in self.parameters() if p.is_floating_point()), x_seq.dtype))
+        return _compat.t_last_seq_to_ann_forward(x_seq, self._step)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self._time_first._save_to_state_dict(destination, prefix, keep_vars)
@@ -177,17 +177,12 @@ class _Tunable:
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         self._check_input(x_seq)
-        if not x_seq.shape[-1]:
-            return self._no_steps(x_seq)
-        if self.resolve_method(x_seq) == "vmap":
-            return self._vmap(x_seq)
-        return self._highdim(x_seq)
+        if x_seq.shape[-1] and self.resolve_method(x_seq) == "highdim":
+            return self._highdim(x_seq)
+        return self._vmap(x_seq)  # (which also runs a sequence of zero steps)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self._method!r}"
-
-
-_CONV_FN = {2: F.conv2d, 3: F.conv3d}
 
 
 def _lookup(module: nn.Module, table: dict):
@@ -232,32 +227,19 @@ class TimeLastConv(_SpatialLayer):
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
         conv = self._time_first  # (its weight may be a parametrization's, computed by its class)
+        padding = conv.padding if isinstance(conv.padding, str) else (*conv.padding, 0)
         if conv.padding_mode != "zeros":
             x = F.pad(x, [0, 0, *conv._reversed_padding_repeated_twice], mode=conv.padding_mode)
-            padding = (0,) * (self.dims + 1)
-        else:
-            padding = conv.padding if isinstance(conv.padding, str) else (*conv.padding, 0)
-        return _CONV_FN[self.dims + 1](x, conv.weight.unsqueeze(-1), conv.bias, (*conv.stride, 1), padding,
-                                       (*conv.dilation, 1), conv.groups)
+            padding = 0
+        conv_fn = F.conv2d if self.dims == 1 else F.conv3d
+        return conv_fn(x, conv.weight.unsqueeze(-1), conv.bias, (*conv.stride, 1), padding, (*conv.dilation, 1),
+                       conv.groups)
 
 
-def _pool_highdim(pool: nn.Module, d: int, x: torch.Tensor) -> torch.Tensor:
-    """``pool`` (d-dimensional) as a (d+1)-dimensional pool whose window along T is one step."""
-    t = _ntuple(d)
-    if isinstance(pool, nn.modules.pooling._MaxPoolNd):
-        fn = F.max_pool2d if d == 1 else F.max_pool3d
-        return fn(x, (*t(pool.kernel_size), 1), (*t(pool.stride), 1), (*t(pool.padding), 0),
-                  (*t(pool.dilation), 1), pool.ceil_mode)
-    if isinstance(pool, nn.modules.pooling._AvgPoolNd):
-        fn = F.avg_pool2d if d == 1 else F.avg_pool3d
-        return fn(x, (*t(pool.kernel_size), 1), (*t(pool.stride), 1), (*t(pool.padding), 0),
-                  pool.ceil_mode, pool.count_include_pad, getattr(pool, "divisor_override", None))
-    # Adaptive pools: output size None along T keeps every step.
-    if isinstance(pool, nn.modules.pooling._AdaptiveAvgPoolNd):
-        fn = F.adaptive_avg_pool2d if d == 1 else F.adaptive_avg_pool3d
-    else:
-        fn = F.adaptive_max_pool2d if d == 1 else F.adaptive_max_pool3d
-    return fn(x, (*t(pool.output_size), None))
+# Pooling family -> its 2d and 3d functions, which run the 1d and 2d pools with a window of 1 along T.
+_POOL_FN = {pooling._MaxPoolNd: (F.max_pool2d, F.max_pool3d), pooling._AvgPoolNd: (F.avg_pool2d, F.avg_pool3d),
+            pooling._AdaptiveAvgPoolNd: (F.adaptive_avg_pool2d, F.adaptive_avg_pool3d),
+            pooling._AdaptiveMaxPoolNd: (F.adaptive_max_pool2d, F.adaptive_max_pool3d)}
 
 
 class TimeLastPool(_SpatialLayer):
@@ -274,7 +256,15 @@ class TimeLastPool(_SpatialLayer):
         super().__init__(pool, method)
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
-        return _pool_highdim(self._time_first, self.dims, x)
+        """The pool as a (d+1)-dimensional one whose window along T is one step."""
+        pool, t = self._time_first, _ntuple(self.dims)
+        fn = _lookup(pool, _POOL_FN)[self.dims - 1]
+        if isinstance(pool, (pooling._AdaptiveAvgPoolNd, pooling._AdaptiveMaxPoolNd)):
+            return fn(x, (*t(pool.output_size), None))  # output size None along T keeps every step
+        window = (*t(pool.kernel_size), 1), (*t(pool.stride), 1), (*t(pool.padding), 0)
+        if isinstance(pool, pooling._MaxPoolNd):
+            return fn(x, *window, (*t(pool.dilation), 1), pool.ceil_mode)
+        return fn(x, *window, pool.ceil_mode, pool.count_include_pad, getattr(pool, "divisor_override", None))
 
 
 class TimeLastLinear(_Tunable, TimeLastModule):
@@ -367,7 +357,7 @@ class TimeLastVmap(TimeLastModule):
     """Any stateless per-step module on ``(N, ..., T)``, vectorised over the last dim."""
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        return self._vmap(x_seq) if x_seq.shape[-1] else self._no_steps(x_seq)
+        return self._vmap(x_seq)
 
 
 _DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}
@@ -383,18 +373,12 @@ class TimeLastDropout(MemoryModule):
         if type(dropout) is not _compat.sj_layer(name) or name not in _DROPOUT_MASKS:
             raise TypeError(f"expected SpikingJelly's layer.Dropout or layer.Dropout2d, got {name}")
         super().__init__()
-        _share_hooks(self, dropout)
-        object.__setattr__(self, "_time_first", dropout)
+        _attach(self, dropout)
         self.p = dropout.p
         self._mask_fn = _DROPOUT_MASKS[name]
-        self.training = dropout.training
         self.register_memory("mask", None)
-        self.step_mode = "m"
 
-    @property
-    def time_first_module(self) -> nn.Module:
-        self._time_first.training = self.training
-        return self._time_first
+    time_first_module = TimeLastModule.time_first_module
 
     def _mask_like(self, x: torch.Tensor, step_shape) -> torch.Tensor:
         if self.mask is None:
@@ -422,10 +406,7 @@ class TimeLastSequential(_MultiStepOnly, nn.Sequential, MultiStepModule):
         super().__init__()
         for name, child in children.items():
             self.add_module(name, child)
-        _share_hooks(self, container)
-        object.__setattr__(self, "_time_first", container)
-        self.training = container.training
-        self.step_mode = "m"
+        _attach(self, container)
 
 
 class _TLastSeqToANNContainer(nn.Sequential, MultiStepModule):
@@ -469,9 +450,9 @@ def wrapper_class(module: nn.Module):
     name = kind.__name__
     if name in _DROPOUT_MASKS and kind is _compat.sj_layer(name):
         return TimeLastDropout
-    for cls, wrapper in _WRAPPERS.items():
-        if kind is cls or (name == cls.__name__ and kind in (_compat.sj_layer(name), getattr(_compat, name, None))):
-            return wrapper
+    torch_cls = getattr(nn, name, None)
+    if kind in (torch_cls, _compat.sj_layer(name), getattr(_compat, name, None)):
+        return _WRAPPERS.get(torch_cls)
     return None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -92,18 +92,17 @@ def _device_dtype(net: nn.Module, module: nn.Module, example_input) -> tuple:
 def _run_order(net: nn.Module, modules: list[nn.Module], example_input) -> dict[int, int]:
     """Input channel count of each module in ``modules``, keyed by id, in the order they run."""
     seen: dict[int, int] = {}
-    hooks = []
-    for m in modules:
-        def hook(mod, args, m=m):
-            if id(mod) not in seen and args and isinstance(args[0], torch.Tensor):
-                x = args[0]
-                step = getattr(mod, "step_mode", "s")
-                seen[id(mod)] = x.shape[2 if step == "m" and x.dim() >= 3 else 1] if x.dim() >= 2 else x.shape[0]
-        hooks.append(m.register_forward_pre_hook(hook))
+
+    def hook(mod, args):
+        if id(mod) not in seen and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            step = getattr(mod, "step_mode", "s")
+            seen[id(mod)] = x.shape[2 if step == "m" and x.dim() >= 3 else 1] if x.dim() >= 2 else x.shape[0]
+
     was_training = net.training
     net.eval()
     try:
-        run_hooked(net, example_input, hooks)
+        run_hooked(net, example_input, [m.register_forward_pre_hook(hook) for m in modules])
     finally:
         net.train(was_training)
     return seen
@@ -130,14 +129,9 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         targets = _compat.spiking_neuron_classes()
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
-    found: list[tuple[str, nn.Module]] = []
-    ids = set()
-    for name, m in net.named_modules():
-        if _is_target(targets, name, m) and id(m) not in ids:
-            ids.add(id(m))
-            found.append((name, m))
-    channels: dict[int, int] = {}
-    order = "registration"
+    # (named_modules visits a module registered at several places once.)
+    found = [(name, m) for name, m in net.named_modules() if _is_target(targets, name, m)]
+    channels, order = {}, "registration"
     if example_input is not None and found:
         channels = _run_order(net, [m for _, m in found], example_input)
         ranked = {mid: i for i, mid in enumerate(channels)}
@@ -153,9 +147,8 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
             kwargs["surrogate_function"] = copy.deepcopy(old.surrogate_function)
         step_mode = kwargs.pop("step_mode", getattr(old, "step_mode", "s"))
         device, dtype = _device_dtype(net, old, example_input)
-        new = MulFreeChannelwisePSN(channels=channels.get(id(old)), k=k, dilation=d, step_mode=step_mode,
-                                    **kwargs).to(device=device, dtype=dtype)
-        new_of[id(old)] = new
+        new_of[id(old)] = MulFreeChannelwisePSN(channels=channels.get(id(old)), k=k, dilation=d, step_mode=step_mode,
+                                                **kwargs).to(device=device, dtype=dtype)
         summary.rows.append(Replacement(name, type(old).__name__, channels.get(id(old)), k, d, step_mode))
 
     if id(net) in new_of:
@@ -168,19 +161,13 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     return net, summary
 
 
-def _tunable(net: nn.Module, instance) -> Iterable[nn.Module]:
-    for m in net.modules():
-        if isinstance(m, instance):
-            yield m
-
-
 def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Module:
     """Set ``backend`` on every module of type ``instance`` that has one and supports it.
 
     Modules that do not support ``backend`` are logged and skipped (SpikingJelly 0.0.0.0.14 style).
     """
-    for m in _tunable(net, instance):
-        if not hasattr(m, "backend") or not hasattr(m, "supported_backends"):
+    for m in net.modules():
+        if not isinstance(m, instance) or not hasattr(m, "backend") or not hasattr(m, "supported_backends"):
             continue
         if backend in m.supported_backends:
             try:
@@ -209,8 +196,8 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
         ops.check_layout(layout)
         if current_layout(net) != layout:
             net = to_time_last(net) if layout == "time_last" else to_time_first(net)
-    for m in _tunable(net, instance):
-        supported = getattr(m, "supported_methods", None)
+    for m in net.modules():
+        supported = getattr(m, "supported_methods", None) if isinstance(m, instance) else None
         if supported is None:
             continue
         supported = list(supported) + [c for c in getattr(m, "candidate_methods", ()) if c not in supported]

@@ -20,9 +20,10 @@ import torch
 STE_MODES = ("whole", "round")
 
 
-def _max_exponent(dtype: torch.dtype) -> int:
-    """Largest integer e with 2**e finite in ``dtype`` (127 for float32)."""
-    return math.frexp(torch.finfo(dtype).max)[1] - 1
+def _exponent(w: torch.Tensor) -> torch.Tensor:
+    """``round(log2 |w|)``, clamped to the largest integer e with 2**e finite in the dtype of ``w`` (127
+    for float32); -inf where ``w == 0``."""
+    return torch.log2(w.abs()).round_().clamp_(max=math.frexp(torch.finfo(w.dtype).max)[1] - 1)
 
 
 def quantize_pow2_(w: torch.Tensor) -> torch.Tensor:
@@ -32,8 +33,7 @@ def quantize_pow2_(w: torch.Tensor) -> torch.Tensor:
     underflow to zero as a long right shift would; exponents too large are clamped so the result
     stays finite.
     """
-    e = torch.log2(w.abs()).round_().clamp_(max=_max_exponent(w.dtype))
-    return torch.sign(w) * torch.exp2(e)
+    return torch.sign(w) * torch.exp2(_exponent(w))
 
 
 def shift_amounts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +45,7 @@ def shift_amounts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.detach()
     if not torch.isfinite(w).all():
         raise ValueError("cannot quantise weights that contain NaN or inf")
-    e = torch.log2(w.abs()).round_().clamp_(max=_max_exponent(w.dtype))
-    e = torch.where(w == 0, torch.zeros_like(e), e)
+    e = _exponent(w).masked_fill_(w == 0, 0)
     return e.to(torch.int32), torch.sign(w).to(torch.int32)
 
 

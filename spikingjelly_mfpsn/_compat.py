@@ -88,17 +88,12 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
 def spiking_neuron_classes() -> tuple:
     """Every spiking neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN
     family, ...), i.e. the default targets of ``replace_neurons``."""
-    found = []
-    for obj in vars(neuron).values():
-        if (isinstance(obj, type) and issubclass(obj, nn.Module)
-                and obj.__module__.startswith("spikingjelly.activation_based.neuron")):
-            found.append(obj)
-    return tuple(found)
+    return tuple(obj for obj in vars(neuron).values() if isinstance(obj, type) and issubclass(obj, nn.Module)
+                 and obj.__module__.startswith("spikingjelly.activation_based.neuron"))
 
 
 __all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "PSN", "op_counter",
-           "MemoryModule",
-           "MultiStepModule", "StepModule", "default_surrogate", "sj_layer", "t_last_seq_to_ann_forward",
-           "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base", "functional",
-           "layer", "neuron", "surrogate"]
+           "MemoryModule", "MultiStepModule", "StepModule", "default_surrogate", "sj_layer",
+           "t_last_seq_to_ann_forward", "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base",
+           "functional", "layer", "neuron", "surrogate"]
 

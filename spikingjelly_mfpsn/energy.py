@@ -26,6 +26,7 @@ rules there (ADD and SHIFT, no MUL, for MF-PSN) so SpikingJelly's profilers coun
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 from math import prod
 from typing import Optional, Union
@@ -118,13 +119,11 @@ def neuron_energy_pj(kind: str, t: int, k: Optional[int] = None, dilation: int =
 
 # ---------------------------------------------------------------------------------- per-module counts
 def neuron_kind(module: nn.Module) -> Optional[str]:
-    if isinstance(module, FoldedMulFreePSN):
+    if isinstance(module, MulFreeChannelwisePSN) and not module.quantize:
+        return "channelwise_psn"
+    if isinstance(module, MFPSN_TYPES):
         return "mfpsn"
-    if isinstance(module, MulFreeChannelwisePSN):
-        return "mfpsn" if module.quantize else "channelwise_psn"
-    if _compat.PSN is not None and isinstance(module, _compat.PSN):
-        return "psn"
-    return None
+    return "psn" if _compat.PSN is not None and isinstance(module, _compat.PSN) else None
 
 
 def _sequence_geometry(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
@@ -164,35 +163,29 @@ def dense_macs(module: nn.Module, out: torch.Tensor) -> int:
     return out.numel() * (module.in_channels // module.groups) * prod(module.kernel_size)
 
 
+@torch.no_grad()
 def spike_events(module: nn.Module, x: torch.Tensor) -> int:
     """Accumulates an event-driven Conv/Linear runs: ``sum over inputs of value x fan-out`` (for spikes,
     each spike adds one weight to every output it reaches; zero padding reaches nothing)."""
-    with torch.no_grad():
-        if isinstance(module, nn.Linear):
-            return round(float(x.double().sum()) * module.out_features)
-        dims = len(module.kernel_size)
-        x = x.reshape(-1, *x.shape[-dims - 1:]).double()  # (T*N or N, C, *spatial)
-        padding = module.padding
-        if module.padding_mode != "zeros":
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
-            padding = 0
-        ones = x.new_ones(module.groups, module.in_channels // module.groups, *module.kernel_size)
-        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-        reach = conv(x, ones, None, module.stride, padding, module.dilation, module.groups)
-        return round(float(reach.sum()) * (module.out_channels // module.groups))
+    if isinstance(module, nn.Linear):
+        return round(float(x.double().sum()) * module.out_features)
+    dims = len(module.kernel_size)
+    x = x.reshape(-1, *x.shape[-dims - 1:]).double()  # (T*N or N, C, *spatial)
+    padding = module.padding
+    if module.padding_mode != "zeros":
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        padding = 0
+    ones = x.new_ones(module.groups, module.in_channels // module.groups, *module.kernel_size)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    reach = conv(x, ones, None, module.stride, padding, module.dilation, module.groups)
+    return round(float(reach.sum()) * (module.out_channels // module.groups))
 
 
 def _synaptic_layer(module: nn.Module) -> Optional[nn.Module]:
     """The Conv/Linear ``module`` runs: itself, or the one a time-last wrapper runs on ``(N, ..., T)``
     (the wrapper calls it without its hooks, so the wrapper is what gets counted)."""
-    if isinstance(module, SYNAPTIC_TYPES):
-        return module
-    inner = module.time_first_module if isinstance(module, TimeLastModule) else None
+    inner = module.time_first_module if isinstance(module, TimeLastModule) else module
     return inner if isinstance(inner, SYNAPTIC_TYPES) else None
-
-
-def _is_binary(x: torch.Tensor) -> bool:
-    return bool(((x == 0) | (x == 1)).all())
 
 
 # ---------------------------------------------------------------------------------- report
@@ -224,16 +217,15 @@ class EnergyReport:
     notes: list = field(default_factory=list)
 
     def ops(self, roles=("neuron",)) -> dict[str, float]:
-        total: dict[str, float] = {}
+        total = Counter()
         for layer in self.layers:
             if layer.role in roles:
-                for op, n in layer.counts.items():
-                    total[op] = total.get(op, 0) + n
-        return total
+                total.update(layer.counts)
+        return dict(total)
 
     @property
     def neuron_ops(self) -> dict[str, float]:
-        return self.ops(("neuron",))
+        return self.ops()
 
     @property
     def synaptic_ops(self) -> dict[str, float]:
@@ -241,16 +233,15 @@ class EnergyReport:
         ops_ = self.ops(("encoding", "synaptic"))
         return {"mac": ops_.get("mac", 0), "sop": ops_.get("sop", 0)}
 
-    def _energy_uj(self, counts: dict, ops_to_cost: dict) -> float:
-        return sum(counts.get(op, 0) * self.costs[c] for op, c in ops_to_cost.items()) * 1e-6
-
     @property
     def neuron_energy_uj(self) -> float:
-        return self._energy_uj(self.neuron_ops, {op: op for op in NEURON_OPS})
+        n = self.neuron_ops
+        return sum(n.get(op, 0) * self.costs[op] for op in NEURON_OPS) * 1e-6
 
     @property
     def synaptic_energy_uj(self) -> float:
-        return self._energy_uj(self.synaptic_ops, {"mac": "mac", "sop": "ac"})
+        s = self.synaptic_ops
+        return (s["mac"] * self.costs["mac"] + s["sop"] * self.costs["ac"]) * 1e-6
 
     @property
     def total_energy_uj(self) -> float:
@@ -299,7 +290,6 @@ def _per_sample(counts: dict, batch: int) -> dict:
 def _own_pass(net: nn.Module, x) -> list[dict]:
     """Run ``net`` once with forward hooks; one record per neuron / synaptic call, in call order."""
     records: list[dict] = []
-    state = {"neuron_seen": False}
 
     def on_neuron(name):
         def hook(module, inputs, out):
@@ -308,21 +298,20 @@ def _own_pass(net: nn.Module, x) -> list[dict]:
             records.append(dict(name=name, role="neuron", kind=neuron_kind(module), time_steps=t,
                                 counts=closed_form_neuron_ops(module, x_in),
                                 counted=counted_neuron_ops(module, x_in)))
-            state["neuron_seen"] = True
         return hook
 
     def on_synapse(name, module):
         def hook(wrapper, inputs, out):
             x_in = inputs[0] if wrapper is module else inputs[0].movedim(-1, 0)  # time-last: T first
-            binary = _is_binary(x_in)
+            binary = bool(((x_in == 0) | (x_in == 1)).all())
             macs = dense_macs(module, out)
-            if not state["neuron_seen"] and not binary:
-                records.append(dict(name=name, role="encoding", kind=type(module).__name__,
-                                    counts={"mac": macs}, counted={"mac": macs}, binary=binary))
-            else:
-                fr = float(x_in.double().mean())
-                records.append(dict(name=name, role="synaptic", kind=type(module).__name__, firing_rate=fr,
-                                    dense=macs, counted={"sop": spike_events(module, x_in)}, binary=binary))
+            record = dict(name=name, kind=type(module).__name__, binary=binary)
+            if binary or any(r["role"] == "neuron" for r in records):
+                record.update(role="synaptic", firing_rate=float(x_in.double().mean()), dense=macs,
+                              counted={"sop": spike_events(module, x_in)})
+            else:  # non-spike input before any neuron
+                record.update(role="encoding", counts={"mac": macs}, counted={"mac": macs})
+            records.append(record)
         return hook
 
     hooks = []
@@ -364,12 +353,6 @@ def _check_rates(firing_rate) -> None:
                              f"[0, 1] (the fraction of inputs that spike per step), got {rate!r}")
 
 
-def _infer_batch(x: torch.Tensor, layout: str) -> int:
-    if x.dim() < 2:
-        raise ValueError(f"cannot infer the batch size from x of shape {tuple(x.shape)}; pass batch_size=")
-    return x.shape[1] if ops.check_layout(layout) == "time_first" else x.shape[0]
-
-
 @torch.no_grad()
 def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "formula",
              firing_rate: Union[None, float, dict] = None, batch_size: Optional[int] = None,
@@ -394,9 +377,12 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor (or a tuple of inputs, the first a tensor), got "
                         f"{type(x).__name__}" + (f" of {type(first).__name__}" if isinstance(x, tuple) else ""))
-    batch = batch_size if batch_size is not None else _infer_batch(first, layout)
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch!r}")
+    if batch_size is None:
+        if first.dim() < 2:
+            raise ValueError(f"cannot infer the batch size from x of shape {tuple(first.shape)}; pass batch_size=")
+        batch_size = first.shape[1] if ops.check_layout(layout) == "time_first" else first.shape[0]
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     cost_table = check_costs(costs)
     _check_rates(firing_rate)
     modes = {m: m.training for m in net.modules()}
@@ -413,22 +399,20 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
             m.train(training)
     if not records:
         raise ValueError("net ran no Conv/Linear layer and no MF-PSN/PSN neuron: nothing to count")
-    if isinstance(firing_rate, dict):
-        synaptic = [r["name"] for r in records if r["role"] == "synaptic"]
-        unknown = sorted(set(firing_rate) - set(synaptic))
-        if unknown:
-            raise ValueError(f"firing_rate names no synaptic layer {unknown}; the synaptic layers are {synaptic}")
-    notes = []
-    if sj is None:
-        notes.append("synaptic counts derived by this plugin (SpikingJelly's op_counter not used)")
-    return EnergyReport(_layer_counts(records, sj, type(net).__name__, firing_rate, sops, batch), cost_table, batch,
-                        sops, notes)
+    notes = [] if sj is not None else ["synaptic counts derived by this plugin (SpikingJelly's op_counter not used)"]
+    layers = _layer_counts(records, sj, type(net).__name__, firing_rate, sops, batch_size)
+    return EnergyReport(layers, cost_table, batch_size, sops, notes)
 
 
 def _layer_counts(records: list[dict], sj: Optional[dict], root: str, firing_rate, sops: str,
                   batch: int) -> list[LayerCount]:
     """Each layer's counts per sample: this plugin's records, with SpikingJelly's counts ``sj`` where
     taken (scopes under the network's class name ``root``)."""
+    if isinstance(firing_rate, dict):
+        synaptic = [r["name"] for r in records if r["role"] == "synaptic"]
+        unknown = sorted(set(firing_rate) - set(synaptic))
+        if unknown:
+            raise ValueError(f"firing_rate names no synaptic layer {unknown}; the synaptic layers are {synaptic}")
     layers = []
     for r in records:
         scope = r["name"] if r["name"] == root else f"{root}.{r['name']}"

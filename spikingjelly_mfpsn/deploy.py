@@ -152,12 +152,11 @@ def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilatio
     qt = (q.movedim(-1, 0) if layout == "time_last" else q).to(torch.int64)
     _check_taps(shift, sign, qt.shape[2])
     t_len, k = qt.shape[0], shift.shape[1]
-    steps = t_len if last is None else min(last, t_len)
-    start = t_len - steps
+    start = 0 if last is None else max(0, t_len - last)
     amount = shift.to(torch.int64) + extra_bits
     _check_range(qt, amount)
     view = channel_view_shape(qt.dim(), "time_first")
-    acc = torch.zeros((steps,) + qt.shape[1:], dtype=torch.int64, device=qt.device)
+    acc = torch.zeros((t_len - start,) + qt.shape[1:], dtype=torch.int64, device=qt.device)
     for i, lag, first in tap_schedule(t_len, k, dilation, start):
         a = amount[:, i].view(view)
         term = torch.bitwise_left_shift(qt[first - lag:t_len - lag], a.clamp(min=0))
@@ -213,8 +212,7 @@ class FoldedMulFreePSN(ChargeNeuronBase):
         self._backend = ops.check_backend(backend)
         self._method = method if method == "auto" else ops.get(method).name
         # Kept for unfold(); in eval its forward is the Heaviside step.
-        self.surrogate_function = surrogate_function if surrogate_function is not None \
-            else _compat.default_surrogate()
+        self.surrogate_function = surrogate_function if surrogate_function is not None else _compat.default_surrogate()
         self.register_buffer("shift", torch.zeros(channels, k, dtype=torch.int8))
         self.register_buffer("sign", torch.ones(channels, k, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(channels, dtype=bias_dtype))
@@ -297,22 +295,21 @@ class FoldedMulFreePSN(ChargeNeuronBase):
             else exact_acc_frac_bits(self.shift, self.frac_bits)
         return acc - self.frac_bits, int_bias(self.bias, acc)
 
-    def _fixed(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.int64) if x.dtype in _INT_DTYPES else to_fixed(x, self.frac_bits)
-
-    @staticmethod
-    def _spike_dtype(x: torch.Tensor) -> torch.dtype:
-        return x.dtype if x.is_floating_point() else torch.get_default_dtype()
-
-    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        if self.frac_bits is None:
-            return super().multi_step_forward(x_seq)
-        self._check_input(x_seq)
+    def _integer_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` checked and in the fixed-point format (float inputs are rounded to it)."""
+        self._check_input(x)
         self._refuse_training()
+        if x.dtype in _INT_DTYPES:
+            return x.to(torch.int64)
+        with self._naming_overflow():
+            return to_fixed(x, self.frac_bits)
+
+    def _int_spikes(self, q_seq: torch.Tensor, like: torch.Tensor, layout: str, last: Optional[int] = None):
+        """:func:`int_fire` of ``q_seq`` in the current format, in ``like``'s float dtype (or the default)."""
         with self._naming_overflow():
             extra, bias_int = self._int_format()
-            s = int_fire(self._fixed(x_seq), self.shift, self.sign, bias_int, self.dilation, self._layout, extra)
-        return s.to(self._spike_dtype(x_seq))
+            s = int_fire(q_seq, self.shift, self.sign, bias_int, self.dilation, layout, extra, last)
+        return s.to(like.dtype if like.is_floating_point() else torch.get_default_dtype())
 
     @contextlib.contextmanager
     def _naming_overflow(self):
@@ -324,30 +321,25 @@ class FoldedMulFreePSN(ChargeNeuronBase):
             raise OverflowError(f"{where} (integer format: {self.frac_bits} fractional bits): {e}; "
                                 f"set_integer(net, calibrate=x) fits the format to the data") from None
 
+    def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        if self.frac_bits is None:
+            return super().multi_step_forward(x_seq)
+        return self._int_spikes(self._integer_input(x_seq), x_seq, self._layout)
+
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frac_bits is None:
             return super().single_step_forward(x)
-        self._check_input(x)
-        self._refuse_training()
-        with self._naming_overflow():
-            q = self._fixed(x)
+        q = self._integer_input(x)
         queue = self.x_queue
         if queue and (queue[-1].shape != q.shape or queue[-1].dtype != q.dtype):
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state holds "
                              f"{tuple(queue[-1].shape)} {queue[-1].dtype} inputs; call functional.reset_net(net) "
                              f"before feeding another shape or switching arithmetic")
         history = queue + (q,)
-        with self._naming_overflow():
-            extra, bias_int = self._int_format()
-            s = int_fire(torch.stack(history), self.shift, self.sign, bias_int, self.dilation, "time_first",
-                         extra, last=1)[0]
+        spikes = self._int_spikes(torch.stack(history), x, "time_first", last=1)[0]
         keep = (self.k - 1) * self.dilation
-        self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
-        return s.to(self._spike_dtype(x))
-
-    def detach(self):
-        self.x_queue = tuple(t.detach() for t in self.x_queue)
-        super().detach()
+        self.x_queue = history[-keep:] if keep > 0 else ()
+        return spikes
 
     def _apply(self, fn, *args, **kwargs):
         # Integer state must not be cast by net.double() / net.half(): only move it.
@@ -422,10 +414,9 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
         any difference is reported with a warning (see :func:`agreement`)
     Clears the neurons' single-step state. Returns ``net``.
     """
-    if frac_bits is not None:
-        _check_bits(frac_bits, "frac_bits")
-    if acc_frac_bits is not None:
-        _check_bits(acc_frac_bits, "acc_frac_bits")
+    for value, name in ((frac_bits, "frac_bits"), (acc_frac_bits, "acc_frac_bits")):
+        if value is not None:
+            _check_bits(value, name)
     neurons = folded_neurons(net)
     formats = {name: frac_bits if frac_bits is not None else FRAC_BITS for name, _ in neurons}
     if calibrate is not None and frac_bits is None:

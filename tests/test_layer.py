@@ -77,7 +77,7 @@ def wrap(ref, method=None):
 
 def method_cases(cases):
     for name, build, feat in cases:
-        for method in wrap(build()).__dict__.get("supported_methods", (None,)):
+        for method in getattr(wrap(build()), "supported_methods", (None,)):
             yield pytest.param(build, feat, method, id=f"{name}-{method}")
 
 

@@ -54,26 +54,28 @@ def _device_name(device: torch.device) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
 
 
-def _run_mode(ts: list) -> dict:
-    """What a key adds for a call that runs differently from plain training: with gradients disabled
-    (forward-only timings and plans, for inference) or under autocast (its dtype); nothing otherwise,
-    so earlier training keys stay valid."""
-    mode = {} if torch.is_grad_enabled() else {"forward_only": True}
+def _where(ts: list) -> dict:
+    """What every key holds of a call: its input tensors, the device, the library versions, and what a
+    call that runs differently from plain training adds: with gradients disabled (forward-only timings
+    and plans, for inference) or under autocast (its dtype); nothing otherwise, so earlier training
+    keys stay valid."""
     kind = device_type(ts)
+    mode = {} if torch.is_grad_enabled() else {"forward_only": True}
     if torch.is_autocast_enabled(kind):
         mode["autocast"] = str(torch.get_autocast_dtype(kind))
-    return mode
-
-
-def _where(ts: list) -> dict:
-    """What every key holds of a call: its input tensors, the device, the library versions, the run mode."""
     return {"inputs": [[list(t.shape), str(t.dtype)] for t in ts],
-            "device": _device_name(ts[0].device) if ts else "none", "versions": _versions(), **_run_mode(ts)}
+            "device": _device_name(ts[0].device) if ts else "none", "versions": _versions(), **mode}
+
+
+_CHOICE = re.compile(r"""(, )?\b(method|backend)=('[^']*'|"[^"]*")""")
 
 
 def _describe(m: nn.Module) -> list:
-    """A module's type and description (without its current choice: see :func:`_repr_without_method`)."""
-    text = _repr_without_method(m) if is_tunable(m) else m.extra_repr()
+    """A module's type and description. A tunable layer's description is without its current choice
+    (method, and backend where it has one: autoselect's candidates span every backend, so a key must
+    not change once one is chosen). Cut from the description, not set: a network saved where another
+    backend ran may hold a method that cannot be set here."""
+    text = _CHOICE.sub("", m.extra_repr()) if is_tunable(m) else m.extra_repr()
     return [f"{type(m).__module__}.{type(m).__qualname__}", text]
 
 
@@ -138,17 +140,6 @@ def with_check(plan: dict, digest: Optional[str]) -> dict:
     old = plan.get("checked")
     kept = [c for c in old if isinstance(c, str) and c != check] if isinstance(old, list) else []
     return {**plan, "checked": (kept + [check])[-CHECKED_STATES:]}
-
-
-_CHOICE = re.compile(r"""(, )?\b(method|backend)=('[^']*'|"[^"]*")""")
-
-
-def _repr_without_method(module: nn.Module) -> str:
-    """The layer's description without its current choice (method, and backend where it has one:
-    autoselect's candidates span every backend, so a key must not change once one is chosen). Cut
-    from the description, not set: a network saved where another backend ran may hold a method that
-    cannot be set here."""
-    return _CHOICE.sub("", module.extra_repr())
 
 
 def default_cache_path() -> str:
@@ -223,37 +214,33 @@ class TimingCache:
         if not self.path:
             return
         try:
-            self._save()
+            directory = os.path.dirname(os.path.abspath(self.path))
+            os.makedirs(directory, exist_ok=True)
+            timeout = lock_timeout()
+            try:
+                locked = filelock.FileLock(self.path + ".lock", timeout=timeout).acquire()
+            except filelock.Timeout:
+                warnings.warn(f"autoselect cache {self.path}: its lock ({self.path}.lock) was held by another "
+                              f"process for {timeout:g} s; the choice is applied but not cached "
+                              f"(${LOCK_TIMEOUT_ENV} sets the wait)")
+                return
+            with locked:
+                self._write_merged(directory)
         except OSError as e:
             warnings.warn(f"autoselect cache {self.path} cannot be written ({e}); the choice is applied but "
                           f"not cached (cache=False stops this warning, cache='path' picks another file)")
 
-    def _save(self) -> None:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        timeout = lock_timeout()
-        lock = filelock.FileLock(self.path + ".lock", timeout=timeout)
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            warnings.warn(f"autoselect cache {self.path}: its lock ({self.path}.lock) was held by another process "
-                          f"for {timeout:g} s; the choice is applied but not cached (${LOCK_TIMEOUT_ENV} sets "
-                          f"the wait)")
-            return
-        try:
-            self._write_merged(directory)
-        finally:
-            lock.release()
-
     def _write_merged(self, directory: str) -> None:
         """Write what the file holds now with this object's entries over it (under the lock)."""
-        merged, plans = self._read_quietly()
-        merged = _newest(merged, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layers_, plans = self._read()
+        layers_ = _newest(layers_, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
         plans = _newest(plans, self.plans, self.put_plan_keys, MAX_PLANS)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:  # dumps: one C-encoded string (dump encodes in Python)
-                f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": merged, "plans": plans}))
+                f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": layers_, "plans": plans}))
             # Not fsynced (0.2-0.4 ms a save here): the rename keeps readers from a torn file, and a file
             # a system crash leaves empty only makes the next call rebuild the cache, as it does any
             # unreadable one (it holds timings and choices, nothing that cannot be measured again).
@@ -263,11 +250,6 @@ class TimingCache:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-
-    def _read_quietly(self) -> tuple[dict, dict]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return self._read()
 
 
 def _newest(on_file: dict, mine: dict, written: set, cap: int) -> dict:
@@ -304,20 +286,21 @@ def _is_time(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0  # (False for NaN)
 
 
+def _str_dict(d, value_ok) -> bool:
+    """``d`` is a dict of strings to values that pass ``value_ok``."""
+    return isinstance(d, dict) and all(isinstance(k, str) and value_ok(v) for k, v in d.items())
+
+
 def _valid_layer(times) -> bool:
     """A layer entry: ``{method: seconds}``, at least one candidate that ran."""
-    return (isinstance(times, dict) and bool(times) and all(isinstance(k, str) and _is_time(v) for k, v in times.items())
-            and any(math.isfinite(v) for v in times.values()))
+    return _str_dict(times, _is_time) and any(math.isfinite(v) for v in times.values())
 
 
 def _valid_plan(plan) -> bool:
     """A whole network's plan: its layout, ``{layer: method}``, ``{layout: seconds}``, whether it runs
     compiled and the states it was checked on, and nothing else."""
-    def str_dict(d, value_ok):
-        return isinstance(d, dict) and all(isinstance(k, str) and value_ok(v) for k, v in d.items())
-
     return (isinstance(plan, dict) and set(plan) <= {"layout", "methods", "totals", "compiled", "checked"}
-            and plan.get("layout") in ops.LAYOUTS and str_dict(plan.get("methods"), lambda v: isinstance(v, str))
-            and str_dict(plan.get("totals"), lambda v: _is_time(v) and math.isfinite(v))
+            and plan.get("layout") in ops.LAYOUTS and _str_dict(plan.get("methods"), lambda v: isinstance(v, str))
+            and _str_dict(plan.get("totals"), lambda v: _is_time(v) and math.isfinite(v))
             and isinstance(plan.get("compiled", False), bool)
             and isinstance(plan.get("checked", []), list) and all(isinstance(c, str) for c in plan.get("checked", [])))

@@ -45,6 +45,5 @@ class AutoselectReport:
         if self.compile_times:
             lines.append("whole network, " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.compile_times.items())
                          + f": {'compiled' if self.compiled else 'eager'} ({self.compile_backend})")
-        for s in self.skipped:
-            lines.append(f"skipped: {s}")
+        lines += [f"skipped: {s}" for s in self.skipped]
         return "\n".join(lines)

@@ -94,7 +94,7 @@ def capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict
     for name, m in mods:
         def hook(mod, args, name=name):
             if name not in seen:
-                seen[name] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+                seen[name] = _clone_args(args, grad=False)
         hooks.append(m.register_forward_pre_hook(hook, prepend=True))  # before a fallback island's own
     run_hooked(net, x, hooks)
     return seen
@@ -145,12 +145,9 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
         t0 = timer()
         out = module(*inputs)
         sync(device)
-        t1 = timer()
-        elapsed = t1 - t0
-        if warm:
-            lost = min(times + [elapsed]) > abandon_above  # lost, whatever its backward takes
-        else:
-            lost = elapsed > abandon_above
+        elapsed = timer() - t0
+        lost = min(times + [elapsed]) > abandon_above  # lost, whatever its backward takes (no times yet: warm-up)
+        if not warm:
             slow_warmups += lost
             if slow_warmups == 2:  # a second forward, without one-off costs, lost as well
                 break

@@ -58,13 +58,12 @@ def _moved(name: str, home: types.ModuleType) -> property:
 sys.modules[__name__].__class__ = type("_Tuner", (types.ModuleType,), {n: _moved(n, h) for n, h in _MOVED.items()})
 
 
-def _convert(net: nn.Module, layout: str, fallback: Optional[str] = None) -> nn.Module:
-    if current_layout(net) == layout:
-        return net
-    out = to_time_last(net, fallback=fallback) if layout == "time_last" else to_time_first(net)
-    if out is not net:
-        raise RuntimeError("layout conversion must work in place")
-    return net
+def _convert(net: nn.Module, layout: str, fallback: Optional[str] = None) -> None:
+    """Convert ``net`` to ``layout`` in place (a network that is itself one layer cannot be)."""
+    if current_layout(net) != layout:
+        out = to_time_last(net, fallback=fallback) if layout == "time_last" else to_time_first(net)
+        if out is not net:
+            raise RuntimeError("layout conversion must work in place")
 
 
 def _state_snapshot(net: nn.Module):
@@ -117,16 +116,8 @@ def _agree(a, b, mismatch: float = 1e-3) -> bool:
         return False
 
 
-def _dist_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _broadcast(obj):
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _probe(x):
@@ -140,10 +131,6 @@ def _probe(x):
     if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] > PROBE:
         return x[:, :PROBE]
     return x
-
-
-def _has_lazy(net: nn.Module) -> bool:
-    return any(isinstance(p, nn.parameter.UninitializedParameter) for p in net.parameters())
 
 
 def _is_applied(plan, layout: str, methods: dict[str, str], layouts) -> bool:
@@ -213,17 +200,15 @@ class _Selection:
         """Apply the stored plan without a forward pass: where the network runs it already (it was checked
         when applied), or where it was checked on this very state. Not for lazy parameters, materialised by
         the first forward."""
-        if _has_lazy(self.net):
+        if any(map(nn.parameter.is_lazy, self.net.parameters())):
             return False
         self.key = self._key()
         plan = self.cache.get_plan(self.key)
-        if _is_applied(plan, start_layout, start_methods, self.layouts):
-            _apply(self.net, plan["layout"], plan["methods"], self.fallback)
-            _report_plan(self.report, plan)
-            self._compile_as_planned()
-            return True
-        self.digest = state_digest(self.net)
-        return checked_on(plan, self.digest, self.layouts) and self._apply_stored(plan, None, None)
+        if not _is_applied(plan, start_layout, start_methods, self.layouts):
+            self.digest = state_digest(self.net)  # (not needed, and not computed, for a plan applied already)
+            if not checked_on(plan, self.digest, self.layouts):
+                return False
+        return self._apply_stored(plan, [(None, None)])
 
     def _plan_applied_checked(self) -> bool:
         """Apply the stored plan if it reproduces the outputs (see :meth:`_apply_stored`), and record this
@@ -237,7 +222,8 @@ class _Selection:
         if self.key is None:  # lazy parameters, materialised by the forward above
             self.key, self.digest = self._key(), state_digest(self.net)
         plan = self.cache.get_plan(self.key)
-        if self._apply_stored(plan, probe, probe_reference):
+        checks = [(probe, probe_reference)] + ([] if probe is self.x else [(self.x, None)])
+        if self._apply_stored(plan, checks):
             if self.digest is not None:  # checked on this state now: the next copy in it needs no check
                 self.cache.put_plan(self.key, with_check(plan, self.digest))
                 self.cache.save()
@@ -245,22 +231,21 @@ class _Selection:
         self.reference = probe_reference if probe is self.x else _outputs(self.net, self.x)
         return False
 
-    def _apply_stored(self, plan, probe, probe_reference) -> bool:
+    def _apply_stored(self, plan, checks: list[tuple]) -> bool:
         """Apply a whole-network choice from the cache if it still reproduces the outputs.
 
         A plan is stored only after it reproduced the outputs on the whole example batch, under a key of
-        the network, the input shapes, the device and the library versions. Here it is checked again on a
-        few samples (``probe``), and on the whole batch only if those disagree (a spike near its threshold
-        may flip); a plan that fails both, or no longer applies, is dropped and the network measured again.
-        ``probe`` None: the plan was checked on this network's state already (see
-        :func:`~spikingjelly_mfpsn.timing_cache.checked_on`); it is applied if it still applies, without
-        running the network.
+        the network, the input shapes, the device and the library versions. Here it is checked again, in
+        order, on each ``(input, reference outputs)`` of ``checks`` until one agrees: a few samples (the
+        probe), then the whole batch, whose reference None is computed only if the probe disagrees (a
+        spike near its threshold may flip); a plan that fails every check, or no longer applies, is dropped
+        and the network measured again. ``[(None, None)]``: the plan was checked on this network's state
+        already (see :func:`~spikingjelly_mfpsn.timing_cache.checked_on`), or the network runs it already;
+        it is applied if it still applies, without running the network.
         """
         if plan is None or plan["layout"] not in self.layouts:
             return False
         before = _methods(self.net)
-        checks = [(None, None)] if probe is None else \
-            [(probe, probe_reference)] + ([] if probe is self.x else [(self.x, None)])
         for x, reference in checks:
             try:
                 if x is not None and reference is None:
@@ -305,8 +290,11 @@ class _Selection:
             return self._skip(f"the network does not run in layout {layout!r} ({error})", f"layout {layout}: {error}")
         finally:
             _restore(self.net, self.snap)
+        if self.progress:
+            from tqdm import tqdm
+            mods = tqdm(mods, desc=f"autoselect {layout}", leave=False)
         rows, plan = [], {}
-        for name, mod in _progress(mods, layout, self.progress):
+        for name, mod in mods:
             if name not in inputs:  # never ran on this input
                 continue
             times, hit = self._layer_times(layout, name, mod, inputs[name])
@@ -406,27 +394,6 @@ def _uncompile(net: nn.Module) -> None:
     net._compiled_call_impl = None
 
 
-def _progress(mods, layout, progress):
-    if not progress:
-        return mods
-    from tqdm import tqdm
-    return tqdm(mods, desc=f"autoselect {layout}", leave=False)
-
-
-def _check_time_first_input(net: nn.Module) -> None:
-    """autoselect feeds ``net`` time-first inputs: a network converted with ``to_time_last(net,
-    boundary=False)`` takes ``(N, ..., T)`` instead, which the layout conversions cannot tell."""
-    if has_time_last_boundary(net):
-        return
-    inner = next((name for name, m in net.named_modules() if isinstance(m, TIME_LAST_TYPES)
-                  or getattr(m, "layout", None) == "time_last"), None)
-    if inner is not None:
-        raise ValueError(f"net runs time-last without the boundary that takes time-first inputs (module "
-                         f"{inner or '(the network itself)'!r}; e.g. to_time_last(net, boundary=False)): "
-                         f"autoselect takes a network fed (T, N, ...), so call to_time_first(net) first, "
-                         f"or convert it with the boundary")
-
-
 def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional[str] = None) -> None:
     _convert(net, layout, fallback)
     named = dict(net.named_modules())
@@ -446,7 +413,15 @@ def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallb
         raise ValueError("layouts must name at least one layout")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    _check_time_first_input(net)
+    # autoselect feeds net time-first inputs: a network converted with to_time_last(net, boundary=False)
+    # takes (N, ..., T) instead, which the layout conversions cannot tell.
+    inner = next((name for name, m in net.named_modules() if isinstance(m, TIME_LAST_TYPES)
+                  or getattr(m, "layout", None) == "time_last"), None)
+    if inner is not None and not has_time_last_boundary(net):
+        raise ValueError(f"net runs time-last without the boundary that takes time-first inputs (module "
+                         f"{inner or '(the network itself)'!r}; e.g. to_time_last(net, boundary=False)): "
+                         f"autoselect takes a network fed (T, N, ...), so call to_time_first(net) first, "
+                         f"or convert it with the boundary")
     for t in tensors(x_example):
         if not t.numel():
             raise ValueError(f"x_example has an empty tensor (shape {tuple(t.shape)}): autoselect times the "
@@ -488,13 +463,14 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     backend = ("inductor" if compile is True else compile) or None
     t0 = time.perf_counter()
     path = default_cache_path() if cache is True else (cache or None)
-    report = None
     _uncompile(net)  # a previous pass may have compiled it; every configuration is timed eager first
-    selects = _dist_rank() == 0
-    if selects:
-        report = _Selection(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
-                            progress, backend, fallback).run()
-    report = _broadcast(report)
+    selects = not _distributed() or dist.get_rank() == 0
+    report = _Selection(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
+                        progress, backend, fallback).run() if selects else None
+    if _distributed():  # rank 0's report on every rank
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
     report.forward_only = not torch.is_grad_enabled()
     if report.layout is not None:
         if not selects:  # (the selection applied its choice on this rank already)

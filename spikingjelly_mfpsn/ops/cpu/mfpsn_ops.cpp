@@ -57,6 +57,7 @@ void first_order_only() {
                 "(the same results and first-order gradients)");
 }
 
+// An operator's handle (each call site keeps it in a static: the lookup by name runs once).
 template <typename F>
 c10::TypedOperatorHandle<F> op(const char* name) {
     return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<F>();
@@ -186,7 +187,8 @@ struct Charge : public torch::autograd::Function<Charge> {
         at::AutoDispatchBelowADInplaceOrView guard;
         ctx->save_for_backward({x, w, b ? *b : Tensor()});
         ctx->saved_data["cfg"] = std::vector<double>{double(d), double(time_last), double(kind), alpha};
-        return op<decltype(charge_cpu)>("spikingjelly_mfpsn::cpp_charge").call(x, w, b, d, time_last, kind, alpha);
+        static const auto charge_op = op<decltype(charge_cpu)>("spikingjelly_mfpsn::cpp_charge");
+        return charge_op.call(x, w, b, d, time_last, kind, alpha);
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -194,7 +196,9 @@ struct Charge : public torch::autograd::Function<Charge> {
         const auto saved = ctx->get_saved_variables();
         const std::vector<double> cfg = ctx->saved_data["cfg"].toDoubleVector();
         const optional<Tensor> b = saved[2].defined() ? optional<Tensor>(saved[2]) : c10::nullopt;
-        auto [gx, gw, gb] = op<decltype(charge_backward_cpu)>("spikingjelly_mfpsn::cpp_charge_backward")
+        static const auto charge_backward_op =
+            op<decltype(charge_backward_cpu)>("spikingjelly_mfpsn::cpp_charge_backward");
+        auto [gx, gw, gb] = charge_backward_op
                                 .call(saved[0], saved[1], b, grads[0], int64_t(cfg[0]), cfg[1] != 0.0,
                                       int64_t(cfg[2]), cfg[3], ctx->needs_input_grad(0));
         const Tensor none;
@@ -206,7 +210,8 @@ struct Charge : public torch::autograd::Function<Charge> {
 struct Stats : public torch::autograd::Function<Stats> {
     static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, int64_t d, bool time_last) {
         at::AutoDispatchBelowADInplaceOrView guard;
-        auto [mean, var] = op<decltype(stats_cpu)>("spikingjelly_mfpsn::cpp_stats").call(x, w, d, time_last);
+        static const auto stats_op = op<decltype(stats_cpu)>("spikingjelly_mfpsn::cpp_stats");
+        auto [mean, var] = stats_op.call(x, w, d, time_last);
         ctx->save_for_backward({x, w, mean});
         ctx->saved_data["cfg"] = std::vector<int64_t>{d, int64_t(time_last)};
         return {mean, var};
@@ -217,7 +222,9 @@ struct Stats : public torch::autograd::Function<Stats> {
         const auto saved = ctx->get_saved_variables();
         const std::vector<int64_t> cfg = ctx->saved_data["cfg"].toIntVector();
         const auto dense = [&](const Tensor& g) { return g.defined() ? g : at::zeros_like(saved[2]); };
-        auto [gx, gw] = op<decltype(stats_backward_cpu)>("spikingjelly_mfpsn::cpp_stats_backward")
+        static const auto stats_backward_op =
+            op<decltype(stats_backward_cpu)>("spikingjelly_mfpsn::cpp_stats_backward");
+        auto [gx, gw] = stats_backward_op
                             .call(saved[0], saved[1], saved[2], dense(grads[0]), dense(grads[1]), cfg[0],
                                   cfg[1] != 0, ctx->needs_input_grad(0));
         const Tensor none;
@@ -243,7 +250,8 @@ struct BNFire : public torch::autograd::Function<BNFire> {
                                  const optional<Tensor>& given_var, double eps, int64_t ste, int64_t d, bool time_last,
                                  int64_t kind, double alpha, double factor) {
         at::AutoDispatchBelowADInplaceOrView guard;
-        const auto outs = op<decltype(bn_forward_cpu)>("spikingjelly_mfpsn::cpp_bn_forward")
+        static const auto bn_forward_op = op<decltype(bn_forward_cpu)>("spikingjelly_mfpsn::cpp_bn_forward");
+        const auto outs = bn_forward_op
                               .call(x, w, gamma, beta, running_mean, running_var, given_mean, given_var, eps,
                                     ste != 0, d, time_last, factor);
         if (outs.empty()) return {};
@@ -264,8 +272,9 @@ struct BNFire : public torch::autograd::Function<BNFire> {
         const auto s = ctx->get_saved_variables();
         const std::vector<double> cfg = ctx->saved_data["cfg"].toDoubleVector();
         const Tensor grad = grads[0].defined() ? grads[0] : at::zeros_like(s[0]);
+        static const auto bn_backward_op = op<decltype(bn_backward_cpu)>("spikingjelly_mfpsn::cpp_bn_backward");
         auto [gx, g_w, g_gamma, g_beta] =
-            op<decltype(bn_backward_cpu)>("spikingjelly_mfpsn::cpp_bn_backward")
+            bn_backward_op
                 .call(s[0], s[1], s[2], s[3], s[4], ctx->saved_data["wq"].toTensor(), ctx->saved_data["b"].toTensor(),
                       grad, int64_t(cfg[2]), cfg[3] != 0.0, int64_t(cfg[4]), cfg[5], cfg[0], int64_t(cfg[1]),
                       cfg[6] != 0.0, ctx->needs_input_grad(0));

@@ -123,9 +123,11 @@ def _build(cxx: str, flags: list[str], openmp: bool) -> None:
     directory = _writable(build_dir() / name)
     try:
         _load_from(directory, name, flags, openmp)
-    except OSError:  # built, but the library does not load (overwritten, a foreign file): build it afresh,
-        shutil.rmtree(directory, ignore_errors=True)  # here under another name (cpp_extension builds a name
-        _load_from(_writable(build_dir() / f"{name}_again"), f"{name}_again", flags, openmp)  # once a process)
+    except OSError:
+        # Built, but the library does not load (overwritten, a foreign file): build it afresh, in this process
+        # under another name (cpp_extension builds a name once per process), at the next start in place.
+        shutil.rmtree(directory, ignore_errors=True)
+        _load_from(_writable(build_dir() / f"{name}_again"), f"{name}_again", flags, openmp)
 
 
 def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> None:

@@ -86,14 +86,28 @@ def add_to_namespace(namespace, name: str, obj) -> bool:
 
 
 def spiking_neuron_classes() -> tuple:
-    """Every spiking neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN
-    family, ...), i.e. the default targets of ``replace_neurons``."""
+    """Every neuron class SpikingJelly's ``neuron`` namespace defines (IF, LIF, PLIF, the PSN family, ...),
+    i.e. the default targets of ``replace_neurons``; this includes the non-spiking readouts of
+    :func:`readout_neuron_classes`, which ``replace_neurons`` leaves alone unless asked."""
     return tuple(obj for obj in vars(neuron).values() if isinstance(obj, type) and issubclass(obj, nn.Module)
                  and obj.__module__.startswith("spikingjelly.activation_based.neuron"))
 
 
+# Neurons whose output is not a spike train though their names do not say "NonSpiking": LIAF (leaky
+# integrate and analog fire) outputs ``act(v)``.
+_ANALOG_OUTPUT_NAMES = ("LIAFNode",)
+
+
+def readout_neuron_classes() -> tuple:
+    """The classes of :func:`spiking_neuron_classes` that output membrane potentials or analog values
+    rather than spikes: every ``NonSpiking*`` node (``NonSpikingIFNode``, ``NonSpikingLIFNode``,
+    ``NoisyNonSpikingIFNode`` and their bases, 2.x only) and ``LIAFNode``; those this version defines."""
+    return tuple(cls for cls in spiking_neuron_classes()
+                 if "NonSpiking" in cls.__name__ or cls.__name__ in _ANALOG_OUTPUT_NAMES)
+
+
 __all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "PSN", "op_counter",
            "MemoryModule", "MultiStepModule", "StepModule", "default_surrogate", "sj_layer",
-           "t_last_seq_to_ann_forward", "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes", "base",
-           "functional", "layer", "neuron", "surrogate"]
+           "t_last_seq_to_ann_forward", "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes",
+           "readout_neuron_classes", "base", "functional", "layer", "neuron", "surrogate"]
 

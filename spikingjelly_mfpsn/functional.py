@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -50,11 +51,26 @@ class Replacement:
 
 
 @dataclass
+class Skipped:
+    """A neuron ``replace_neurons`` matched but left as it is, and why."""
+
+    name: str
+    old: str
+    reason: str
+
+
+READOUT_REASON = "non-spiking readout (outputs membrane potential)"
+
+
+@dataclass
 class ReplaceSummary:
-    """What ``replace_neurons`` did, one row per replaced neuron, in the order the neurons run."""
+    """What ``replace_neurons`` did: one row per replaced (or re-configured) neuron, in the order the
+    neurons run, and in ``skipped`` the neurons it matched but left alone (non-spiking readouts, MF-PSN
+    layers that already have the requested configuration), with the reason."""
 
     rows: list[Replacement] = field(default_factory=list)
     order: str = "registration"
+    skipped: list[Skipped] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,15 +84,41 @@ class ReplaceSummary:
         for r in self.rows:
             c = "lazy" if r.channels is None else str(r.channels)
             lines.append(f"{r.name or '<net>':<32} {r.old:<20} {c:>5} {r.k:>3} {r.dilation:>3} {r.step_mode}")
+        if self.skipped:
+            lines.append(f"left {len(self.skipped)} neuron(s) as they are:")
+            lines.extend(f"{s.name or '<net>':<32} {s.old:<20} {s.reason}" for s in self.skipped)
         return "\n".join(lines)
 
 
 def _is_target(targets, name: str, module: nn.Module) -> bool:
-    if isinstance(module, MulFreeChannelwisePSN):
-        return False
     if callable(targets) and not isinstance(targets, type):
         return bool(targets(name, module))
     return isinstance(module, targets)
+
+
+def _readout_kept(explicit: tuple, module: nn.Module, include_readouts: bool) -> bool:
+    """Whether ``module`` is a non-spiking readout to leave alone: it is, unless ``include_readouts`` or
+    one of the ``explicit`` target classes it belongs to is itself a readout class."""
+    readouts = _compat.readout_neuron_classes()
+    if include_readouts or not isinstance(module, readouts):
+        return False
+    return not any(issubclass(cls, readouts) and isinstance(module, cls) for cls in explicit)
+
+
+def _find(net: nn.Module, targets, include_readouts: bool) -> tuple[list, list[Skipped]]:
+    """``(name, module)`` of each neuron to replace, in registration order, and the readouts left alone."""
+    explicit = (targets,) if isinstance(targets, type) else targets if isinstance(targets, tuple) else ()
+    if targets is None:
+        targets = _compat.spiking_neuron_classes() + (MulFreeChannelwisePSN,)
+    found, skipped = [], []
+    for name, m in net.named_modules():  # (visits a module registered at several places once)
+        if not _is_target(targets, name, m):
+            continue
+        if _readout_kept(explicit, m, include_readouts):
+            skipped.append(Skipped(name, type(m).__name__, READOUT_REASON))
+        else:
+            found.append((name, m))
+    return found, skipped
 
 
 def _device_dtype(net: nn.Module, module: nn.Module, example_input) -> tuple:
@@ -96,8 +138,9 @@ def _run_order(net: nn.Module, modules: list[nn.Module], example_input) -> dict[
     def hook(mod, args):
         if id(mod) not in seen and args and isinstance(args[0], torch.Tensor):
             x = args[0]
-            step = getattr(mod, "step_mode", "s")
-            seen[id(mod)] = x.shape[2 if step == "m" and x.dim() >= 3 else 1] if x.dim() >= 2 else x.shape[0]
+            layout = mod.layout if isinstance(mod, MulFreeChannelwisePSN) else "time_first"
+            multi_step = getattr(mod, "step_mode", "s") == "m" and x.dim() >= 3
+            seen[id(mod)] = x.shape[ops.channel_dim(layout) if multi_step else 1] if x.dim() >= 2 else x.shape[0]
 
     was_training = net.training
     net.eval()
@@ -108,29 +151,66 @@ def _run_order(net: nn.Module, modules: list[nn.Module], example_input) -> dict[
     return seen
 
 
+# The constructor settings of an MF-PSN that a re-configured one keeps (besides channels, step_mode and
+# surrogate_function, which every replacement keeps); its order and dilation are what changes.
+_MF_PSN_SETTINGS = ("quantize", "ste", "threshold", "backend", "method", "layout", "momentum", "eps", "exp_init")
+
+
+def _settings_of(old: nn.Module) -> dict:
+    if not isinstance(old, MulFreeChannelwisePSN):
+        return {}
+    return {**{name: getattr(old, name) for name in _MF_PSN_SETTINGS}, "v_threshold": old.v_threshold_init}
+
+
+def _already(old: nn.Module, k: int, dilation: int, neuron_kwargs: dict) -> bool:
+    """Whether ``old`` is an MF-PSN of order ``k`` and ``dilation`` that has every setting of ``neuron_kwargs``."""
+    if not isinstance(old, MulFreeChannelwisePSN) or (old.k, old.dilation) != (k, dilation):
+        return False
+    current = {**_settings_of(old), "step_mode": old.step_mode, "surrogate_function": old.surrogate_function}
+    return all(name in current and current[name] == value for name, value in neuron_kwargs.items())
+
+
+def _replacement(old: nn.Module, k: int, dilation: int, channels: Optional[int], device, dtype,
+                 neuron_kwargs: dict) -> MulFreeChannelwisePSN:
+    """A new MF-PSN for ``old``: its step mode, surrogate function, training mode and (an MF-PSN's)
+    settings and channels, where ``neuron_kwargs`` does not set them."""
+    kwargs = {**_settings_of(old), **neuron_kwargs}
+    if "surrogate_function" not in kwargs and isinstance(getattr(old, "surrogate_function", None), nn.Module):
+        kwargs["surrogate_function"] = copy.deepcopy(old.surrogate_function)
+    kwargs.setdefault("step_mode", getattr(old, "step_mode", "s"))
+    if isinstance(old, MulFreeChannelwisePSN) and old.channels is not None:
+        channels = old.channels
+    new = MulFreeChannelwisePSN(channels=channels, k=k, dilation=dilation, **kwargs).to(device=device, dtype=dtype)
+    return new.train(old.training)
+
+
 def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "sawtooth",
                     targets: Union[type, tuple, Callable, None] = None, example_input=None,
-                    **neuron_kwargs) -> tuple[nn.Module, ReplaceSummary]:
+                    include_readouts: bool = False, **neuron_kwargs) -> tuple[nn.Module, ReplaceSummary]:
     """Swap spiking neurons in ``net`` for :class:`MulFreeChannelwisePSN`, in place.
 
     :param net: a SpikingJelly network (``net`` itself may be a neuron; the new neuron is returned)
     :param k: order of the new neurons
     :param dilation: ``'sawtooth'`` (1, 2, 3, 1, 2, 3, ... in the order the neurons run) or an int
     :param targets: neuron classes (a class or tuple) or a predicate ``(name, module) -> bool``;
-        default: every spiking neuron class SpikingJelly defines (IF, LIF, ParametricLIF, PSN family...)
+        default: every neuron class SpikingJelly defines (IF, LIF, ParametricLIF, PSN family...) and
+        MulFreeChannelwisePSN (re-configured to ``k`` and ``dilation``, with a warning: new weights)
     :param example_input: optional input for ``net`` (a tuple holds several positional inputs); when
         given, neurons are ordered as they run in a forward pass and get their channel count from it,
         otherwise registration order and lazy channels
+    :param include_readouts: also replace non-spiking readouts (``NonSpiking*`` nodes, ``LIAFNode``:
+        see ``_compat.readout_neuron_classes``), which output membrane potentials or analog values and
+        are otherwise left alone and listed in ``summary.skipped``; naming a readout class in
+        ``targets`` includes that class
     :param neuron_kwargs: passed to :class:`MulFreeChannelwisePSN` (``threshold``, ``quantize``, ...)
     :return: ``(net, summary)``; each new neuron keeps the old one's ``step_mode``, surrogate function
-        (where it had one, unless ``surrogate_function`` is given), device and dtype
+        (where it had one, unless ``surrogate_function`` is given), device and dtype, and a re-configured
+        MF-PSN its channels and other settings; one that already has ``k``, its dilation and every
+        setting of ``neuron_kwargs`` is kept as it is
     """
-    if targets is None:
-        targets = _compat.spiking_neuron_classes()
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
-    # (named_modules visits a module registered at several places once.)
-    found = [(name, m) for name, m in net.named_modules() if _is_target(targets, name, m)]
+    found, skipped = _find(net, targets, include_readouts)
     channels, order = {}, "registration"
     if example_input is not None and found:
         channels = _run_order(net, [m for _, m in found], example_input)
@@ -139,17 +219,19 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         order = "forward"
     dilations = sawtooth(len(found)) if dilation == "sawtooth" else [dilation] * len(found)
 
-    summary = ReplaceSummary(order=order)
+    summary = ReplaceSummary(order=order, skipped=skipped)
     new_of: dict[int, MulFreeChannelwisePSN] = {}
     for (name, old), d in zip(found, dilations):
-        kwargs = dict(neuron_kwargs)
-        if "surrogate_function" not in kwargs and isinstance(getattr(old, "surrogate_function", None), nn.Module):
-            kwargs["surrogate_function"] = copy.deepcopy(old.surrogate_function)
-        step_mode = kwargs.pop("step_mode", getattr(old, "step_mode", "s"))
-        device, dtype = _device_dtype(net, old, example_input)
-        new_of[id(old)] = MulFreeChannelwisePSN(channels=channels.get(id(old)), k=k, dilation=d, step_mode=step_mode,
-                                                **kwargs).to(device=device, dtype=dtype)
-        summary.rows.append(Replacement(name, type(old).__name__, channels.get(id(old)), k, d, step_mode))
+        if _already(old, k, d, neuron_kwargs):
+            summary.skipped.append(Skipped(name, type(old).__name__, f"already k={k}, dilation={d}"))
+            continue
+        new = _replacement(old, k, d, channels.get(id(old)), *_device_dtype(net, old, example_input), neuron_kwargs)
+        new_of[id(old)] = new
+        summary.rows.append(Replacement(name, type(old).__name__, new.channels, k, d, new.step_mode))
+    reconfigured = sum(isinstance(old, MulFreeChannelwisePSN) for _, old in found if id(old) in new_of)
+    if reconfigured:
+        warnings.warn(f"replace_neurons re-configured {reconfigured} MulFreeChannelwisePSN layer(s) to k={k}, "
+                      f"dilation={dilation!r}: their trained weights were re-initialised", UserWarning, stacklevel=2)
 
     if id(net) in new_of:
         return new_of[id(net)], summary

@@ -162,3 +162,122 @@ def test_added_to_spikingjelly_functional_without_overriding():
         assert sn.backend == "torch"
     else:
         assert functional.set_backend is spikingjelly_mfpsn.set_backend
+
+
+# Non-spiking readouts, by name (a class this SpikingJelly lacks skips its cases), and how to build one.
+READOUTS = {
+    "NonSpikingLIFNode": lambda cls: cls(tau=2.0, decode="last_mem"),
+    "NonSpikingIFNode": lambda cls: cls(decode="last_mem"),
+    "LIAFNode": lambda cls: cls(act=torch.tanh, threshold_related=False, step_mode="m"),
+}
+
+
+PATCHED = {}  # name -> a subclass of the readout that builds where SpikingJelly's does not
+
+
+def readout_class(name):
+    cls = getattr(neuron, name, None)
+    if cls is None:
+        pytest.skip(f"SpikingJelly {_compat.SJ_VERSION} has no neuron.{name}")
+    try:
+        READOUTS[name](cls)
+    except AttributeError:  # 0.0.0.0.14's LIAFNode.__init__ checks an attribute its LIFNode never sets
+        cls = PATCHED.setdefault(name, type(name, (cls,), {"single_step_cupy_fp32_inference": False}))
+    return cls
+
+
+def readout(name):
+    return READOUTS[name](readout_class(name))
+
+
+def with_readout(name):
+    return nn.Sequential(layer.Linear(4, 6, step_mode="m"), neuron.LIFNode(step_mode="m"),
+                         layer.Linear(6, 3, step_mode="m"), readout(name))
+
+
+def test_readout_classes_are_non_spiking_neurons_only():
+    readouts = _compat.readout_neuron_classes()
+    assert set(readouts) <= set(_compat.spiking_neuron_classes())
+    assert neuron.LIAFNode in readouts and not {neuron.IFNode, neuron.LIFNode} & set(readouts)
+    for name in ("NonSpikingIFNode", "NonSpikingLIFNode"):
+        assert getattr(neuron, name, None) in readouts + (None,)
+
+
+@pytest.mark.parametrize("name", sorted(READOUTS))
+def test_readout_is_kept_by_default_and_listed_as_skipped(name):
+    net = with_readout(name)
+    head = net[3]
+    net, summary = replace_neurons(net, k=2)
+    assert net[3] is head and isinstance(net[1], MulFreeChannelwisePSN)
+    assert [r.name for r in summary] == ["1"]
+    assert [(s.name, s.old, s.reason) for s in summary.skipped] == [
+        ("3", name, "non-spiking readout (outputs membrane potential)")]
+    assert "non-spiking readout" in str(summary) and name in str(summary)
+
+
+@pytest.mark.parametrize("name", sorted(READOUTS))
+def test_readout_is_replaced_when_asked(name):
+    net, summary = replace_neurons(with_readout(name), k=2, include_readouts=True)
+    assert isinstance(net[3], MulFreeChannelwisePSN) and len(summary) == 2 and not summary.skipped
+    assert [r.old for r in summary] == ["LIFNode", name]
+    # naming the readout's class in targets includes it too
+    net, summary = replace_neurons(with_readout(name), k=2, targets=readout_class(name))
+    assert isinstance(net[3], MulFreeChannelwisePSN) and isinstance(net[1], neuron.LIFNode)
+    assert [r.old for r in summary] == [name] and not summary.skipped
+
+
+def test_liaf_is_kept_when_targets_names_its_spiking_base_class():
+    net, summary = replace_neurons(with_readout("LIAFNode"), k=2, targets=neuron.LIFNode)
+    assert isinstance(net[3], neuron.LIAFNode) and isinstance(net[1], MulFreeChannelwisePSN)
+    assert [s.name for s in summary.skipped] == ["3"]
+
+
+def mf_psn_net(k=2, dtype=torch.float64):
+    return nn.Sequential(
+        layer.Linear(4, 6, step_mode="m"),
+        MulFreeChannelwisePSN(6, k=k, dilation=1, step_mode="m", threshold="param", quantize=False,
+                              v_threshold=0.5, surrogate_function=surrogate.Sigmoid(alpha=3.0)),
+        layer.Linear(6, 5, step_mode="m"),
+        MulFreeChannelwisePSN(5, k=k, dilation=2, step_mode="m"),
+    ).to(dtype)
+
+
+def test_mf_psn_layers_are_reconfigured_with_a_warning():
+    net = mf_psn_net(k=2)
+    olds = [net[1], net[3]]
+    with pytest.warns(UserWarning, match="re-configured 2 MulFreeChannelwisePSN layer.*re-initialised"):
+        net, summary = replace_neurons(net, k=4)
+    new = [net[1], net[3]]
+    assert all(n is not o for n, o in zip(new, olds))
+    assert [(m.k, m.dilation, m.channels, m.step_mode) for m in new] == [
+        (4, o.dilation, o.channels, o.step_mode) for o in olds]
+    assert (new[0].threshold, new[0].quantize, new[0].v_threshold_init) == ("param", False, 0.5)
+    assert isinstance(new[0].surrogate_function, surrogate.Sigmoid) and new[0].surrogate_function.alpha == 3.0
+    assert new[1].threshold == "bn" and all(m.weight.dtype == torch.float64 for m in new)
+    assert [(r.old, r.k) for r in summary] == [("MulFreeChannelwisePSN", 4)] * 2 and not summary.skipped
+    assert net(torch.rand(5, 2, 4, dtype=torch.float64)).shape == (5, 2, 5)
+
+
+def test_neuron_kwargs_override_the_settings_of_a_reconfigured_mf_psn():
+    with pytest.warns(UserWarning, match="re-configured 2"):
+        net, _ = replace_neurons(mf_psn_net(k=2), k=3, threshold="bn", quantize=True)
+    assert all(m.k == 3 and m.threshold == "bn" and m.quantize for m in (net[1], net[3]))
+    # same k and dilation: only the neuron a setting of neuron_kwargs changes is re-configured
+    net = mf_psn_net(k=2)
+    kept = net[1]
+    with pytest.warns(UserWarning, match="re-configured 1 MulFreeChannelwisePSN"):
+        net, summary = replace_neurons(net, k=2, threshold="param")
+    assert net[1] is kept and net[3].threshold == "param" and [r.name for r in summary] == ["3"]
+
+
+def test_mf_psn_of_the_requested_k_and_dilation_is_kept_without_warning(recwarn):
+    net = mf_psn_net(k=2)
+    olds = [net[1], net[3]]
+    net, summary = replace_neurons(net, k=2)  # sawtooth: 1, 2, as they have
+    assert net[1] is olds[0] and net[3] is olds[1] and len(summary) == 0
+    assert [s.reason for s in summary.skipped] == ["already k=2, dilation=1", "already k=2, dilation=2"]
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    # only the one whose dilation differs is re-configured
+    with pytest.warns(UserWarning, match="re-configured 1 MulFreeChannelwisePSN"):
+        net, summary = replace_neurons(net, k=2, dilation=2)
+    assert net[1] is not olds[0] and net[3] is olds[1] and [r.name for r in summary] == ["1"]

@@ -197,15 +197,16 @@ def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) ->
         return net, f"auto ({report.layout})", report.seconds
     if not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()):
         env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
-        return _convert_layout(net, args.layout), "n/a", 0.0
-    return set_method(net, args.method, layout=args.layout or "time_first"), args.method, 0.0
+        return _convert_layout(net, args.layout, x_example), "n/a", 0.0
+    return (set_method(net, args.method, layout=args.layout or "time_first", example_input=x_example),
+            args.method, 0.0)
 
 
-def _convert_layout(net: nn.Module, layout: Optional[str]) -> nn.Module:
+def _convert_layout(net: nn.Module, layout: Optional[str], x_example: torch.Tensor) -> nn.Module:
     if layout != "time_last":
         return net
     from spikingjelly_mfpsn import to_time_last
-    return to_time_last(net)
+    return to_time_last(net, example_input=x_example)
 
 
 # ------------------------------------------------------------------------------------------- data

@@ -1,11 +1,21 @@
 """Whole-network layout conversion: :func:`to_time_last` and its exact inverse :func:`to_time_first`.
 
-``to_time_last(net)`` swaps every SpikingJelly stateless layer for its time-last wrapper (sharing the
-layer's parameters, so state_dict keys and values do not change), sets ``layout='time_last'`` on every
-:class:`MulFreeChannelwisePSN`, and installs a boundary on ``net`` that moves time to the end once at
-the input and back once at the output, so callers keep passing ``(T, N, ...)``.
+``to_time_last(net, example_input=x)`` swaps every SpikingJelly stateless layer for its time-last
+wrapper (sharing the layer's parameters, so state_dict keys and values do not change), sets
+``layout='time_last'`` on every :class:`MulFreeChannelwisePSN`, and makes the network move time to the
+end once at the input and back once at the output, so callers keep passing ``(T, N, ...)``.
 
-Rules, per module (``net`` itself included):
+The forward is traced with torch.fx (:mod:`.tracing`; SpikingJelly's modules are leaves). Where it
+makes no call that depends on where the time axis is (only modules, residual sums and other
+element-wise calls), the modules are converted in place and the forwards kept, with a boundary
+(forward hooks) on ``net``. Otherwise (``torch.flatten(x, 2)``, ``x.mean(0)``, reshapes, ``cat``...) the
+forward is rewritten (:mod:`.rewrite`) from its trace on ``example_input``, and the rewritten forward
+(``net.forward``, a :class:`~.rewrite.GraphForward`; ``print(net.forward.code)``) is checked against
+the time-first network on the example one step longer. A forward that cannot be traced, or one with
+such calls and no example input, gets its modules converted only, after a warning that names the call
+(``strict=True``: an :class:`UnconvertibleModuleError` instead).
+
+Rules, per module (a leaf of the trace, or ``net`` itself):
 
 * a time-last wrapper: kept;
 * an MF-PSN neuron (``MulFreeChannelwisePSN``, or a folded ``deploy.FoldedMulFreePSN``) in ``step_mode='m'``:
@@ -16,10 +26,8 @@ Rules, per module (``net`` itself included):
   the whole ``(T, N, ...)`` sequence, every other plain layer one step;
 * ``SeqToANNContainer``: a :class:`layer.TimeLastSequential` of its children's wrappers;
 * element-wise modules (activations, ``nn.Identity``, ``nn.Dropout``, surrogate functions): kept;
-* any other module with children (``nn.Sequential``, residual blocks): its children are converted in
-  place and its own ``forward`` kept, so code between layers must not depend on the layout
-  (element-wise ops and residual sums do not; an inline ``torch.flatten(x, 2)`` only where the
-  flattened dims are 1x1, as after the zoo ResNets' global pooling);
+* (module swapping only) any other module with children: its children are converted in place and its
+  own ``forward`` kept;
 * anything else (other spiking neurons, stateful or multi-step-only SpikingJelly modules, unknown
   layers): an :class:`UnconvertibleModuleError` naming every such module, unless ``fallback='time_first'``,
   which runs that module time-first inside the time-last network (its input and output are transposed).
@@ -29,14 +37,17 @@ Nothing is changed unless the whole network converts.
 from __future__ import annotations
 
 import copy
+import warnings
 from functools import partial
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from . import _compat, layer
+from . import _compat, layer, rewrite, tracing
+from ._util import agree, as_args
 from .neuron import ChargeNeuronBase
+from .rewrite import GraphForward
 
 FALLBACKS = (None, "time_first")
 
@@ -119,7 +130,8 @@ def _remove_hooks(m: nn.Module, enter, exit_) -> None:
 
 def has_time_last_boundary(net: nn.Module) -> bool:
     """Whether ``net`` takes and returns time-first tensors around a time-last inside."""
-    return _has_hooks(net, _boundary_enter, _boundary_exit)
+    forward = net.__dict__.get("forward")
+    return _has_hooks(net, _boundary_enter, _boundary_exit) or isinstance(forward, GraphForward) and forward.boundary
 
 
 # ---------------------------------------------------------------------------- to_time_last
@@ -231,7 +243,7 @@ class _Converter:
 
 
 def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool = True,
-                 method: str = "auto") -> nn.Module:
+                 method: str = "auto", example_input=None, strict: bool = False) -> nn.Module:
     """Convert a multi-step SpikingJelly network to the time-last layout (see the module docstring).
 
     :param net: a network in ``step_mode='m'``; converted in place, but use the return value (a
@@ -241,8 +253,14 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         (input and output transposed around each), which is correct for any multi-step module
         including stateful neurons, at the cost of two copies per module
     :param boundary: install the boundary that takes and returns ``(T, N, ...)``; ``False`` makes the
-        network take and return ``(N, ..., T)``
+        network take ``(N, ..., T)`` and return its outputs that have a time axis with time last
     :param method: ``method`` of the two-way stateless wrappers (``'auto'``, ``'vmap'``, ``'highdim'``)
+    :param example_input: one input of the network (``(T, N, ...)``; a tuple holds several positional
+        inputs). Needed where ``forward`` makes calls that depend on where the time axis is
+        (``torch.flatten(x, 2)``, ``x.mean(0)``, reshapes...): the forward is traced, run on it and on
+        it one step longer, rewritten, and checked against the time-first network
+    :param strict: where the forward cannot be traced or rewritten, raise
+        :class:`UnconvertibleModuleError` (``True``) or warn and convert the modules only (``False``)
     :return: the converted network; :func:`to_time_first` undoes the conversion exactly
     """
     if not isinstance(net, nn.Module):
@@ -250,18 +268,134 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     if method not in ("auto",) + layer.METHODS:
         raise ValueError(f"method must be 'auto' or one of {layer.METHODS}, got {method!r}")
     conv = _Converter(fallback, method)
+    if isinstance(net.__dict__.get("forward"), GraphForward):
+        return net  # converted already
+    if tracing.is_leaf(net) or _runs_time_last(net):  # (a network converted by module swapping: still so)
+        return _swap_modules(net, conv, boundary)
+    inputs = _probes(example_input) if example_input is not None else None
+    try:
+        graph, how, shapes = tracing.trace(net, inputs and inputs[0])
+    except tracing.TraceFailure as e:
+        return _modules_only(net, conv, boundary, inputs, str(e), strict)
+    calls = [n for n in graph.nodes if n.op == "get_attr" or n.op in ("call_function", "call_method")
+             and not rewrite.is_layout_free(n)]
+    if not calls:
+        return _swap_modules(net, conv, boundary)
+    if inputs is None:
+        listed = "; ".join(rewrite.describe(n) for n in calls[:3]) + (" ..." if len(calls) > 3 else "")
+        reason = f"it makes calls that depend on where the time axis is ({listed}) and no example_input was given"
+        return _modules_only(net, conv, boundary, None, reason, strict)
+    return _rewritten(net, (graph, how, shapes), inputs, conv, boundary, strict)
+
+
+def _runs_time_last(net: nn.Module) -> bool:
+    return has_time_last_boundary(net) or any(isinstance(m, TIME_LAST_TYPES) or getattr(m, "layout", None) ==
+                                              "time_last" for m in net.modules())
+
+
+def _swap_modules(net: nn.Module, conv: _Converter, boundary: bool) -> nn.Module:
+    """Convert the modules in place, keeping every forward (the calls between modules must not depend
+    on the layout)."""
     new = conv.convert(net, "", per_step=False)
-    if conv.errors:
-        raise UnconvertibleModuleError(
-            "cannot convert to the time-last layout:\n  " + "\n  ".join(conv.errors) +
-            "\nReplace these modules (e.g. spiking neurons with MulFreeChannelwisePSN), or pass "
-            "fallback='time_first' to run them time-first inside the time-last network.")
+    _raise_errors(conv)
     for action in conv.actions:
         action()
     if boundary:
         _add_hooks(new, _boundary_enter, _boundary_exit)
     _invalidate(new)
     return new
+
+
+def _raise_errors(conv: _Converter) -> None:
+    if conv.errors:
+        raise UnconvertibleModuleError(
+            "cannot convert to the time-last layout:\n  " + "\n  ".join(conv.errors) +
+            "\nReplace these modules (e.g. spiking neurons with MulFreeChannelwisePSN), or pass "
+            "fallback='time_first' to run them time-first inside the time-last network.")
+
+
+def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.Module:
+    """The forward could not be seen: convert the modules only, after a warning (or raise if strict);
+    with example inputs (:func:`_probes`), the result is checked against the time-first network."""
+    message = (f"to_time_last cannot rewrite {type(net).__name__}.forward: {reason}. Only its modules are "
+               f"converted, so a call in forward that depends on where the time axis is would go wrong")
+    if strict:
+        raise UnconvertibleModuleError(message + ".")
+    reference = None if inputs is None else _eval(net, inputs[1])
+    new = _swap_modules(net, conv, boundary)
+    warnings.warn(message + "; pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the "
+                  "forward (strict=True raises instead).", stacklevel=3)
+    if reference is not None and boundary:
+        _check(new, inputs[1], reference, "its modules converted")
+    return new
+
+
+def _eval(net: nn.Module, args: tuple):
+    with tracing.quiet(net):
+        return net(*args)
+
+
+def _check(net: nn.Module, args: tuple, reference, what: str) -> None:
+    """Undo the conversion and raise if ``net`` no longer gives ``reference`` on ``args``."""
+    try:
+        ok, why = agree(_eval(net, args), reference), "gives other outputs"
+    except Exception as e:  # noqa: BLE001  (any failure of the converted network)
+        ok, why = False, f"fails ({type(e).__name__}: {e})"
+    if not ok:
+        to_time_first(net)
+        raise UnconvertibleModuleError(f"{type(net).__name__} with {what} {why} than the time-first network "
+                                       f"on the example input; it was left time-first.")
+
+
+def _probes(example_input) -> list[tuple]:
+    """The two inputs of :func:`tracing.probes` made from the example's first input."""
+    args = as_args(example_input)
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.shape[0]:
+        raise ValueError("example_input must be a (T, N, ...) tensor (or a tuple whose first element is one), "
+                         f"got {type(x).__name__}{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}")
+    return [(p,) + args[1:] for p in tracing.probes(x)]
+
+
+def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: bool, strict: bool) -> nn.Module:
+    """Trace-based conversion: the modules converted, and the forward rewritten around them."""
+    graph, how, shapes_a = traced
+    if shapes_a is None:
+        shapes_a = tracing.run_graph(net, graph, inputs[0])[1]
+    out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
+    reference = out_b if how == "symbolic" else _eval(net, inputs[1])  # a symbolic trace is the forward
+    if not agree(out_b, reference):
+        return _modules_only(net, conv, boundary, inputs,
+                             "its concrete trace gives other outputs than the network on a longer input "
+                             "(it may branch on the input's shape)", strict)
+    swaps, decided = {}, {}
+
+    def convert_module(m: nn.Module, path: str) -> bool:
+        errors = len(conv.errors)
+        new = conv.convert(m, path, per_step=False)
+        if len(conv.errors) == errors and new is not m:
+            swaps[id(m)] = new
+        decided[path] = True
+        return True
+
+    steps = inputs[0][0].shape[0]
+    rewriter = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, convert_module, boundary=True)
+    checked = rewriter.run()
+    _raise_errors(conv)
+    for action in conv.actions:
+        action()
+    for parent in list(net.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in swaps:
+                parent._modules[name] = swaps[id(child)]
+    net.__dict__["forward"] = rewrite.GraphForward(checked, net, True, rewriter.time_first_calls, how)
+    _invalidate(net)
+    _check(net, inputs[1], reference, "its forward rewritten")
+    if not boundary:
+        inner = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, lambda m, p: decided.get(p, False),
+                                 boundary=False).run()
+        net.__dict__["forward"] = rewrite.GraphForward(inner, net, False, rewriter.time_first_calls, how)
+    return net
 
 
 # ---------------------------------------------------------------------------- to_time_first
@@ -291,6 +425,8 @@ def to_time_first(net: nn.Module) -> nn.Module:
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
     _remove_hooks(net, _boundary_enter, _boundary_exit)
+    if isinstance(net.__dict__.get("forward"), GraphForward):
+        del net.__dict__["forward"]
     new = _revert(net)
     _invalidate(new)
     return new

@@ -263,21 +263,23 @@ def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Modul
     return net
 
 
-def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instance=(nn.Module,)) -> nn.Module:
+def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instance=(nn.Module,),
+               example_input=None) -> nn.Module:
     """Set ``method`` on every module of type ``instance`` whose ``supported_methods`` (or, for MF-PSN
     neurons, ``candidate_methods``: a method of another available backend, which switches the neuron's
     backend too) has it.
 
     ``'auto'`` is accepted by every such module; others are logged and skipped. With ``layout``, the
     network is first converted to that layout (:func:`~spikingjelly_mfpsn.to_time_last` /
-    :func:`~spikingjelly_mfpsn.to_time_first`, sharing parameters). Returns the network (use the
-    return value: a network that is a single layer may come back wrapped).
+    :func:`~spikingjelly_mfpsn.to_time_first`, sharing parameters; ``example_input`` is passed to
+    ``to_time_last``, which needs it where the forward makes calls that depend on where the time axis
+    is). Returns the network (use the return value: a network that is a single layer may come back wrapped).
     """
     if layout is not None:
         from .convert import current_layout, to_time_first, to_time_last
         ops.check_layout(layout)
         if current_layout(net) != layout:
-            net = to_time_last(net) if layout == "time_last" else to_time_first(net)
+            net = to_time_last(net, example_input=example_input) if layout == "time_last" else to_time_first(net)
     for m in net.modules():
         supported = getattr(m, "supported_methods", None) if isinstance(m, instance) else None
         if supported is None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat, ops, timing, timing_cache
-from ._util import as_args, device_type, tensors
+from ._util import agree, as_args, device_type, tensors
 from .convert import FALLBACKS, TIME_LAST_TYPES, current_layout, has_time_last_boundary, to_time_first, to_time_last
 from .report import AutoselectReport, LayerResult
 from .timing import candidates, capture_inputs, is_tunable, layers, measure, time_candidates, timed
@@ -58,10 +58,12 @@ def _moved(name: str, home: types.ModuleType) -> property:
 sys.modules[__name__].__class__ = type("_Tuner", (types.ModuleType,), {n: _moved(n, h) for n, h in _MOVED.items()})
 
 
-def _convert(net: nn.Module, layout: str, fallback: Optional[str] = None) -> None:
-    """Convert ``net`` to ``layout`` in place (a network that is itself one layer cannot be)."""
+def _convert(net: nn.Module, layout: str, fallback: Optional[str] = None, x=None) -> None:
+    """Convert ``net`` to ``layout`` in place (a network that is itself one layer cannot be); ``x``: an
+    example input, with which a forward that makes layout-dependent calls is rewritten."""
     if current_layout(net) != layout:
-        out = to_time_last(net, fallback=fallback) if layout == "time_last" else to_time_first(net)
+        out = (to_time_last(net, fallback=fallback, example_input=x, strict=x is not None) if layout == "time_last"
+               else to_time_first(net))
         if out is not net:
             raise RuntimeError("layout conversion must work in place")
 
@@ -96,24 +98,6 @@ def _outputs(net: nn.Module, x) -> torch.Tensor:
     finally:
         net.train(was_training)
         _compat.functional.reset_net(net)
-
-
-def _agree(a, b, mismatch: float = 1e-3) -> bool:
-    """Outputs agree up to float reordering: near-threshold spikes may flip in a tiny fraction. Outputs
-    may be tensors or tuples, lists and dicts of them (other values must be equal)."""
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.shape != b.shape:
-            return False
-        close = torch.isclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
-        return bool((~close).float().mean() <= mismatch)
-    if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(_agree(x, y, mismatch) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_agree(a[k], b[k], mismatch) for k in a)
-    try:
-        return not isinstance(b, torch.Tensor) and bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # e.g. arrays, whose == is element-wise
-        return False
 
 
 def _distributed() -> bool:
@@ -184,10 +168,10 @@ class _Selection:
                 plans = {layout: plan for layout in self.layouts if (plan := self._time_layout(layout)) is not None}
                 self.cache.save()
                 if not self._choose(plans):  # none reproduces the outputs: the network as it came
-                    _apply(self.net, start_layout, start_methods, self.fallback)
+                    _apply(self.net, start_layout, start_methods, self.fallback, self.x)
             return self.report
         except BaseException:
-            _apply(self.net, start_layout, start_methods, self.fallback)
+            _apply(self.net, start_layout, start_methods, self.fallback, self.x)
             if self.snap is not None:
                 _restore(self.net, self.snap)
             raise
@@ -250,8 +234,8 @@ class _Selection:
             try:
                 if x is not None and reference is None:
                     reference = _outputs(self.net, x)
-                _apply(self.net, plan["layout"], plan["methods"], self.fallback)
-                ok = x is None or _agree(_outputs(self.net, x), reference)
+                _apply(self.net, plan["layout"], plan["methods"], self.fallback, self.x)
+                ok = x is None or agree(_outputs(self.net, x), reference)
                 if ok:
                     _report_plan(self.report, plan)
             except Exception:  # noqa: BLE001  (a stale or damaged plan: measure again)
@@ -279,7 +263,7 @@ class _Selection:
         """Time every layer in ``layout``: each layer's fastest method; None where the network cannot run
         in that layout."""
         try:
-            _convert(self.net, layout, self.fallback)
+            _convert(self.net, layout, self.fallback, self.x)
         except (TypeError, ValueError, NotImplementedError) as e:
             return self._skip(f"the network cannot run in layout {layout!r} ({e})", f"layout {layout}: {e}")
         mods = layers(self.net)
@@ -323,10 +307,10 @@ class _Selection:
     def _choose(self, plans: dict[str, dict[str, str]]) -> bool:
         """Apply and store the fastest layout's plan that reproduces the outputs; False if none does."""
         for layout in sorted(plans, key=self.report.totals.get):  # fastest first
-            _apply(self.net, layout, plans[layout], self.fallback)
+            _apply(self.net, layout, plans[layout], self.fallback, self.x)
             out = _outputs(self.net, self.x)
             _restore(self.net, self.snap)
-            if _agree(out, self.reference):
+            if agree(out, self.reference):
                 self.report.layout, self.report.methods = layout, plans[layout]
                 if self.compile_backend:
                     self._time_compiled()
@@ -354,7 +338,7 @@ class _Selection:
         try:
             compiled = step_time()
             _restore(net, self.snap)
-            ok = _agree(_outputs(net, self.x), self.reference)
+            ok = agree(_outputs(net, self.x), self.reference)
         except Exception as e:  # noqa: BLE001  (a backend that cannot compile this net: stay eager)
             compiled, ok = math.inf, False
             report.skipped.append(f"torch.compile({backend}): {type(e).__name__}: {e}")
@@ -394,8 +378,8 @@ def _uncompile(net: nn.Module) -> None:
     net._compiled_call_impl = None
 
 
-def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional[str] = None) -> None:
-    _convert(net, layout, fallback)
+def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional[str] = None, x=None) -> None:
+    _convert(net, layout, fallback, x)
     named = dict(net.named_modules())
     for name, method in plan.items():
         if is_tunable(named[name]):
@@ -474,7 +458,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     report.forward_only = not torch.is_grad_enabled()
     if report.layout is not None:
         if not selects:  # (the selection applied its choice on this rank already)
-            _apply(net, report.layout, report.methods, fallback)
+            _apply(net, report.layout, report.methods, fallback, x_example)
         if report.compiled:  # (compiled already on rank 0)
             _compile(net, report.compile_backend)
     _compat.invalidate_reset_cache(net)

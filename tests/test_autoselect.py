@@ -676,13 +676,13 @@ def test_a_dict_input_keys_its_tensors(tmp_path):
     path = str(tmp_path / "c.json")
     net = _DictInput()
     first = FakeTimes(1)
-    with pytest.warns(UserWarning, match="does not run in layout 'time_last'"):  # the boundary needs a tensor
+    with pytest.warns(UserWarning, match="run in layout 'time_last'"):  # the boundary needs a tensor
         mf.autoselect(net, {"x": example(n=5)}, cache=path, measure_fn=first, progress=False)
     again = FakeTimes(2)
     mf.autoselect(net, {"x": example(n=5)}, cache=path, measure_fn=again, progress=False)
     assert first.calls > 0 and again.calls == 0
     other = FakeTimes(3)
-    with pytest.warns(UserWarning, match="does not run in layout 'time_last'"):
+    with pytest.warns(UserWarning, match="run in layout 'time_last'"):
         mf.autoselect(net, {"x": example(n=7)}, cache=path, measure_fn=other, progress=False)
     assert other.calls > 0  # another shape: timed, not taken from the first
     with pytest.raises(ValueError, match="empty tensor"):

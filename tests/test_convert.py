@@ -2,6 +2,8 @@
 running statistics; to_time_first undoes it exactly; checkpoints load across layouts; modules without
 a time-last version raise a clear error (or run time-first with fallback='time_first')."""
 import collections
+import pickle
+import warnings
 import copy
 
 import pytest
@@ -50,7 +52,7 @@ def run(net, x):
     y = net(x)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
     names, params = zip(*net.named_parameters())
-    grads = torch.autograd.grad(y, (x,) + params, g)
+    grads = torch.autograd.grad(y, (x,) + params, g, allow_unused=True, materialize_grads=True)
     return y.detach(), dict(zip(("input",) + names, grads))
 
 
@@ -95,7 +97,9 @@ def built_zoo_net(name, x):
 def test_zoo_net_same_in_both_layouts(name):
     x = torch.randn(2, 2, 3, 8, 8, dtype=torch.float64)
     net_tf = built_zoo_net(name, x)
-    net_tl = to_time_last(copy.deepcopy(net_tf))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net_tl = to_time_last(copy.deepcopy(net_tf), example_input=x)
     assert_same_run(net_tf, net_tl, x)
 
 
@@ -118,7 +122,8 @@ def test_to_time_first_undoes_to_time_last_exactly():
     net = built_zoo_net("sew_resnet", x)
     before = structure(net)
     sd = {k: v.clone() for k, v in net.state_dict().items()}
-    net_tl = to_time_last(net)
+    with pytest.warns(UserWarning, match=r"no example_input was given"):  # (converts the modules only)
+        net_tl = to_time_last(net)
     assert structure(net_tl) != before
     assert to_time_last(net_tl) is net_tl and structure(net_tl) == structure(to_time_last(net_tl))
     assert len(net_tl._forward_pre_hooks) == 1  # the boundary is installed once
@@ -318,3 +323,177 @@ def test_fallback_runs_a_container_with_an_unknown_child_time_first():
     net_tl = to_time_last(copy.deepcopy(net), fallback="time_first")
     assert type(net_tl[0]) is layer.SeqToANNContainer and net_tl[1].layout == "time_last"
     assert_same_run(net, net_tl, torch.randn(5, 2, 3, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------- functional calls in forward
+class CallsNet(nn.Module):
+    """Conv-BN-MF-PSN-pool, then the calls in forward that ``kind`` names, which depend on where the
+    time axis is (the zoo's VGGs flatten 7x7 maps, the MS-ResNets average over time...)."""
+
+    def __init__(self, kind, c=4, classes=5):
+        super().__init__()
+        self.kind = kind
+        self.conv, self.bn = layer.Conv2d(2, c, 3, padding=1), layer.BatchNorm2d(c)
+        self.sn = MulFreeChannelwisePSN(c, k=2, step_mode="m")
+        self.pool = layer.AdaptiveAvgPool2d((3, 3))
+        self.pos = nn.Parameter(torch.randn(c, 1, 1))  # broadcast against (T, N, c, H, W)
+        self.fc, self.fc2 = layer.Linear(c * 9, classes), layer.Linear(2 * c * 9, classes)
+        self.sn2 = MulFreeChannelwisePSN(classes, k=2, step_mode="m")
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        if self.kind == "branch_on_rank" and x.ndim == 4:  # symbolic tracing fails here: traced concretely
+            x = x.unsqueeze(0).repeat(3, 1, 1, 1, 1)
+        x = self.pool(self.sn(self.bn(self.conv(x)) + self.pos))
+        return getattr(self, self.kind if self.kind != "branch_on_rank" else "flatten_mean")(x)
+
+    def flatten_mean(self, x):
+        return self.fc(torch.flatten(x, 2)).mean(0)
+
+    def reshape(self, x):
+        T, N, C, H, W = x.shape
+        return self.sn2(self.fc(x.reshape(T, N, C * H * W).view(T, N, -1)))
+
+    def cat(self, x):
+        return self.fc2(torch.cat([x, x * 2], dim=2).flatten(2)).sum(dim=0)
+
+    def stack(self, x):
+        return self.fc(torch.stack([x, 1 - x], dim=2).sum(2).flatten(start_dim=2))
+
+    def index(self, x):
+        y = self.fc(x.flatten(2))
+        return y[-1] + y[..., None][..., 0] + y[:, 0][:, None]
+
+    def softmax(self, x):
+        return torch.softmax(x, dim=2).sum((3, 4)).unsqueeze(-1).squeeze(-1).amax(dim=1)
+
+    def transpose(self, x):
+        return self.fc(x.transpose(0, 1).flatten(2).transpose(0, 1).permute(0, 1, 2))
+
+    def matmul(self, x):  # no time-last rule: runs on the original form
+        y = x.flatten(3)
+        return self.fc(torch.flatten(y @ y.transpose(-2, -1), 2).repeat(1, 1, 3)[..., :36])
+
+
+CALL_KINDS = ["flatten_mean", "branch_on_rank", "reshape", "cat", "stack", "index", "softmax", "transpose",
+              "matmul"]
+
+
+@pytest.mark.parametrize("kind", CALL_KINDS)
+def test_functional_calls_in_forward_are_rewritten(kind):
+    torch.manual_seed(0)
+    x = torch.rand(3, 4, 2, 6, 6, dtype=torch.float64)
+    net_tf = CallsNet(kind).double()
+    net_tl = to_time_last(copy.deepcopy(net_tf), example_input=x)
+    assert has_time_last_boundary(net_tl)
+    assert isinstance(net_tl.conv, mf.layer.TimeLastConv) and net_tl.sn.layout == "time_last"
+    assert bool(net_tl.forward.time_first_calls) == (kind == "matmul")
+    for _ in range(2):  # training: batch statistics, running statistics updated
+        assert_same_run(net_tf, net_tl, x)
+    net_tf.eval(), net_tl.eval()
+    assert_same_run(net_tf, net_tl, torch.rand(4, 1, 2, 6, 6, dtype=torch.float64))  # other T and N
+
+
+def test_time_axis_kept_apart_from_batch_with_one_sample():
+    """An example with N=1 cannot tell T*N from T: the conversion must not take one for the other."""
+    class Merge(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = layer.Linear(3, 2)
+            functional.set_step_mode(self, "m")
+
+        def forward(self, x):
+            T, N = x.shape[:2]
+            return self.fc(x).flatten(0, 1).reshape(T, N, 2).mean(0)
+
+    x = torch.randn(4, 1, 3, dtype=torch.float64)
+    net_tf = Merge().double()
+    net_tl = to_time_last(copy.deepcopy(net_tf), example_input=x)
+    y = torch.randn(4, 3, 3, dtype=torch.float64)
+    torch.testing.assert_close(net_tl(y), net_tf(y), **TOL)
+
+
+def test_layout_dependent_calls_without_example_input_warn_or_raise():
+    net = CallsNet("flatten_mean").double()
+    before = structure(net)
+    with pytest.raises(UnconvertibleModuleError, match=r"flatten .*torch\.flatten\(x, 2\)"):
+        to_time_last(net, strict=True)
+    assert structure(net) == before and not has_time_last_boundary(net)
+    with pytest.warns(UserWarning, match=r"cannot rewrite CallsNet\.forward.*flatten.*pass example_input"):
+        to_time_last(net)
+
+
+class DataBranch(nn.Module):
+    """A forward whose control flow follows the data (a trace would record one branch) and ends in a
+    mean over time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = layer.Linear(3, 2)
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:
+            y = -y
+        return y.mean(0)
+
+
+class StepLoop(nn.Module):
+    """A forward that loops over the time steps: a trace records the example's number of steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return torch.stack([self.fc(x[t]) for t in range(x.shape[0])]).flatten(1)
+
+
+@pytest.mark.parametrize("cls, why", [(DataBranch, "control flow depends on tensor data"),
+                                      (StepLoop, "other outputs than the network on a longer input")])
+def test_untraceable_forward_is_never_silently_wrong(cls, why):
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    net = cls().double()
+    expected = net(x)
+    before = structure(net)
+    with pytest.raises(UnconvertibleModuleError, match="cannot rewrite"):
+        to_time_last(net, example_input=x, strict=True)
+    with pytest.warns(UserWarning, match=why), pytest.raises(UnconvertibleModuleError, match="left time-first"):
+        to_time_last(net, example_input=x)
+    assert structure(net) == before and not has_time_last_boundary(net)
+    torch.testing.assert_close(net(x), expected, **TOL)
+
+
+def test_rewritten_network_copies_pickles_loads_and_goes_back():
+    torch.manual_seed(0)
+    x = torch.rand(3, 2, 2, 6, 6, dtype=torch.float64)
+    net = CallsNet("reshape").double()
+    before, keys = structure(net), list(net.state_dict())
+    reference = copy.deepcopy(net).eval()(x)
+    net_tl = to_time_last(net, example_input=x).eval()
+    assert list(net_tl.state_dict()) == keys
+    assert "reshape_time_last" in net_tl.forward.code
+    for other in (copy.deepcopy(net_tl), pickle.loads(pickle.dumps(net_tl))):
+        torch.testing.assert_close(other(x), reference, **TOL)
+        assert other.forward.net is other
+    fresh = CallsNet("reshape").double().eval()
+    fresh.load_state_dict(net_tl.state_dict())
+    torch.testing.assert_close(fresh(x), reference, **TOL)
+    assert to_time_last(net_tl, example_input=x) is net_tl
+    back = to_time_first(net_tl)
+    assert back is net and structure(back) == before and "forward" not in vars(back)
+    torch.testing.assert_close(back(x), reference, **TOL)
+
+
+def test_rewritten_forward_without_boundary_takes_and_gives_time_last():
+    torch.manual_seed(0)
+    x = torch.rand(3, 2, 2, 6, 6, dtype=torch.float64)
+    for kind, time_in_output in (("reshape", True), ("flatten_mean", False)):
+        net = CallsNet(kind).double().eval()
+        reference = net(x)
+        net_tl = to_time_last(net, example_input=x, boundary=False)
+        assert not has_time_last_boundary(net_tl)
+        out = net_tl(x.movedim(0, -1))
+        torch.testing.assert_close(out.movedim(-1, 0) if time_in_output else out, reference, **TOL)

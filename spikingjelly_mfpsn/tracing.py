@@ -1,0 +1,226 @@
+"""See a network's forward: torch.fx tracing with SpikingJelly's modules as leaves, and the time axis of
+every value.
+
+* :func:`trace` records ``net.forward`` as an fx graph whose ``call_module`` nodes are SpikingJelly's
+  layers and neurons, MF-PSN, torch.nn's built-in layers and this package's time-last wrappers, and
+  whose other nodes are the functional calls in between (``torch.flatten``, ``x.mean(0)``, ``+``...).
+  Symbolic tracing first; where the forward branches on its input (``if x.ndim == 4``) and an example
+  input is given, concrete tracing: every node is also run on the example, and control flow follows
+  the values (the branch taken for the example's rank is the one recorded).
+* :func:`time_axes` runs the graph on the example and on the same example one step longer, and finds in
+  every tensor value the dimension that grew with it: that value's time axis (or none, e.g. after
+  ``mean(0)`` or where time is merged into another dimension).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from . import _compat, layer
+from ._util import as_args
+from .neuron import ChargeNeuronBase
+
+_LEAF_TYPES = (_compat.StepModule, _compat.MemoryModule, _compat.MultiStepModule, ChargeNeuronBase,
+               layer.TimeLastModule, layer.TimeLastDropout, layer.TimeLastSequential, layer.TLastSeqToANNContainer)
+
+
+def is_leaf(m: nn.Module) -> bool:
+    """Modules the conversion treats as one unit: SpikingJelly's (layers, neurons, containers,
+    surrogate functions), MF-PSN, the time-last wrappers, layout-aware modules and any layer that has
+    a time-last wrapper. Other modules (blocks, ``nn.Sequential``) are traced through."""
+    return (isinstance(m, _LEAF_TYPES) or isinstance(m, _compat.surrogate.SurrogateFunctionBase)
+            or getattr(m, "layout_aware", False) or layer.wrapper_class(m) is not None)
+
+
+class _Tracer(fx.Tracer):
+    record_stack_traces = True  # so that a message can name the source line of a call
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_leaf(m) or super().is_leaf_module(m, qualname)
+
+
+class _ConcreteProxy(fx.Proxy):
+    """A proxy that also holds the value its node takes on the example input."""
+
+    @property
+    def value(self):
+        return self.tracer.values[self.node]
+
+    def __len__(self):
+        return len(self.value)
+
+    def __index__(self):
+        return operator.index(self.tracer._shape_value(self))
+
+    def __getattr__(self, k):
+        return _ConcreteAttribute(self, k)
+
+
+class _ConcreteAttribute(fx.proxy.Attribute, _ConcreteProxy):
+    pass
+
+
+class _ConcreteTracer(_Tracer):
+    """Symbolic tracing that runs every node on the example as it records it (``values``), so that
+    ``bool``, ``len``, iteration and indexing of proxies take the example's values."""
+
+    def __init__(self, inputs: tuple):
+        super().__init__()
+        self.inputs, self.values, self._placeholders, self._running = inputs, {}, 0, False
+
+    # While a node runs on the example, module calls and attributes are the real ones (fx patches them).
+    def call_module(self, m, forward, args, kwargs):
+        return forward(*args, **kwargs) if self._running else super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        return attr_val if self._running else super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ConcreteProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        self._running = True
+        try:
+            self.values[p.node] = self._run(kind, target, args, kwargs)
+        finally:
+            self._running = False
+        return p
+
+    def _run(self, kind, target, args, kwargs):
+        args, kwargs = tree_map(self._value, (args, kwargs))
+        if kind == "placeholder":
+            i, self._placeholders = self._placeholders, self._placeholders + 1
+            return self.inputs[i] if i < len(self.inputs) else (args[0] if args else None)
+        if kind == "get_attr":
+            return operator.attrgetter(target)(self.root)
+        if kind == "call_module":
+            return self.root.get_submodule(target)(*args, **kwargs)
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return None
+
+    def _value(self, a):
+        return self.values[a.node] if isinstance(a, fx.Proxy) else a
+
+    def _shape_value(self, obj: fx.Proxy):
+        """A value control flow may follow: one computed from shapes, not from a tensor's data (a
+        branch on the data would be recorded for the example's data only)."""
+        value = self._value(obj)
+        if isinstance(value, torch.Tensor):
+            raise fx.proxy.TraceError(f"control flow depends on tensor data (node {obj.node.name})")
+        return value
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(self._shape_value(obj))
+
+    def iter(self, obj: fx.Proxy):
+        return iter([obj[i] for i in range(len(self._value(obj)))])
+
+    def keys(self, obj: fx.Proxy):
+        return self._value(obj).keys()
+
+
+class TraceFailure(Exception):
+    """Neither symbolic nor concrete tracing could record the forward (the message says why)."""
+
+
+def _graph(net: nn.Module, tracer: fx.Tracer) -> fx.Graph:
+    return tracer.trace(net)
+
+
+def trace(net: nn.Module, example_input=None) -> tuple[fx.Graph, str, Optional[dict]]:
+    """``(graph, how, shapes)``: ``how`` is ``'symbolic'`` or ``'concrete'`` (then ``shapes`` holds every
+    node's value's shape on ``example_input``, else None); :class:`TraceFailure` if neither works
+    (concrete tracing needs ``example_input``)."""
+    try:
+        return _graph(net, _Tracer()), "symbolic", None
+    except Exception as e:  # noqa: BLE001  (fx raises TraceError, TypeError, RuntimeError... from user code)
+        symbolic_error = e
+    if example_input is None:
+        raise TraceFailure(f"symbolic tracing failed ({_first_line(symbolic_error)}); concrete tracing needs "
+                           f"example_input") from symbolic_error
+    with quiet(net):
+        tracer = _ConcreteTracer(as_args(example_input))
+        try:
+            graph = _graph(net, tracer)
+            return graph, "concrete", {n: _shapes(v) for n, v in tracer.values.items()}
+        except Exception as e:  # noqa: BLE001
+            raise TraceFailure(f"symbolic tracing failed ({_first_line(symbolic_error)}), and concrete "
+                               f"tracing with the example input failed ({_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+class quiet:
+    """Eval mode, no gradients, and neuron states reset after: runs on examples leave no trace."""
+
+    def __init__(self, net: nn.Module):
+        self.net = net
+
+    def __enter__(self):
+        self.training = [m.training for m in self.net.modules()]
+        self.net.eval()
+        self.grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        torch.set_grad_enabled(self.grad)
+        for m, mode in zip(self.net.modules(), self.training):
+            m.training = mode
+        _compat.functional.reset_net(self.net)
+
+
+# ---------------------------------------------------------------------------- time axes
+def probes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two inputs made from ``x`` (``(T, N, ...)``): two of its samples, and one of them one step longer
+    (the last step repeated). Every dimension that depends on T, and only those, differ by one step
+    between the two; a dimension that merges T with N (``T * N``) does not."""
+    if x.dim() < 2:
+        return x, torch.cat([x, x[-1:]])
+    two = x[:, :2] if x.shape[1] >= 2 else torch.cat([x, x], dim=1)
+    return two, torch.cat([two, two[-1:]])[:, :1]
+
+
+def _shapes(value):
+    return tree_map(lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None, value)
+
+
+class _ShapeRecorder(fx.Interpreter):
+    def __init__(self, module: nn.Module, graph: fx.Graph):
+        super().__init__(module, graph=graph)
+        self.shapes = {}
+
+    def run_node(self, n: fx.Node):
+        value = super().run_node(n)
+        self.shapes[n] = _shapes(value)
+        return value
+
+
+def run_graph(net: nn.Module, graph: fx.Graph, x) -> tuple[object, dict]:
+    """``graph``'s outputs on input ``x`` (run on ``net``'s modules) and every node's value's shape."""
+    rec = _ShapeRecorder(net, graph)
+    with quiet(net):
+        out = rec.run(*as_args(x))
+    return out, rec.shapes
+
+
+def time_axis(shape_a, shape_b, steps: int):
+    """The one dimension of size ``steps`` in ``shape_a`` and ``steps + 1`` in ``shape_b``; None if
+    there is not exactly one (or the values are not tensors, or their ranks differ)."""
+    if not isinstance(shape_a, tuple) or not isinstance(shape_b, tuple) or len(shape_a) != len(shape_b):
+        return None
+    if not all(isinstance(s, int) for s in shape_a + shape_b):
+        return None
+    hits = [d for d, (a, b) in enumerate(zip(shape_a, shape_b)) if a == steps and b == steps + 1]
+    return hits[0] if len(hits) == 1 else None

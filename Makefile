@@ -7,7 +7,7 @@ SJ2 ?= spikingjelly==2.0.0
 SJ14 ?= spikingjelly==0.0.0.0.14
 EXTRAS = ninja pytest hypothesis scikit-learn matplotlib h5py triton==3.9.0 dcls==0.1.1
 
-.PHONY: demo train test test-sj2 test-sj14 bench clean
+.PHONY: demo train test test-sj2 test-sj14 bench clean test-zoo
 
 define make_venv
 	$(PYTHON) -m venv $(1)
@@ -44,6 +44,11 @@ test-sj2: .venv-sj2/.ready
 
 test-sj14: .venv-sj14/.ready
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 .venv-sj14/bin/python -m pytest -q tests
+
+# Every constructor of SpikingJelly's model zoo converted to time-last (the tests take one per family).
+test-zoo: .venv-sj2/.ready .venv-sj14/.ready
+	OMP_NUM_THREADS=1 .venv-sj2/bin/python -m pytest -q tests/test_zoo.py --zoo=all
+	OMP_NUM_THREADS=1 .venv-sj14/bin/python -m pytest -q tests/test_zoo.py --zoo=all
 
 clean:
 	rm -rf .venv-sj2 .venv-sj14

@@ -321,7 +321,13 @@ def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.
                f"converted, so a call in forward that depends on where the time axis is would go wrong")
     if strict:
         raise UnconvertibleModuleError(message + ".")
-    reference = None if inputs is None else _eval(net, inputs[1])
+    reference = None
+    if inputs is not None:
+        try:
+            reference = _eval(net, inputs[1])
+        except Exception:  # noqa: BLE001  (a network that runs for the example's number of steps only)
+            inputs[1] = _same_steps(inputs)
+            reference = _eval(net, inputs[1])
     new = _swap_modules(net, conv, boundary)
     warnings.warn(message + "; pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the "
                   "forward (strict=True raises instead).", stacklevel=3)
@@ -357,17 +363,30 @@ def _probes(example_input) -> list[tuple]:
     return [(p,) + args[1:] for p in tracing.probes(x)]
 
 
+def _same_steps(inputs: list) -> tuple:
+    """The first probe with one sample (for a network that runs for one number of steps only)."""
+    x = inputs[0][0]
+    return (x[:, :1] if x.dim() > 1 else x,) + inputs[0][1:]
+
+
 def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: bool, strict: bool) -> nn.Module:
     """Trace-based conversion: the modules converted, and the forward rewritten around them."""
     graph, how, shapes_a = traced
     if shapes_a is None:
         shapes_a = tracing.run_graph(net, graph, inputs[0])[1]
-    out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
+    try:
+        out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
+        grown = True
+    except Exception:  # noqa: BLE001  (a network that runs for the example's number of steps only)
+        inputs[1] = _same_steps(inputs)
+        out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
+        grown = False
     reference = out_b if how == "symbolic" else _eval(net, inputs[1])  # a symbolic trace is the forward
     if not agree(out_b, reference):
         return _modules_only(net, conv, boundary, inputs,
-                             "its concrete trace gives other outputs than the network on a longer input "
-                             "(it may branch on the input's shape)", strict)
+                             f"its concrete trace gives other outputs than the network on an input "
+                             f"{'one step longer' if grown else 'of another batch size'} (it may branch on "
+                             f"the input's shape)", strict)
     swaps, decided = {}, {}
 
     def convert_module(m: nn.Module, path: str) -> bool:
@@ -379,7 +398,7 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
         return True
 
     steps = inputs[0][0].shape[0]
-    rewriter = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, convert_module, boundary=True)
+    rewriter = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, convert_module, True, grown)
     checked = rewriter.run()
     _raise_errors(conv)
     for action in conv.actions:
@@ -393,7 +412,7 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
     _check(net, inputs[1], reference, "its forward rewritten")
     if not boundary:
         inner = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, lambda m, p: decided.get(p, False),
-                                 boundary=False).run()
+                                 False, grown).run()
         net.__dict__["forward"] = rewrite.GraphForward(inner, net, False, rewriter.time_first_calls, how)
     return net
 

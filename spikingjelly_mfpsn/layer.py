@@ -56,6 +56,8 @@ def _torch_forward(module: nn.Module) -> Callable:
     the torch.nn forward is exactly one time step of them.
     """
     for cls in type(module).__mro__:
+        if cls is nn.Module and hasattr(module, "single_step_forward"):  # a SpikingJelly-only layer
+            return type(module).single_step_forward
         if cls.__module__.startswith("torch.nn.modules"):
             return cls.forward
     return type(module).forward
@@ -437,6 +439,10 @@ _WRAPPERS = {
 }
 
 
+# Per-step stateless layers only SpikingJelly has (their single_step_forward is one step).
+_SJ_ONLY = {"VotingLayer": TimeLastVmap}
+
+
 def wrapper_class(module: nn.Module):
     """The time-last wrapper class for ``module``, or None.
 
@@ -450,6 +456,8 @@ def wrapper_class(module: nn.Module):
     name = kind.__name__
     if name in _DROPOUT_MASKS and kind is _compat.sj_layer(name):
         return TimeLastDropout
+    if name in _SJ_ONLY and kind is _compat.sj_layer(name):
+        return _SJ_ONLY[name]
     torch_cls = getattr(nn, name, None)
     if kind in (torch_cls, _compat.sj_layer(name), getattr(_compat, name, None)):
         return _WRAPPERS.get(torch_cls)

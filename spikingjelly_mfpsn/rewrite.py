@@ -134,22 +134,27 @@ def _bind(n: fx.Node, params: tuple) -> dict:
 class Rewriter:
     """Builds the time-last graph of ``graph`` (traced from ``root``), node by node.
 
-    :param shapes: each node's value's shape on the example (``shapes[0]``) and on the example one step
-        longer (``shapes[1]``), from :func:`.tracing.run_graph`; ``steps`` is the example's T
+    :param shapes: each node's value's shape on the example (``shapes[0]``) and on another input
+        (``shapes[1]``), from :func:`.tracing.run_graph`; ``steps`` is the example's T
+    :param grown: the other input is one step longer, so a value's time axis is the dimension that grew;
+        else (a network that runs for one number of steps only) it has one sample fewer, and the time
+        axes are followed from the input through the rules (a call no rule covers gives none)
     :param convert_module: ``(module, path) -> bool``: records the module's time-last version, or says
         (False) that it runs as it is
     """
 
-    def __init__(self, root, graph: fx.Graph, shapes: tuple, steps: int, convert_module, boundary: bool):
+    def __init__(self, root, graph: fx.Graph, shapes: tuple, steps: int, convert_module, boundary: bool,
+                 grown: bool = True):
         self.root, self.graph, self.convert_module, self.boundary = root, graph, convert_module, boundary
-        self.shape, self.shape_b = shapes
-        self.tpos = {n: time_axis(shapes[0].get(n), shapes[1].get(n), steps) for n in graph.nodes}
+        (self.shape, self.shape_b), self.steps, self.grown = shapes, steps, grown
+        self.tpos = {n: time_axis(shapes[0].get(n), shapes[1].get(n), steps) for n in graph.nodes} if grown else {}
         self.new = fx.Graph()
         self.env, self.moved, self.time_first_calls = {}, {}, []
 
     def run(self) -> fx.Graph:
         for n in self.graph.nodes:
             getattr(self, f"_{n.op}")(n)
+            self.tpos.setdefault(n, None)
         self.new.lint()
         return self.new
 
@@ -175,6 +180,9 @@ class Rewriter:
         self.env[n] = (new, form)
 
     def as_original(self, n: fx.Node) -> None:
+        if not self.grown:  # a value of T steps first, whatever the batch size: time first; else none known
+            self.tpos[n] = None
+            self._keeps_time(n)
         if any(self.env[a][1] == TIME_LAST for a in n.all_input_nodes):
             self.time_first_calls.append(describe(n))
         args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.get(a, ORIGINAL))
@@ -187,6 +195,8 @@ class Rewriter:
     # -- node kinds
     def _placeholder(self, n: fx.Node) -> None:
         first = not self.env
+        if first and not self.grown:
+            self.tpos[n] = 0  # (T, N, ...)
         new = self.new.node_copy(n, lambda a: a)
         self.env[n] = (new, TIME_LAST if first and not self.boundary else ORIGINAL)
 
@@ -199,12 +209,22 @@ class Rewriter:
 
     def _call_module(self, n: fx.Node) -> None:
         x = n.args[0] if n.args else None
-        if (isinstance(x, fx.Node) and self.tpos[x] == 0 and self.tpos[n] == 0
+        if (isinstance(x, fx.Node) and self.tpos[x] == 0 and self._keeps_time(n)
                 and self.convert_module(self.root.get_submodule(n.target), n.target)):
             args = (self.get(x, TIME_LAST),) + map_arg(n.args[1:], lambda a: self.get(a, ORIGINAL))
             self.emit(n, args, map_arg(n.kwargs, lambda a: self.get(a, ORIGINAL)), TIME_LAST)
         else:
             self.as_original(n)
+
+    def _keeps_time(self, n: fx.Node) -> bool:
+        """A module's output has its time axis first, as its input (a network of one number of steps:
+        its first dim has T steps on both probes, whose batch sizes differ)."""
+        if self.grown:
+            return self.tpos[n] == 0
+        shapes = (self.shape.get(n), self.shape_b.get(n))
+        if self._is_tensor(n) and all(isinstance(s, tuple) and s[:1] == (self.steps,) for s in shapes):
+            self.tpos[n] = 0
+        return self.tpos.get(n) == 0
 
     def _call_function(self, n: fx.Node) -> None:
         name = op_name(n)
@@ -225,23 +245,29 @@ class Rewriter:
             raise _NoRule
         return a, self.tpos[a], len(self.shape[a])
 
-    def _out_tpos(self, n: fx.Node, expected=None) -> int:
-        t = self.tpos[n]
-        if t is None or (expected is not None and t != expected):
+    def _out_tpos(self, n: fx.Node, expected: int) -> int:
+        """The time axis of ``n``'s value, where the rule says it is (checked against the probe)."""
+        if not self.grown:
+            self.tpos[n] = expected
+        elif self.tpos[n] != expected:
             raise _NoRule
-        return t
+        return expected
 
     def elementwise(self, n: fx.Node) -> None:
-        t_out = self._out_tpos(n)
+        if not self._is_tensor(n):
+            raise _NoRule
         n_out = len(self.shape[n])
+        timed = [a for a in n.all_input_nodes if self._is_tensor(a) and self.tpos[a] is not None]
+        aligned = {self.tpos[a] + n_out - len(self.shape[a]) for a in timed}
+        if len(aligned) != 1:
+            raise _NoRule
+        t_out = self._out_tpos(n, aligned.pop())
 
         def operand(a):
             if not self._is_tensor(a):
                 return self.get(a, ORIGINAL)
             k = len(self.shape[a])
             if self.tpos[a] is not None:
-                if self.tpos[a] + n_out - k != t_out:
-                    raise _NoRule
                 return self.get(a, TIME_LAST)
             new = self.get(a, ORIGINAL)
             if k == 0:
@@ -281,7 +307,7 @@ class Rewriter:
             form = ORIGINAL if t in dims else TIME_LAST
             if form == TIME_LAST:
                 self._out_tpos(n, t - sum(d < t for d in dims))
-            elif self.tpos[n] is not None:
+            elif self.tpos.get(n) is not None:
                 raise _NoRule
             dims = [self._map(d, nd, t) for d in dims]
         kwargs = {} if dims is None else {"dim": dims if isinstance(p["dim"], (tuple, list)) else dims[0]}
@@ -318,17 +344,17 @@ class Rewriter:
 
     def unsqueeze(self, n: fx.Node) -> None:
         a, t, nd = self._time_input(n)
-        t_out = self._out_tpos(n)
         (d,) = _dims(_bind(n, (("dim", None),))["dim"], nd + 1)
-        if d == t_out:
-            raise _NoRule
+        t_out = self._out_tpos(n, t + (d <= t))
         self.emit(n, (self.get(a, TIME_LAST), d - (d > t_out)), {}, TIME_LAST)
 
     def squeeze(self, n: fx.Node) -> None:
         a, t, nd = self._time_input(n)
         dim = _bind(n, (("dim", None),))["dim"]
         if dim is None:
-            self._out_tpos(n)
+            if self.steps == 1:
+                raise _NoRule
+            self._out_tpos(n, t - sum(size == 1 for size in self.shape[a][:t]))
             args = (self.get(a, TIME_LAST),)
         else:
             dims = _dims(dim, nd)
@@ -349,15 +375,14 @@ class Rewriter:
             raise _NoRule
         ((t, nd),) = found
         stack = op_name(n) == "stack"
-        t_out = self._out_tpos(n)
         (d,) = _dims(p["dim"], nd + stack)
         if stack:
-            if d == t_out:
-                raise _NoRule
+            t_out = self._out_tpos(n, t + (d <= t))
             new_d = d - (d > t_out)
         else:
-            if d == t or t_out != t:
+            if d == t:
                 raise _NoRule
+            self._out_tpos(n, t)
             new_d = self._map(d, nd, t)
         args = ([self.get(a, TIME_LAST) for a in tensors], new_d)
         self.emit(n, args, {}, TIME_LAST, target=torch.stack if stack else torch.cat, op="call_function")
@@ -380,7 +405,14 @@ class Rewriter:
 
     def reshape(self, n: fx.Node) -> None:
         a, t, _ = self._time_input(n)
-        t_out = self._out_tpos(n)
+        if not self._is_tensor(n):
+            raise _NoRule
+        out = self.shape[n]  # where the time axis is: after the dims that hold what was before it
+        t_out = next((d for d, size in enumerate(out) if size == self.steps
+                      and math.prod(out[:d]) == math.prod(self.shape[a][:t])), None)
+        if t_out is None:
+            raise _NoRule
+        self._out_tpos(n, t_out)
         for shapes in (self.shape, self.shape_b):  # the dims before time hold the same elements
             if math.prod(shapes[a][:t]) != math.prod(shapes[n][:t_out]):
                 raise _NoRule
@@ -402,14 +434,15 @@ class Rewriter:
             full += [slice(None)] * (nd - used) if i is Ellipsis else [i]
         full += [slice(None)] * (nd - sum(i is not None for i in full))
         at = [pos for pos, i in enumerate(full) if i is not None][t]
+        before = sum(not isinstance(i, int) for i in full[:at])  # output dims before the time axis
         time_index = full.pop(at)
         if isinstance(time_index, int):
             form = ORIGINAL
-            if self.tpos[n] is not None:
+            if self.tpos.get(n) is not None:
                 raise _NoRule
         elif time_index == slice(None):
             form = TIME_LAST
-            self._out_tpos(n)
+            self._out_tpos(n, before)
         else:
             raise _NoRule
         self.emit(n, (self.get(a, TIME_LAST), tuple(full + [time_index])), {}, form)

@@ -451,7 +451,7 @@ class StepLoop(nn.Module):
 
 
 @pytest.mark.parametrize("cls, why", [(DataBranch, "control flow depends on tensor data"),
-                                      (StepLoop, "other outputs than the network on a longer input")])
+                                      (StepLoop, "other outputs than the network on an input one step longer")])
 def test_untraceable_forward_is_never_silently_wrong(cls, why):
     torch.manual_seed(0)
     x = torch.randn(3, 2, 3, dtype=torch.float64)
@@ -464,6 +464,33 @@ def test_untraceable_forward_is_never_silently_wrong(cls, why):
         to_time_last(net, example_input=x)
     assert structure(net) == before and not has_time_last_boundary(net)
     torch.testing.assert_close(net(x), expected, **TOL)
+
+
+class FixedSteps(nn.Module):
+    """A network for one number of steps (``self.T`` in its forward): the time axes are followed from
+    the input, as no input one step longer runs."""
+
+    T = 3
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.sn = MulFreeChannelwisePSN(2, k=2, step_mode="m")
+        self.out = layer.Linear(2, 3)
+        functional.set_step_mode(self.out, "m")
+
+    def forward(self, x):
+        y = self.fc(x.flatten(0, 1)).reshape(self.T, -1, 2)  # per step on (T*N, F)
+        return self.out(self.sn(y)).permute(1, 0, 2).mean(1)
+
+
+def test_network_of_one_number_of_steps_converts():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    net_tf = FixedSteps().double()
+    net_tl = to_time_last(copy.deepcopy(net_tf), example_input=x)
+    assert net_tl.sn.layout == "time_last" and isinstance(net_tl.out, mf.layer.TimeLastLinear)
+    assert_same_run(net_tf, net_tl, x)
 
 
 def test_rewritten_network_copies_pickles_loads_and_goes_back():

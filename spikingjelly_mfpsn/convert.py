@@ -363,6 +363,14 @@ def _probes(example_input) -> list[tuple]:
     return [(p,) + args[1:] for p in tracing.probes(x)]
 
 
+def _runs(net: nn.Module, args: tuple) -> bool:
+    try:
+        _eval(net, args)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _same_steps(inputs: list) -> tuple:
     """The first probe with one sample (for a network that runs for one number of steps only)."""
     x = inputs[0][0]
@@ -378,6 +386,9 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
         out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
         grown = True
     except Exception:  # noqa: BLE001  (a network that runs for the example's number of steps only)
+        if how == "concrete" and _runs(net, inputs[1]):  # ... or a trace that recorded the example's T
+            return _modules_only(net, conv, boundary, inputs, "its concrete trace fails on an input one step "
+                                 "longer, where the network runs (it may loop over the steps)", strict)
         inputs[1] = _same_steps(inputs)
         out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
         grown = False

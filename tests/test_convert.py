@@ -524,3 +524,11 @@ def test_rewritten_forward_without_boundary_takes_and_gives_time_last():
         assert not has_time_last_boundary(net_tl)
         out = net_tl(x.movedim(0, -1))
         torch.testing.assert_close(out.movedim(-1, 0) if time_in_output else out, reference, **TOL)
+
+
+def test_example_input_must_be_a_time_first_tensor():
+    net = CallsNet("flatten_mean")
+    for bad in ({"x": torch.rand(3, 2, 2, 6, 6)}, torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=r"example_input must be a \(T, N, \.\.\.\) tensor"):
+            to_time_last(net, example_input=bad)
+    assert not has_time_last_boundary(net)

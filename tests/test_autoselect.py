@@ -342,7 +342,7 @@ def test_a_configuration_that_fails_the_self_check_is_skipped(tmp_path, monkeypa
         assert not any(m.method == "broken" for m in net.modules() if isinstance(m, MulFreeChannelwisePSN))
         torch.testing.assert_close(eval_out(net, x), ref)
     finally:
-        ops.registry._REGISTRY.pop("broken")
+        ops.unregister("broken")
 
 
 def test_unconvertible_layout_is_skipped(tmp_path):
@@ -733,7 +733,7 @@ def test_cached_plan_that_does_not_reproduce_the_outputs_is_measured_again(tmp_p
         assert not any(m.method == "broken" for m in net.modules() if isinstance(m, MulFreeChannelwisePSN))
         torch.testing.assert_close(eval_out(net, x), ref)
     finally:
-        ops.registry._REGISTRY.pop("broken")
+        ops.unregister("broken")
 
 
 @pytest.mark.parametrize("damage", ["layout", "method", "plain_layer", "totals"])

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops
-from spikingjelly_mfpsn.ops import cupy_ops, registry
+from spikingjelly_mfpsn.ops import cupy_ops
 
 import reference
 
@@ -343,9 +343,13 @@ def test_axes_reads_strided_inputs_in_place():
 # ---------------------------------------------------------------- 3. availability
 @pytest.fixture
 def without_cupy_registered(monkeypatch):
-    """A scratch copy of the registry without 'cupy'; the real one is restored afterwards."""
-    monkeypatch.setattr(registry, "_REGISTRY", {n: i for n, i in registry._REGISTRY.items() if n != "cupy"})
-    monkeypatch.setattr(registry, "_UNAVAILABLE_REASONS", {})
+    """No 'cupy' in the registry during the test; afterwards, the test's patches undone, the machine's
+    real availability is found again, as at import."""
+    ops.unregister("cupy")
+    yield
+    monkeypatch.undo()
+    ops.unregister("cupy")
+    cupy_ops.register_if_available()
 
 
 def _find_spec_where(monkeypatch, cupy_installed):

@@ -26,6 +26,7 @@ endef
 
 # The main job: the paper's sequential image task on the bundled handwritten digits (autoselected).
 train: .venv-sj2/.ready
+	.venv-sj2/bin/python -m spikingjelly_mfpsn build
 	.venv-sj2/bin/python examples/train_sequential.py --out-dir runs/sequential_digits
 
 # A one-minute demo: a SpikingJelly LIF network, its neurons switched to MF-PSN, trained briefly.

@@ -98,3 +98,69 @@ def test_without_compiler():
     assert out.returncode == 0, out.stderr
     assert "ERROR: backend='cpp' cannot run here: no C++ compiler" in out.stdout
     assert "torch.Size([4, 2, 3])" in out.stdout
+
+
+ANNOUNCEMENT = "building the C++ kernels"
+
+
+def run_main(*args, **env):
+    return subprocess.run([sys.executable, "-m", "spikingjelly_mfpsn", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=600)
+
+
+@needs_compiler
+def test_a_first_build_is_announced_once_and_autoselect_does_not_time_it(tmp_path):
+    """In a fresh build cache, ``python -m spikingjelly_mfpsn build`` builds the operators, saying so once
+    before it compiles, and names their directory; a cached load says nothing; and autoselect loads the
+    operators before its clock starts, so that a first build is never counted as autoselect time."""
+    cache = tmp_path / "build"
+    first = run_main("build", SPIKINGJELLY_MFPSN_BUILD=str(cache))
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count(ANNOUNCEMENT) == 1, first.stderr
+    assert f"cached in {cache}" in first.stderr
+    directory = first.stdout.strip().split(" in ")[-1]
+    assert directory.startswith(str(cache)) and list(cache.glob("*/*.so")), first.stdout
+    again = run_main("build", SPIKINGJELLY_MFPSN_BUILD=str(cache))
+    assert again.returncode == 0, again.stderr
+    assert ANNOUNCEMENT not in again.stderr and directory in again.stdout
+    out = run_python("""
+        import time, torch
+        import spikingjelly_mfpsn as mf
+        from spikingjelly.activation_based import layer
+        from spikingjelly_mfpsn.ops import cpp_ops
+        calls, load = [], cpp_ops.load
+        def timed_load():
+            start = time.perf_counter()
+            directory = load()
+            calls.append((start, time.perf_counter()))
+            return directory
+        cpp_ops.load = timed_load
+        net = torch.nn.Sequential(layer.Linear(3, 4, step_mode="m"), mf.MulFreeChannelwisePSN(k=2, step_mode="m"))
+        report = mf.autoselect(net, torch.randn(4, 2, 3), m=1, cache=False, progress=False)
+        t0 = time.perf_counter() - report.seconds  # (a moment after autoselect took it)
+        print("calls", len(calls), "before the clock", bool(calls) and calls[0][1] <= t0)
+        print("directory", load())
+    """, SPIKINGJELLY_MFPSN_BUILD=str(cache))
+    assert out.returncode == 0, out.stderr
+    assert "calls 1 before the clock True" in out.stdout, out.stdout
+    assert f"directory {directory}" in out.stdout and ANNOUNCEMENT not in out.stderr, (out.stdout, out.stderr)
+
+
+def test_the_build_command_without_a_compiler_or_ninja():
+    """``python -m spikingjelly_mfpsn build`` where the operators cannot build: exit status 1 and the reason on
+    one line, no traceback; ``--help`` lists the command."""
+    out = run_main("build", CXX="/nonexistent/compiler")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert len(out.stderr.strip().splitlines()) == 1 and "no C++ compiler" in out.stderr, out.stderr
+    no_ninja = run_python("""
+        import sys
+        from torch.utils import cpp_extension
+        cpp_extension.is_ninja_available = lambda: False
+        from spikingjelly_mfpsn.__main__ import main
+        sys.exit(main(["build"]))
+    """)
+    if cpp_ops.compiler() is not None:
+        assert no_ninja.returncode == 1, (no_ninja.stdout, no_ninja.stderr)
+        assert len(no_ninja.stderr.strip().splitlines()) == 1 and "needs ninja" in no_ninja.stderr, no_ninja.stderr
+    helped = run_main("--help")
+    assert helped.returncode == 0 and "build" in helped.stdout, helped.stderr

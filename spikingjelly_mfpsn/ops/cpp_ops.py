@@ -4,9 +4,11 @@ Registered as implementation ``'cpp'`` (backend ``'cpp'``, both layouts) when a 
 machine (``$CXX``, ``g++``, ``clang++`` or ``c++``). The operators (``torch.ops.spikingjelly_mfpsn.cpp_*``,
 see ``cpu/mfpsn_ops.cpp``) are built by :func:`torch.utils.cpp_extension.load` (ninja; its build cache)
 at the first call, once per CPU, compiler, torch version and flags, into ``$SPIKINGJELLY_MFPSN_BUILD`` or
-``~/.cache/spikingjelly_mfpsn/build`` (about a minute on a 2-core x86-64 machine; a file lock keeps two
-processes from building at once). ``$SPIKINGJELLY_MFPSN_CXXFLAGS`` adds compiler flags (e.g.
-``-march=x86-64-v3`` instead of this CPU's ``-march=native`` for a cache shared by different machines).
+``~/.cache/spikingjelly_mfpsn/build`` (about a minute on a 2-core x86-64 machine, announced once through the
+package's logger before it starts; a file lock keeps two processes from building at once);
+``python -m spikingjelly_mfpsn build`` builds them ahead of time. ``$SPIKINGJELLY_MFPSN_CXXFLAGS`` adds
+compiler flags (e.g. ``-march=x86-64-v3`` instead of this CPU's ``-march=native`` for a cache shared by
+different machines).
 Threads: the kernels use ``torch.get_num_threads()`` OpenMP threads.
 
 What it fuses, so that the X-sized tensors of a BN-threshold training step are read few times:
@@ -45,6 +47,7 @@ from typing import Optional
 import filelock
 import torch
 
+from .._compat import logger
 from . import surrogate
 from .registry import LAYOUTS, Implementation, note_unavailable, register
 
@@ -117,7 +120,8 @@ def _toolchain(cxx: str):
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
 
 
-def _build(cxx: str, flags: list[str], openmp: bool) -> None:
+def _build(cxx: str, flags: list[str], openmp: bool) -> Path:
+    """Build (where not cached) and load the library; returns its directory."""
     flags = flags + (["-fopenmp"] if openmp else [])
     name = "mfpsn_cpu_" + hashlib.sha256("\0".join([cxx, *flags, torch.__version__, _cpu_id()]).encode()).hexdigest()[:12]
     directory = _writable(build_dir() / name)
@@ -127,7 +131,25 @@ def _build(cxx: str, flags: list[str], openmp: bool) -> None:
         # Built, but the library does not load (overwritten, a foreign file): build it afresh, in this process
         # under another name (cpp_extension builds a name once per process), at the next start in place.
         shutil.rmtree(directory, ignore_errors=True)
-        _load_from(_writable(build_dir() / f"{name}_again"), f"{name}_again", flags, openmp)
+        directory = _writable(build_dir() / f"{name}_again")
+        _load_from(directory, f"{name}_again", flags, openmp)
+    return directory
+
+
+def _up_to_date(library: Path) -> bool:
+    """Whether ``library`` is built from the current sources, so that ninja only loads it."""
+    try:
+        return library.stat().st_mtime >= max(p.stat().st_mtime for p in SOURCES + HEADERS)
+    except OSError:
+        return False
+
+
+def _announce_build(directory: Path) -> None:
+    """Say once per process, before the compiler starts, that a build is under way (a cached load is quiet)."""
+    if not _ANNOUNCED:
+        _ANNOUNCED.append(True)
+        logger.warning("spikingjelly_mfpsn: building the C++ kernels of backend 'cpp' once (about 20-60 s), "
+                       "cached in %s", directory)
 
 
 def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> None:
@@ -135,6 +157,8 @@ def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> No
     with filelock.FileLock(str(directory / "build.lock")):
         with contextlib.suppress(FileNotFoundError):  # a build killed midway leaves cpp_extension's own lock
             (directory / "lock").unlink()
+        if not _up_to_date(directory / f"{name}.so"):
+            _announce_build(directory)
         cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"] if openmp else [], build_directory=str(directory),
                            is_python_module=False, verbose=False)
@@ -142,30 +166,36 @@ def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> No
 
 _LOCK = threading.Lock()
 _KEEP: list = []  # temporary build directories of this process
-_LOADED: list = []
+_LOADED: list[Path] = []  # the directory of the loaded library
+_ANNOUNCED: list = []
 
 
 @torch.compiler.disable
-def load() -> None:
-    """Build (once: cached) and load the operators; then register their fake kernels."""
+def load() -> Path:
+    """Build (once: cached) and load the operators; then register their fake kernels. Returns the directory
+    of the library; at once where this process loaded it already."""
     with _LOCK:
         if _LOADED:
-            return
+            return _LOADED[0]
         cxx = compiler()
         if cxx is None:
             raise BuildError("backend 'cpp' needs a C++ compiler (g++, clang++ or $CXX)")
         errors = []
         with _toolchain(cxx):
+            from torch.utils import cpp_extension
+            if not cpp_extension.is_ninja_available():
+                raise BuildError("backend 'cpp' needs ninja to build its C++ operators (pip install ninja)")
             for openmp in (True, False):  # without OpenMP the kernels run on one thread
                 try:
-                    _build(cxx, _flags(), openmp)
+                    directory = _build(cxx, _flags(), openmp)
                     break
                 except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                     errors.append(f"{e}\n{getattr(e, 'output', None) or ''}"[-3000:])
             else:
                 raise BuildError("the C++ operators of backend 'cpp' did not build:\n" + "\n".join(errors))
         _register_fakes()
-        _LOADED.append(True)
+        _LOADED.append(directory)
+        return directory
 
 
 def _ops():
@@ -235,15 +265,20 @@ IMPLEMENTATION = Implementation(
     fire=fire, stats=stats, bn_fire=bn_fire, step_fire=step_fire, checks_inputs=True)
 
 
-def register_if_available() -> Optional[str]:
-    """Register ``'cpp'`` when a compiler exists; otherwise record why not. Returns that reason."""
-    reason = None
+def unavailable_reason() -> Optional[str]:
+    """Why ``'cpp'`` cannot be built here (its sources missing, no compiler), or None."""
     missing = [p.name for p in SOURCES + HEADERS if not p.is_file()]
     if missing:
-        reason = (f"its kernels' source {', '.join(missing)} is missing from this installation of "
-                  f"spikingjelly_mfpsn (reinstall the package)")
-    elif compiler() is None:
-        reason = "no C++ compiler found (set $CXX or install g++ or clang++)"
+        return (f"its kernels' source {', '.join(missing)} is missing from this installation of "
+                f"spikingjelly_mfpsn (reinstall the package)")
+    if compiler() is None:
+        return "no C++ compiler found (set $CXX or install g++ or clang++)"
+    return None
+
+
+def register_if_available() -> Optional[str]:
+    """Register ``'cpp'`` when a compiler exists; otherwise record why not. Returns that reason."""
+    reason = unavailable_reason()
     if reason is not None:
         note_unavailable("cpp", reason)
         return reason

@@ -15,22 +15,31 @@ import argparse
 import json
 import os
 
-import common  # noqa: F401  (makes spikingjelly_mfpsn importable from a source checkout)
+import common  # (also makes spikingjelly_mfpsn importable from a source checkout)
 import train_sequential
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=common.HelpFormatter,
+                                epilog="Other options go to every run of train_sequential.py (see its --help).")
     p.add_argument("--orders", type=int, nargs="+", default=[1, 2, 3, 4], help="orders k to train")
-    p.add_argument("--dataset", default="digits", choices=("digits", "cifar10", "cifar100"))
-    p.add_argument("--data-dir", default=None, help="folder with the CIFAR python archive")
-    p.add_argument("--out-dir", default="runs/ablation_order")
+    p.add_argument("--dataset", default="digits", choices=("digits", "cifar10", "cifar100"),
+                   help="digits: scikit-learn's bundled 8x8 digits; cifar10/cifar100: read from --data-dir")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with the CIFAR python archive or its extracted folder (needed for cifar10/cifar100)")
+    p.add_argument("--out-dir", default="runs/ablation_order", help="one folder per run, the table and figure")
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128], help="pixel network stage widths")
     p.add_argument("--blocks", type=int, default=2, help="residual blocks per stage")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="epochs of every run")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args, rest = p.parse_known_args(argv)
     if not args.orders or min(args.orders) < 1:
         p.error("--orders must list orders >= 1")
+    common.check_data_dir(p, args.dataset, args.data_dir)
     return args, rest
 
 

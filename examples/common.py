@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -37,7 +38,7 @@ from spikingjelly.activation_based import functional
 from tqdm import tqdm
 
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
-from spikingjelly_mfpsn.paper import models
+from spikingjelly_mfpsn.paper import data, models
 from spikingjelly_mfpsn.paper.data import DataError
 
 CHECKPOINT = "checkpoint.pt"
@@ -47,38 +48,108 @@ CURVES = "curves.png"
 
 # ------------------------------------------------------------------------------------------- options
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The examples' one ``--help`` policy: every option shows its default once, as "(default: X)".
+
+    The formatter adds it to every option whose default is not None (``BooleanOptionalAction`` adds its
+    own, which the formatter then leaves alone), so a help text never writes a default itself; one
+    whose default is None says in its help, as "(default: ...)", what happens without the option."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_common_args(p: argparse.ArgumentParser, epochs: int, batch_size: int, lr: float, out_dir: str) -> None:
     g = p.add_argument_group("neuron")
-    g.add_argument("--neuron", default="mfpsn", choices=models.NEURONS, help="spiking neuron (default: mfpsn)")
-    g.add_argument("--k", type=int, default=2, help="order of MF-PSN / Sliding PSN (default: 2)")
+    g.add_argument("--neuron", default="mfpsn", choices=models.NEURONS, help="spiking neuron")
+    g.add_argument("--k", type=int, default=2, help="order of MF-PSN / Sliding PSN")
     g.add_argument("--sawtooth", action=argparse.BooleanOptionalAction, default=True,
-                   help="MF-PSN dilations 1,2,3,1,2,3,... in running order (default: on)")
+                   help="MF-PSN dilations 1,2,3,1,2,3,... in running order")
     g.add_argument("--method", default="auto",
                    help="MF-PSN charge implementation: 'auto' (autoselect) or a name, e.g. shift_add, conv1d")
     g.add_argument("--layout", default=None, choices=("time_first", "time_last"),
                    help="layout to run in (default: autoselect's choice with --method auto, else time_first)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=epochs)
-    g.add_argument("--batch-size", type=int, default=batch_size, help="per process")
-    g.add_argument("--lr", type=float, default=lr)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--label-smoothing", type=float, default=0.1)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--limit-train", type=int, default=None, metavar="N", help="use the first N training samples")
-    g.add_argument("--limit-test", type=int, default=None, metavar="N", help="use the first N test samples")
-    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--epochs", type=int, default=epochs, help="epochs of the whole schedule")
+    g.add_argument("--batch-size", type=int, default=batch_size, help="samples per step and process")
+    g.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW, cosine schedule per step)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--label-smoothing", type=float, default=0.1, help="label smoothing of the cross entropy")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial network, dropout and shuffling")
+    g.add_argument("--limit-train", type=int, default=None, metavar="N",
+                   help="use the first N training samples (default: all)")
+    g.add_argument("--limit-test", type=int, default=None, metavar="N",
+                   help="use the first N test samples (default: all)")
+    g.add_argument("--device", default=None, help="device to train on (default: cuda if available, else cpu)")
     g.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"),
                    help="mixed precision: forward passes (and autoselect) under torch.autocast with this dtype; "
-                        "fp16 scales the loss (torch.amp.GradScaler). Default: off (float32)")
+                        "fp16 scales the loss (torch.amp.GradScaler); off: float32")
     g.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per process (default 1: the example networks are small, and extra threads "
+                   help="CPU threads per process (the example networks are small, and extra threads "
                         "cost more than they give on a busy CPU; raise it for CIFAR-sized networks)")
     g = p.add_argument_group("output")
-    g.add_argument("--out-dir", default=out_dir, help=f"metrics, curves and checkpoint (default: {out_dir})")
+    g.add_argument("--out-dir", default=out_dir, help="folder for the metrics, curves and checkpoint")
     g.add_argument("--resume", action="store_true", help=f"continue from OUT_DIR/{CHECKPOINT}")
     g.add_argument("--stop-after", type=int, default=None, metavar="N",
-                   help="stop after N epochs of this run (the schedule still spans --epochs; continue with --resume)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+                   help="stop after N epochs of this run (the schedule still spans --epochs; continue with "
+                        "--resume) (default: run to --epochs)")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bars on a terminal (there are none when stderr is not a terminal: "
+                        "one line per epoch)")
+    g.add_argument("--verbose", action="store_true",
+                   help="print autoselect's full timing table (otherwise one line with its choice)")
+
+
+def data_dir_problem(dataset: str, data_dir: Optional[str]) -> Optional[str]:
+    """What keeps ``dataset`` ('digits', 'cifar10', 'cifar100' or 'shd') from being read from
+    ``data_dir``, in one line naming ``--data-dir`` and the files expected there; None when the files
+    are there (their contents are checked when they are read)."""
+    if dataset == "digits":  # bundled with scikit-learn
+        return None
+    files = _shd_files(data_dir) if dataset == "shd" else _cifar_files(dataset, data_dir)
+    expected, url, found, missing = files
+    if found:
+        return None
+    if data_dir is None:
+        return f"--dataset {dataset} needs --data-dir DIR, a folder holding {expected}; get it from {url}"
+    shown = data_dir if os.path.isabs(data_dir) else f"{data_dir} ({os.path.abspath(data_dir)})"
+    if not os.path.isdir(data_dir):
+        return f"--data-dir {shown} is not a folder: put {expected} in one; get it from {url}"
+    missing = f": {', '.join(missing)} missing" if missing else ""
+    return f"--data-dir {shown} does not hold {expected}{missing}; get it from {url}"
+
+
+def _missing(folder: Optional[str], names) -> list[str]:
+    """Those of ``names`` that are not files in ``folder`` (all of them without a folder)."""
+    return [n for n in names if folder is None or not os.path.isfile(os.path.join(folder, n))]
+
+
+def _shd_files(data_dir: Optional[str]) -> tuple[str, str, bool, list[str]]:
+    """(what SHD expects in --data-dir, where to get it, whether it is there, the files missing)."""
+    missing = _missing(data_dir, data.SHD_FILES)
+    partly = missing if len(missing) < len(data.SHD_FILES) else []  # (when none is there, the message says so)
+    return f"{data.SHD_FILES[0]} and {data.SHD_FILES[1]} (gunzipped)", data.SHD_URL, not missing, partly
+
+
+def _cifar_files(dataset: str, data_dir: Optional[str]) -> tuple[str, str, bool, list[str]]:
+    """As :func:`_shd_files`: the archive, its extracted folder, or that folder's files in ``data_dir``
+    itself (as :func:`data.load_cifar` reads them); the missing files are those of an extracted folder."""
+    archive, folder, train, test = data.CIFAR[dataset][:4]
+    members = train + [test]
+    extracted = os.path.join(data_dir, folder) if data_dir is not None else None
+    missing = _missing(extracted, members)
+    found = data_dir is not None and (os.path.isfile(os.path.join(data_dir, archive)) or not missing
+                                      or not _missing(data_dir, members))
+    expected = f"{archive} or its extracted folder {folder}/ ({', '.join(members)})"
+    return expected, data.CIFAR_URL, found, (missing if extracted and os.path.isdir(extracted) else [])
+
+
+def check_data_dir(p: argparse.ArgumentParser, dataset: str, data_dir: Optional[str]) -> None:
+    """Exit with status 2 and one line (:func:`data_dir_problem`) when the data files are not there,
+    before anything is built or timed."""
+    problem = data_dir_problem(dataset, data_dir)
+    if problem is not None:
+        p.exit(2, f"{p.prog}: error: {problem}\n")
 
 
 def check_common_args(p: argparse.ArgumentParser, args) -> None:
@@ -193,13 +264,27 @@ def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) ->
         layouts = (args.layout,) if args.layout else ("time_first", "time_last")
         with autocast(args, env):
             report = autoselect(net, x_example, layouts=layouts, progress=False)
-        env.log(str(report))
+        env.log(str(report) if args.verbose else autoselect_line(report))
         return net, f"auto ({report.layout})", report.seconds
     if not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()):
         env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
         return _convert_layout(net, args.layout, x_example), "n/a", 0.0
     return (set_method(net, args.method, layout=args.layout or "time_first", example_input=x_example),
             args.method, 0.0)
+
+
+def autoselect_line(report) -> str:
+    """Autoselect's choice in one line: the layout, how many layers run each method, the time it took."""
+    took = (f"{report.timed} timed, {report.cache_hits} cached"
+            + (f", {len(report.skipped)} skipped" if report.skipped else "") + f", {report.seconds:.2f} s")
+    if report.layout is None:
+        return f"autoselect: no configuration reproduced the network's outputs, it runs as built; {took} " \
+               f"(--verbose: the table)"
+    counts = Counter(m for m in report.methods.values() if m != "-")
+    methods = ", ".join(f"{name} x{n}" for name, n in counts.most_common()) or "none to choose"
+    totals = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in report.totals.items())
+    return (f"autoselect: layout {report.layout} ({totals}), methods {methods}"
+            f"{', compiled' if report.compiled else ''}; {took} (--verbose: the table)")
 
 
 def _convert_layout(net: nn.Module, layout: Optional[str], x_example: torch.Tensor) -> nn.Module:
@@ -257,6 +342,16 @@ def _reduce(env: Env, *values: float) -> list[float]:
     return t.tolist()
 
 
+def progress_bar(steps: int, desc: str, enabled: bool) -> tqdm:
+    """A bar on stderr that advances once per ``update()``, or none at all when stderr is not a
+    terminal (a log file gets the epoch's one summary line instead of bar redraws).
+
+    The bar is updated by hand: one iterated over the loader keeps its count to itself between
+    redraws (every ``mininterval``), so a postfix redrawn each step showed a stale "0/N"."""
+    return tqdm(total=steps, desc=desc, disable=not (enabled and sys.stderr.isatty()), leave=False,
+                dynamic_ncols=True, mininterval=0, miniters=1, file=sys.stderr)
+
+
 def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, scheduler=None, progress=True,
               amp=contextlib.nullcontext, scaler=None):
     """One pass over ``loader``; trains when ``optimizer`` is given. Returns (mean loss, accuracy)
@@ -265,10 +360,8 @@ def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, sc
     train = optimizer is not None
     model.train(train)
     loss_sum, correct, count = 0.0, 0.0, 0
-    bar = tqdm(loader, desc=desc, disable=not (env.main and progress), leave=False, dynamic_ncols=True,
-               mininterval=1.0, file=sys.stdout)
-    with torch.set_grad_enabled(train):
-        for x, y in bar:
+    with torch.set_grad_enabled(train), progress_bar(len(loader), desc, env.main and progress) as bar:
+        for x, y in loader:
             x, y = x.to(env.device), y.to(env.device)
             with amp():
                 loss, hits = _step_batch(net if train else model, x, y, task, criterion)
@@ -288,7 +381,8 @@ def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, sc
             loss_sum += loss.item() * len(y)
             correct += hits.item()
             count += len(y)
-            bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct / count:.4f}")
+            bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct / count:.4f}", refresh=False)
+            bar.update()  # redraws with the new count and postfix
     loss_sum, correct, count = _reduce(env, loss_sum, correct, count)
     return loss_sum / max(count, 1), correct / max(count, 1)
 

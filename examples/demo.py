@@ -12,15 +12,20 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from spikingjelly.activation_based import functional, layer, neuron
 
+from common import HelpFormatter  # the examples' --help policy (and spikingjelly_mfpsn from a source checkout)
 import spikingjelly_mfpsn  # noqa: F401  (adds MulFreeChannelwisePSN and functional.replace_neurons)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training digits")
+    p.add_argument("--k", type=int, default=2, help="order of the MF-PSN neurons")
+    p.add_argument("--seed", type=int, default=0, help="seed of the network and the data split")
+    return p
+
+
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = build_parser().parse_args()
     torch.manual_seed(args.seed)
 
     digits = load_digits()

@@ -67,13 +67,20 @@ def calibrate(net: nn.Module, batches: int, batch_size: int = 16) -> None:
     net.eval()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+def build_parser() -> argparse.ArgumentParser:
+    from common import HelpFormatter  # here: tests load this file as a module without examples/ on the path
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("--batch", type=int, default=8, help="random images measured")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and images")
     parser.add_argument("--calibrate", type=int, default=0, metavar="N",
                         help="random batches run in train mode to set batch-norm statistics (no weight update)")
-    parser.add_argument("--firing-rate", type=float, default=None, help="override the measured SOP firing rates")
+    parser.add_argument("--firing-rate", type=float, default=None,
+                        help="firing rate used in the SOP formula (default: the measured rates)")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args.batch < 1 or args.calibrate < 0:
         parser.error(f"--batch must be >= 1 and --calibrate >= 0, got {args.batch} and {args.calibrate}")

@@ -15,6 +15,7 @@ import argparse
 import torch
 from spikingjelly.activation_based import functional
 
+from common import HelpFormatter  # (first: it makes spikingjelly_mfpsn importable from a source checkout)
 from spikingjelly_mfpsn import deploy
 from energy_table5 import T, calibrate, image_to_sequence, mfpsn, sequential_cifar_net
 
@@ -23,11 +24,16 @@ def state_bytes(net) -> int:
     return sum(t.numel() * t.element_size() for _, m in deploy.folded_neurons(net) for t in m.x_queue)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("--batch", type=int, default=2, help="random images run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and images")
+    return parser
+
+
 @torch.no_grad()
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = build_parser()
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")

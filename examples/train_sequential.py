@@ -21,12 +21,13 @@ import common
 from spikingjelly_mfpsn.paper import data, models
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=common.HelpFormatter)
     g = p.add_argument_group("data and network")
-    g.add_argument("--dataset", default="digits", choices=("digits", "cifar10", "cifar100"))
-    g.add_argument("--data-dir", default=None, help="folder with the CIFAR python archive (or its extracted folder)")
+    g.add_argument("--dataset", default="digits", choices=("digits", "cifar10", "cifar100"),
+                   help="digits: scikit-learn's bundled 8x8 digits; cifar10/cifar100: read from --data-dir")
+    g.add_argument("--data-dir", default=None,
+                   help="folder with the CIFAR python archive or its extracted folder (needed for cifar10/cifar100)")
     g.add_argument("--pixel", action="store_true", help="pixel by pixel (T = H*W) with the residual FC network")
     g.add_argument("--channels", type=int, default=64, help="conv channels, sequential network (paper: 128)")
     g.add_argument("--convs", type=int, default=3, help="conv layers per stage, sequential network (paper: 3)")
@@ -37,8 +38,14 @@ def parse_args(argv=None):
     g.add_argument("--blocks", type=int, default=2, help="residual blocks per stage, pixel network (paper: 2)")
     g.add_argument("--time-pool", type=int, default=4, help="pooling along time between pixel stages (paper: 4)")
     common.add_common_args(p, epochs=20, batch_size=64, lr=2e-3, out_dir="runs/sequential")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     common.check_common_args(p, args)
+    common.check_data_dir(p, args.dataset, args.data_dir)
     return args
 
 

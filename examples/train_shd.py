@@ -17,24 +17,28 @@ import common
 from spikingjelly_mfpsn.paper import data, models
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=common.HelpFormatter)
     g = p.add_argument_group("data and network")
     g.add_argument("--data-dir", default="data/shd", help="folder with shd_train.h5 and shd_test.h5")
     g.add_argument("--bins", type=int, default=100, help="time steps T per sample")
     g.add_argument("--duration", type=float, default=None,
-                   help="seconds binned (default: the latest spike in the training file)")
+                   help="seconds binned (default: up to the latest spike in the training file)")
     g.add_argument("--unit-bin", type=int, default=5, help="sum this many neighbouring input channels")
     g.add_argument("--hidden", type=int, default=256, help="hidden features (paper: 256)")
     g.add_argument("--layers", type=int, default=2, help="hidden layers (paper: 2)")
-    g.add_argument("--dropout", type=float, default=0.4)
+    g.add_argument("--dropout", type=float, default=0.4, help="dropout after each hidden layer")
     g.add_argument("--delays", default="auto", choices=("auto", "on", "off"),
                    help="learnable delays (dcls package); auto: when dcls is installed")
     g.add_argument("--max-delay", type=int, default=25, help="largest delay in time steps")
     g.add_argument("--delay-lr", type=float, default=0.05, help="learning rate of the delay positions")
     common.add_common_args(p, epochs=30, batch_size=128, lr=1e-3, out_dir="runs/shd")
     p.set_defaults(weight_decay=1e-5)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     common.check_common_args(p, args)
     for name in ("bins", "unit_bin", "hidden", "layers", "max_delay"):
@@ -42,6 +46,7 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.delays == "on" and not models.dcls_available():
         p.error("--delays on needs the dcls package (pip install dcls); use --delays off")
+    common.check_data_dir(p, "shd", args.data_dir)
     return args
 
 

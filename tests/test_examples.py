@@ -3,11 +3,13 @@
 The scripts run as subprocesses at tiny sizes (a few hundred digits, a tiny SHD file written here) and
 must learn: the training loss falls and the test accuracy beats chance by a wide margin.
 """
+import argparse
 import gzip
 import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tarfile
@@ -55,16 +57,17 @@ def test_the_inference_scripts_refuse_bad_arguments(script, args, says):
 
 @pytest.mark.parametrize("script", ["train_sequential", "train_shd"])
 @pytest.mark.parametrize("device", ["bogus", "meta:x", "cuda:one past the last"])
-def test_a_device_that_is_not_here_is_refused_by_the_argument_check(script, device, capsys):
+def test_a_device_that_is_not_here_is_refused_by_the_argument_check(script, device, capsys, tmp_path):
     """--device naming no device type, or one this machine has no (or too few) of, exits with the
     option's name and torch's reason instead of a traceback after building the network."""
     if device.startswith("cuda"):
         device = f"cuda:{torch.cuda.device_count()}"  # never here, whatever the machine has
     module = _import_example(script)
+    data_dir = _data_argv(script, "shd", "ok", tmp_path) if script == "train_shd" else []  # (checked too)
     with pytest.raises(SystemExit):
-        module.parse_args(["--device", device])
+        module.parse_args(["--device", device, *data_dir])
     assert f"--device {device}: cannot put a tensor there" in capsys.readouterr().err
-    assert module.parse_args(["--device", "cpu"]).device == "cpu"
+    assert module.parse_args(["--device", "cpu", *data_dir]).device == "cpu"
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -263,15 +266,15 @@ def test_cifar100_reader_uses_fine_labels(tmp_path):
     assert y_test.tolist() == _cifar_batch(2, b"fine_labels", 2)[b"fine_labels"]
 
 
-def test_missing_cifar_says_what_to_put_where(tmp_path):
+def test_missing_cifar_says_what_to_put_where(tmp_path, capsys):
     with pytest.raises(FileNotFoundError) as e:
         data.load_cifar(str(tmp_path), "cifar10")
     for words in ("cifar-10-python.tar.gz", "cifar-10-batches-py", str(tmp_path), "data_batch_1"):
         assert words in str(e.value)
     train_sequential = _import_example("train_sequential")
-    with pytest.raises(SystemExit) as e:  # the script exits with the message, not a traceback
+    with pytest.raises(SystemExit) as e:  # the script exits with a usage error, not a traceback
         train_sequential.main(["--dataset", "cifar100", "--data-dir", str(tmp_path), "--no-progress"])
-    assert "cifar-100-python.tar.gz" in str(e.value.code)
+    assert e.value.code == 2 and "cifar-100-python.tar.gz" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "not a dict", "truncated archive"])
@@ -539,3 +542,205 @@ def test_the_paper_nets_and_readers_live_outside_the_library():
     assert out.strip() == "[]"
     from spikingjelly_mfpsn import data as old_data, models as old_models
     assert old_models.BUILDERS is models.BUILDERS and old_data.load_digits is data.load_digits
+
+
+# ------------------------------------------------------------------------------- a quiet first run
+
+QUICK = [*TINY_DIGITS, "--batch-size", 64, "--method", "shift_add"]  # 320 samples: 5 steps an epoch
+
+
+def _example_command(script, *args):
+    return [sys.executable, os.path.join(EXAMPLES, script), *map(str, args)]
+
+
+def test_a_log_file_gets_one_line_per_epoch_and_no_bar(tmp_path):
+    """With stdout and stderr sent to a file, each epoch writes its one summary line; the progress
+    bars (which redrew their postfix every step, a 57 KB log for a short run) write nothing."""
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        r = subprocess.run(_example_command("train_sequential.py", *QUICK, "--out-dir", tmp_path / "run"),
+                           stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=600)
+    text = log.read_text()
+    assert r.returncode == 0, text[-3000:]
+    lines = re.split(r"[\r\n]+", text.strip())
+    epochs = len(read_metrics(str(tmp_path / "run"))["history"])
+    assert [line for line in lines if re.match(r"epoch \d+/\d+:", line)] == \
+        [line for line in lines if line.startswith("epoch ")]  # no bar lines ("epoch 1/3 train: ...")
+    assert sum(bool(re.match(r"epoch \d+/\d+:", line)) for line in lines) == epochs
+    assert "\r" not in text and len(lines) <= epochs + 3, text  # + the run's first line, summary, slack
+    assert lines[-1].startswith("summary:")
+
+
+def _run_on_a_terminal(cmd, columns=120):
+    """``cmd``'s output with stdout and stderr on a pseudo-terminal ``columns`` wide."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=_env())
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=600) == 0, b"".join(chunks)[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_on_a_terminal_the_bar_advances_once_per_step(tmp_path):
+    """The bar showed "0/N" all epoch long: iterated, tqdm kept its count to itself between redraws
+    while the postfix redrew the bar every step. Now each step draws the next count, in order."""
+    out = _run_on_a_terminal(_example_command("train_sequential.py", *QUICK, "--epochs", 1,
+                                              "--out-dir", tmp_path / "run"))
+    steps = -(-320 // 64)
+    counts = [int(c) for c in re.findall(rf"epoch 1/1 train:[^\r\n]*?(\d+)/{steps} \[", out)]
+    assert counts == list(range(steps + 1)), out[-3000:]
+    assert re.search(r"epoch 1/1: train loss", out)
+
+
+def _configure(monkeypatch, tmp_path, verbose, capsys):
+    """``common.configure_method`` with ``--method auto`` on a tiny MF-PSN network and an empty cache;
+    returns (what it printed, the network, autoselect's seconds)."""
+    from spikingjelly.activation_based import layer
+    common = _import_example("common")
+    monkeypatch.setenv("SPIKINGJELLY_MFPSN_CACHE", str(tmp_path / f"cache_{verbose}.json"))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(layer.Linear(4, 8, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"))
+    args = argparse.Namespace(method="auto", layout="time_first", amp="off", verbose=verbose)
+    capsys.readouterr()
+    env = common.Env(0, 1, torch.device("cpu"))
+    net, method, seconds = common.configure_method(net, args, torch.rand(6, 3, 4), env)
+    assert method == "auto (time_first)"
+    return capsys.readouterr().out, net, seconds
+
+
+def test_autoselect_prints_one_line_unless_verbose(monkeypatch, tmp_path, capsys):
+    out, net, seconds = _configure(monkeypatch, tmp_path, False, capsys)
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    line = lines[0]
+    assert line.startswith("autoselect: layout time_first") and f"{seconds:.2f} s" in line
+    assert f"methods {net[1].method} x1;" in line, line  # the MF-PSN layer's choice, the one layer with one
+    assert "candidates (ms)" not in out and "--verbose" in line
+    out, net, _ = _configure(monkeypatch, tmp_path, True, capsys)
+    assert "candidates (ms)" in out and len(out.strip().splitlines()) > 2, out
+    assert re.search(rf"MulFreeChannelwisePSN +{net[1].method} ", out), out
+
+
+SCRIPTS = ["train_sequential", "train_shd", "ablation_order", "demo", "energy_table5", "mulfree_inference"]
+
+
+def _help_entries(text):
+    """``--help`` text -> {option string: its entry's text, lines joined}."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if re.match(r"  -", line):
+            current = [line.strip()]
+            for option in re.findall(r"(?:^|[ ,])(--?[A-Za-z][\w-]*)", line.strip().split("  ")[0]):
+                entries[option] = current
+        elif current is not None and line.startswith("   ") and line.strip():
+            current.append(line.strip())
+        else:
+            current = None
+    return {option: " ".join(lines) for option, lines in entries.items()}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_every_default_once(script):
+    """One --help policy for every script: an option shows "(default: X)" once; one whose default is
+    not None always shows it (some said "(default: mfpsn) (default: mfpsn)", others nothing)."""
+    sys.path.insert(0, EXAMPLES)
+    try:
+        parser = __import__(script).build_parser()  # (energy_table5 imports common only here)
+    finally:
+        sys.path.remove(EXAMPLES)
+    r = subprocess.run(_example_command(f"{script}.py", "--help"), capture_output=True, text=True,
+                       env=dict(_env(), COLUMNS="100"), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = _help_entries(r.stdout)
+    options = [a for a in parser._actions if a.option_strings and a.default is not argparse.SUPPRESS]
+    assert len(options) >= 2
+    for action in options:
+        entry = entries.get(action.option_strings[0])
+        assert entry is not None, (action.option_strings, r.stdout)
+        assert entry.count("(default:") <= 1, entry
+        if action.default is not None:
+            assert f"(default: {action.default})" in entry, entry
+
+
+# (script, data set, what --data-dir is) -> the files the message must name
+DATA_DIRS = {
+    "cifar10": ("cifar-10-python.tar.gz", "cifar-10-batches-py/", "data_batch_1", "test_batch"),
+    "cifar100": ("cifar-100-python.tar.gz", "cifar-100-python/", "train", "test"),
+    "shd": ("shd_train.h5", "shd_test.h5"),
+}
+
+
+def _data_argv(script, dataset, where, tmp_path):
+    """Arguments for ``script`` that point --data-dir at ``where`` ('none', 'missing', 'empty',
+    'gzipped', 'partial', or 'ok': the files are there)."""
+    folder = tmp_path / "data"
+    if where != "missing" and where != "none":
+        folder.mkdir()
+    if where == "gzipped":
+        for name in DATA_DIRS["shd"]:
+            (folder / f"{name}.gz").write_bytes(b"")
+    elif where in ("partial", "ok") and dataset == "shd":
+        for name in DATA_DIRS["shd"][:1 if where == "partial" else 2]:
+            (folder / name).write_bytes(b"")  # (the contents are read, and checked, later)
+    elif where in ("partial", "ok"):
+        _write_cifar10(str(folder), archive=False)
+        if where == "partial":
+            os.remove(folder / "cifar-10-batches-py" / "data_batch_3")
+    argv = [] if dataset == "shd" else ["--dataset", dataset]
+    return argv + ([] if where == "none" else ["--data-dir", str(folder)])
+
+
+@pytest.mark.parametrize("script,dataset,where", [
+    ("train_sequential", "cifar10", "none"), ("train_sequential", "cifar100", "none"),
+    ("train_sequential", "cifar10", "missing"), ("train_sequential", "cifar100", "empty"),
+    ("train_sequential", "cifar10", "partial"), ("ablation_order", "cifar10", "none"),
+    ("ablation_order", "cifar100", "empty"), ("train_shd", "shd", "none"), ("train_shd", "shd", "missing"),
+    ("train_shd", "shd", "gzipped"), ("train_shd", "shd", "partial"),
+])
+def test_a_missing_data_folder_is_one_line_naming_the_flag_and_files(script, dataset, where, tmp_path,
+                                                                    monkeypatch, capsys):
+    """Without --data-dir (SHD: its default data/shd, not here), with a folder that is not there or
+    lacks the files: exit status 2 and one line naming --data-dir and the files expected in it, before
+    anything is built (was: a ValueError traceback, or exit status 1)."""
+    monkeypatch.chdir(tmp_path)  # (data/shd is relative)
+    argv = _data_argv(script, dataset, where, tmp_path)
+    module = _import_example(script)
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--data-dir" in err and ": error: " in err, err  # (prog: error: message, as argparse's errors)
+    for name in DATA_DIRS[dataset]:
+        assert name in err, (name, err)
+    if where == "partial":
+        assert ("data_batch_3" if dataset == "cifar10" else "shd_test.h5") + " missing" in err, err
+
+
+@pytest.mark.parametrize("script,dataset", [("train_sequential", "cifar10"), ("ablation_order", "cifar10"),
+                                            ("train_shd", "shd")])
+def test_a_data_folder_with_the_files_passes_the_check(script, dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = _import_example(script)
+    args = module.parse_args(_data_argv(script, dataset, "ok", tmp_path))
+    assert (args[0] if isinstance(args, tuple) else args).data_dir == str(tmp_path / "data")
+
+
+def test_cifar_without_data_dir_exits_2_without_a_traceback():
+    r = subprocess.run(_example_command("train_sequential.py", "--dataset", "cifar10"), capture_output=True,
+                       text=True, env=_env(), timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--data-dir" in r.stderr

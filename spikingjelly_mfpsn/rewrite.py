@@ -229,12 +229,20 @@ class Rewriter:
     def _call_function(self, n: fx.Node) -> None:
         name = op_name(n)
         rule = _RULES.get("elementwise" if name in _ELEMENTWISE_NAMES else name)
-        if rule is not None and any(self.tpos[a] is not None for a in n.all_input_nodes):
-            try:
-                return rule(self, n)
-            except _NoRule:
-                pass
-        self.as_original(n)
+        if rule is None or not any(self.tpos[a] is not None for a in n.all_input_nodes) or not self._apply(rule, n):
+            self.as_original(n)
+
+    def _apply(self, rule, n: fx.Node) -> bool:
+        """Run ``rule`` on ``n``; where it does not apply, take back the nodes it added on the way."""
+        mark, moved = len(self.new.nodes), dict(self.moved)
+        try:
+            rule(self, n)
+            return True
+        except _NoRule:
+            for node in reversed(list(self.new.nodes)[mark:]):
+                self.new.erase_node(node)
+            self.moved = moved
+            return False
 
     _call_method = _call_function
 

@@ -44,7 +44,7 @@ def pow2(w, max_exponent=1023):
         e = min(e if Fraction(m) ** 2 >= Fraction(1, 2) else e - 1, max_exponent)
         return math.copysign(math.ldexp(1.0, e), v)
     flat = [q(v) for v in w.reshape(-1).tolist()]
-    return torch.tensor(flat, dtype=torch.float64).reshape(w.shape).to(w.dtype)
+    return torch.tensor(flat, dtype=torch.float64).reshape(w.shape).to(w.device, w.dtype)
 
 
 class Pow2WholeSTE(torch.autograd.Function):
@@ -71,7 +71,7 @@ class Pow2RoundSTE(torch.autograd.Function):
     def backward(ctx, g):
         (w,) = ctx.saved_tensors
         ratio = [abs(q) / abs(v) if v != 0 else 0.0 for q, v in zip(pow2(w).reshape(-1).tolist(), w.reshape(-1).tolist())]
-        return g * torch.tensor(ratio, dtype=g.dtype).reshape(w.shape)
+        return g * torch.tensor(ratio, dtype=g.dtype, device=g.device).reshape(w.shape)
 
 
 def atan_primitive(h, alpha=2.0):

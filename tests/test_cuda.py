@@ -63,7 +63,7 @@ def test_gradients_are_the_same_bits_in_another_process():
             "x = torch.randn(16, 64, 64, 33, device='cuda').requires_grad_(); s = sn(x)\n"
             "s.backward(torch.randn_like(s)); h = hashlib.sha256()\n"
             "[h.update(t.cpu().numpy().tobytes()) for t in (x.grad, sn.weight.grad, sn.gamma.grad)]; print(h.hexdigest())")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]

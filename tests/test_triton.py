@@ -308,7 +308,7 @@ def test_without_triton_nothing_else_breaks():
             print(e)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr
     assert "backend='triton'" in out.stdout and "pip install triton" in out.stdout, out.stdout
 
@@ -358,7 +358,7 @@ def test_kernels_compile_for_a_gpu():
     if "nvidia" not in backends:
         pytest.skip("this triton build has no CUDA backend to compile with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, TRITON_DEFAULT_FP_FUSION="1")
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), TRITON_DEFAULT_FP_FUSION="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
@@ -496,7 +496,7 @@ def test_fused_bn_constant_channel(layout, eps):
     xr = x.double()
     w, gamma, beta = (t.detach().double() for t in (sn.weight, sn.gamma, sn.beta))
     h, (mean, var) = reference.mfpsn_charge(xr, w, 1, layout, "bn", gamma=gamma, beta=beta, eps=eps,
-                                            stats=(w[:, 0] * xr.flatten()[0], torch.zeros(6, dtype=torch.float64)))
+                                            stats=(w[:, 0] * xr.flatten()[0], torch.zeros(6, dtype=torch.float64, device=DEVICE)))
     assert torch.equal(s.double(), (h >= 0).double())
 
 

@@ -37,6 +37,54 @@ def test_no_graph_break_inside_the_neuron(method, layout, training, grad):
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
 
 
+def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
+    """An implementation torch.compile cannot trace (``compiles=False``, as Triton's and CuPy's launches)
+    is what ``method='auto'`` runs eagerly, but not inside a compiled graph, where a traceable one gives
+    the same spikes."""
+    calls = []
+
+    def opaque(x, weight, bias, dilation, layout):
+        calls.append(1)
+        return ops.get("conv1d").charge(x, weight, bias, dilation, layout)
+
+    ops.register(ops.Implementation("opaque", "torch", ops.LAYOUTS, opaque, "not traceable",
+                                    priority=lambda device, k, t: 1000, compiles=False))
+    try:
+        sn = MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m", threshold="param")
+        x = torch.randn(6, 4, 8, 5)
+        eager = sn(x)
+        assert calls and sn.resolve_method(x) == "opaque"
+        calls.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(sn, backend="aot_eager")(x)
+        assert not calls
+        assert torch.equal(compiled, eager)
+    finally:
+        ops.unregister("opaque")
+        torch._dynamo.reset()
+
+
+@pytest.mark.skipif("triton" not in ops.names(), reason="triton is not installed")
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_method_triton_under_compile_runs_its_kernels_between_graphs(threshold):
+    """An explicit method='triton' under torch.compile gives the eager step's spikes and gradients."""
+    torch.manual_seed(3)
+    sn = MulFreeChannelwisePSN(8, k=2, step_mode="m", method="triton", threshold=threshold, exp_init=False)
+    twin = copy.deepcopy(sn)
+    x = torch.randn(6, 4, 8, 5)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    se = sn(xe)
+    se.backward(g)
+    torch._dynamo.reset()
+    sc = torch.compile(twin, backend="aot_eager")(xc)
+    sc.backward(g)
+    assert torch.equal(sc, se)
+    torch.testing.assert_close(xc.grad, xe.grad)
+    for (name, pe), pc in zip(sn.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, msg=name)
+
+
 def test_compiled_training_matches_eager():
     eager = small_net()
     compiled_net = copy.deepcopy(eager)

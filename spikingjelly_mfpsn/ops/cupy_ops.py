@@ -203,6 +203,7 @@ def charge_with(launch, x, weight, bias, dilation: int, layout: str) -> torch.Te
     return _Charge.apply(x.to(dtype), w, b, dilation, layout, launch)
 
 
+@torch.compiler.disable  # (torch.compile cannot trace a CuPy launch: it runs eagerly between graphs)
 def cupy_charge(x, weight, bias, dilation, layout):
     """CUDA kernels launched through CuPy (CUDA tensors only)."""
     return charge_with(_CUPY_LAUNCHER, x, weight, bias, dilation, layout)
@@ -220,7 +221,8 @@ def unavailable_reason() -> Optional[str]:
 
 IMPLEMENTATION = Implementation("cupy", "cupy", LAYOUTS, cupy_charge,
                                 "CUDA C kernels via CuPy: one thread per output, block-reduced weight gradient",
-                                devices=("cuda",), dtypes=tuple(DTYPES), priority=lambda device, k, t: 15)
+                                devices=("cuda",), dtypes=tuple(DTYPES), priority=lambda device, k, t: 15,
+                                compiles=False)
 
 
 def register_if_available() -> Optional[str]:

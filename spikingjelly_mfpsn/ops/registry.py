@@ -119,6 +119,8 @@ class Implementation:
     priority: Callable[[str, int, int], float] = field(default=_no_priority, compare=False)
     checks_inputs: bool = False
     autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
+    compiles: bool = True  # False: torch.compile cannot trace it (it runs eagerly, between graphs), so
+    # method='auto' under torch.compile takes a traceable implementation instead, which the compiler can fuse
 
     def not_supported_reasons(self, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                               layout: str) -> list[str]:
@@ -183,10 +185,13 @@ def _ranked(registered: tuple, backend: str, device_type: str, k: int, t: int) -
 def choose(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str, backend: str = "torch") -> str:
     """The implementation ``method='auto'`` runs for this call (before any autoselect pass): the supported
     one of the highest priority (see :class:`Implementation`) among ``backend``'s, where backend 'torch'
-    (the default) also takes the kernel backends of priority >= 0 (Triton and CuPy on CUDA)."""
+    (the default) also takes the kernel backends of priority >= 0 (Triton and CuPy on CUDA). Under
+    torch.compile the implementations it can trace come first."""
     rank = _ranked.__wrapped__ if torch.compiler.is_compiling() else _ranked  # (dynamo traces no cache)
     ranked = rank(tuple(map(id, _REGISTRY.values())), backend, x.device.type, weight.shape[-1],
                   x.shape[time_dim(layout)] if x.dim() else 0)
+    if torch.compiler.is_compiling():  # what the compiler can trace (and fuse) first
+        ranked = [impl for impl in ranked if impl.compiles] + [impl for impl in ranked if not impl.compiles]
     for impl in ranked:
         if impl.supports(x, weight, dilation, layout):
             return impl.name

@@ -1041,11 +1041,13 @@ def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
 
 
 # ---------------------------------------------------------------- registry entries
+@torch.compiler.disable  # (torch.compile cannot trace the autotuned launch: it runs eagerly between graphs)
 def charge(x, weight, bias, dilation, layout):
     """Registry contract: H, dense, differentiable w.r.t. x, weight and bias."""
     return _TritonCharge.apply(x, weight, bias, dilation, layout, 0, 0.0)
 
 
+@torch.compiler.disable
 def fire(x, weight, bias, dilation, layout, code, alpha) -> torch.Tensor:
     """Registry contract: fused charge + Heaviside + the gradient of surrogate ``code``."""
     return _TritonCharge.apply(x, weight, bias, dilation, layout, code, alpha)
@@ -1107,5 +1109,5 @@ register(Implementation(
     "fused, and the BN- and parameter-threshold steps in three and two kernels each way",
     requirements=requirements, dtypes=DTYPES,
     priority=lambda device, k, t: 20 if device == "cuda" else -1,
-    fire=fire, bn_fire=bn_fire, param_fire=param_fire,
+    fire=fire, bn_fire=bn_fire, param_fire=param_fire, compiles=False,
     autoselect=not INTERPRETED and torch.cuda.is_available()))  # a candidate where its kernels run compiled

@@ -17,7 +17,6 @@ step timed against SpikingJelly's PSN, LIF and BatchNorm + PSN, side by side in 
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import os
@@ -41,6 +40,7 @@ import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
+SECTIONS = ("correctness", "determinism", "neuron", "network")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -186,11 +186,12 @@ def _lif(device):
     return lif
 
 
-def neuron_candidates(T, c, device):
+def neuron_candidates(T, c, device, dims=4):
     cands = {"MF-PSN (auto)": MulFreeChannelwisePSN(c, k=2, step_mode="m")}
     psn = _psn(T)
     if psn is not None:
-        cands["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), Flat(psn))
+        bn = (layer.BatchNorm1d if dims == 4 else layer.BatchNorm2d)(c, step_mode="m")
+        cands["BatchNorm + PSN"] = nn.Sequential(bn, Flat(psn))
         cands["PSN"] = Flat(_psn(T))
     cands["LIF"] = _lif(device)
     return {k: v.to(device) for k, v in cands.items()}
@@ -214,12 +215,13 @@ def neuron_timing(device, quick, dry_run, repeats):
     for shape in shapes:
         x = torch.randn(shape, device=device)
         grad = torch.randn(shape, device=device)
-        fns = {name: layer_step(m, x, grad) for name, m in neuron_candidates(shape[0], shape[2], device).items()}
+        fns = {name: layer_step(m, x, grad) for name, m in neuron_candidates(shape[0], shape[2], device, len(shape)).items()}
         times = interleaved(fns, repeats=repeats, warmup=2, device=device)
         base = "BatchNorm + PSN" if "BatchNorm + PSN" in times else "LIF"
         for name, ts in times.items():
             rows.append({"shape": list(shape), "candidate": name, "ms": median(ts) * 1e3,
                          "ratio": ratio_cell(ts, times[base]), "baseline": base, "peak_mib": _peak(fns[name], device)})
+        print(f"  neuron {shape}: " + ", ".join(f"{n} {median(ts) * 1e3:.2f} ms" for n, ts in times.items()), flush=True)
     return rows
 
 
@@ -266,33 +268,39 @@ def _host_and_launches(fn, device):
     return host, mode.launches
 
 
-def network_timing(device, quick, dry_run, repeats, compile_):
+def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda rows: None):
+    """The networks' training step, eager; then compiled (mode="reduce-overhead") at the time steps in
+    ``compile_ts`` (None: every one), last, since compiling takes long; ``progress(rows)`` after each."""
     N, c, hidden, size = (2, 8, 16, 8) if dry_run else (128, 128, 256, 32)
     Ts = (2,) if dry_run else (2, 8, 32) if quick else (2, 4, 8, 16, 32)
-    rows = []
     nets = [("Table 10", T, lambda kind, T=T: table10_net(kind, T, c, hidden, 100, size),
-             torch.rand(T, N, 3, size, size)) for T in Ts]
+             (T, N, 3, size, size)) for T in Ts]
     nets.append(("sequential CIFAR", size, lambda kind: models.sequential_image_net(
-        3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), torch.rand(size, N, 3, size)))
-    for label, T, build, x in nets:
-        x, y = x.to(device), torch.randint(0, 100, (N,), device=device)
-        kinds = ["mfpsn"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
-        fns, host = {}, {}
-        for kind in kinds:
+        3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), (size, N, 3, size)))
+    kinds = ["mfpsn"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
+    jobs = [(net, kinds, False) for net in nets]
+    jobs += [(net, [k for k in kinds if k != "lif"], True) for net in nets if compile_ts is None or net[1] in compile_ts]
+    rows = []
+    for (label, T, build, shape), job_kinds, compiled in jobs:
+        torch.manual_seed(0)
+        x, y = torch.rand(shape, device=device), torch.randint(0, 100, (N,), device=device)
+        fns = {}
+        for kind in job_kinds:
             torch.manual_seed(0)
             net = build(kind).to(device)
-            fns[kind] = _train_step(net, x, y)
-            if compile_ and kind in ("mfpsn", "psn"):
-                fns[kind + ", compiled"] = _train_step(torch.compile(copy.deepcopy(net), mode="reduce-overhead"), x, y)
-        host["mfpsn"] = _host_and_launches(fns["mfpsn"], device)
+            name = kind + (", compiled" if compiled else "")
+            fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
+        host = {} if compiled else {"mfpsn": _host_and_launches(fns["mfpsn"], device)}
         times = interleaved(fns, repeats=repeats, warmup=3, device=device)
+        base = "psn, compiled" if compiled else "psn" if "psn" in times else "lif"
+        base = base if base in times else next(iter(times))
         for name, ts in times.items():
-            base = ("psn, compiled" if name.endswith("compiled") and "psn, compiled" in times
-                    else "psn" if "psn" in times else "lif")
             rows.append({"network": label, "T": T, "candidate": name, "ms": median(ts) * 1e3,
                          "ratio": ratio_cell(ts, times[base]), "baseline": base,
                          "peak_mib": _peak(fns[name], device),
                          "host_ms": host.get(name, (None, None))[0], "launches": host.get(name, (None, None))[1]})
+        print(f"  {label} T={T}: " + ", ".join(f"{n} {median(ts) * 1e3:.1f} ms" for n, ts in times.items()), flush=True)
+        progress(rows)
     return rows
 
 
@@ -318,24 +326,40 @@ def versions(device):
 
 def markdown(result) -> str:
     v = result["versions"]
-    lines = [f"# GPU check: {v.get('card', v['device'])}", "",
-             ", ".join(f"{k} {val}" for k, val in v.items()), "",
-             f"## (a) correctness: {result['correctness']['cases']} cases, "
-             f"{len(result['correctness']['failures'])} failures", ""]
-    lines += [f"- {f}" for f in result["correctness"]["failures"][:50]]
-    lines += ["", f"## (b) determinism: {'bit-identical' if result['determinism']['identical'] else 'DIFFERENT'}",
-              "", "## (c) one neuron layer, training step (ratio to the baseline; <= 1.0 is as fast or faster)", ""]
-    lines.append(markdown_table(["shape", "candidate", "median", "ratio", "baseline", "peak MiB"],
-                                [[tuple(r["shape"]), r["candidate"], f"{r['ms']:.3f} ms", r["ratio"], r["baseline"],
-                                  "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"] for r in result["neuron"]]))
-    lines += ["", "## (c) networks, training step", ""]
-    lines.append(markdown_table(["network", "T", "candidate", "median", "ratio", "baseline", "peak MiB", "host ms",
-                                 "launches"],
-                                [[r["network"], r["T"], r["candidate"], f"{r['ms']:.2f} ms", r["ratio"], r["baseline"],
-                                  "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}",
-                                  "-" if r["host_ms"] is None else f"{r['host_ms']:.1f}",
-                                  "-" if r["launches"] is None else r["launches"]] for r in result["network"]]))
+    lines = [f"# GPU check: {v.get('card', v['device'])}", "", ", ".join(f"{k} {val}" for k, val in v.items()), ""]
+    if "correctness" in result:
+        failures = result["correctness"]["failures"]
+        lines += [f"## (a) correctness: {result['correctness']['cases']} cases, {len(failures)} failures", ""]
+        lines += [f"- {f}" for f in failures[:50]] + [""]
+    if "determinism" in result:
+        lines += [f"## (b) determinism: {'bit-identical' if result['determinism']['identical'] else 'DIFFERENT'}", ""]
+    if "neuron" in result:
+        lines += ["## (c) one neuron layer, training step (ratio to the baseline; <= 1.0 is as fast or faster)", ""]
+        lines.append(markdown_table(["shape", "candidate", "median", "ratio", "baseline", "peak MiB"],
+                                    [[tuple(r["shape"]), r["candidate"], f"{r['ms']:.3f} ms", r["ratio"], r["baseline"],
+                                      _cell(r["peak_mib"], "{:.0f}")] for r in result["neuron"]]))
+    if "network" in result:
+        lines += ["", "## (c) networks, training step", ""]
+        lines.append(markdown_table(
+            ["network", "T", "candidate", "median", "ratio", "baseline", "peak MiB", "host ms", "launches"],
+            [[r["network"], r["T"], r["candidate"], f"{r['ms']:.2f} ms", r["ratio"], r["baseline"],
+              _cell(r["peak_mib"], "{:.0f}"), _cell(r["host_ms"], "{:.1f}"), _cell(r["launches"], "{}")]
+             for r in result["network"]]))
     return "\n".join(lines) + "\n"
+
+
+def _cell(value, fmt):
+    return "-" if value is None else fmt.format(value)
+
+
+def save(result, out) -> str:
+    """Write ``out``/gpu_check.json and gpu_check.md; returns the markdown."""
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = markdown(result)
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(text)
+    return text
 
 
 def main(argv=None):
@@ -345,6 +369,10 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --dry-run)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd networks")
+    parser.add_argument("--compile-t", type=int, nargs="+", default=None,
+                        help="time steps at which the networks are also compiled (default: all; 8 with --quick)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
+                        help="which parts to run (default: all)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # (b)'s fresh process
     args = parser.parse_args(argv)
     if args.probe:
@@ -358,21 +386,23 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     result = {"versions": versions(device), "quick": args.quick, "dry_run": args.dry_run}
-    result["correctness"] = correctness(device, args.quick, args.dry_run)
-    print(f"(a) {result['correctness']['cases']} cases, {len(result['correctness']['failures'])} failures", *result["correctness"]["failures"][:20], sep="\n", flush=True)
-    result["determinism"] = determinism(device)
-    print(f"(b) identical: {result['determinism']['identical']}", flush=True)
-    result["neuron"] = neuron_timing(device, args.quick, args.dry_run, repeats)
-    result["network"] = network_timing(device, args.quick, args.dry_run, repeats,
-                                       not (args.no_compile or args.dry_run))
-    result["seconds"] = time.perf_counter() - t0
-    with open(os.path.join(out, "gpu_check.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = markdown(result)
-    with open(os.path.join(out, "gpu_check.md"), "w") as f:
-        f.write(text)
+    compile_ts = () if args.no_compile or args.dry_run else args.compile_t or ((8,) if args.quick else None)
+    sections = (("correctness", lambda: correctness(device, args.quick, args.dry_run)),
+                ("determinism", lambda: determinism(device)),
+                ("neuron", lambda: neuron_timing(device, args.quick, args.dry_run, repeats)),
+                ("network", lambda: network_timing(device, args.quick, args.dry_run, repeats, compile_ts,
+                                                   lambda rows: save({**result, "network": rows}, out))))
+    for name, run in (s for s in sections if s[0] in args.sections):  # saved after each, so a run stopped part-way still leaves its figures
+        result[name] = run()
+        if name == "correctness":
+            print(f"(a) {result[name]['cases']} cases, {len(result[name]['failures'])} failures",
+                  *result[name]["failures"][:20], sep="\n", flush=True)
+        result["seconds"] = time.perf_counter() - t0
+        text = save(result, out)
+        print(f"[{result['seconds']:.0f} s] {name} done", flush=True)
     print(text)
-    return 1 if result["correctness"]["failures"] or not result["determinism"]["identical"] else 0
+    return 1 if result.get("correctness", {}).get("failures") or not result.get("determinism", {}).get("identical", 1) \
+        else 0
 
 
 if __name__ == "__main__":

@@ -47,3 +47,17 @@ def test_the_check_sees_a_wrong_method():
     finally:
         ops.unregister("late")
     assert failures and "spikes differ" in failures[0]
+
+
+def test_the_session_script_logs_each_stage(tmp_path):
+    """benchmarks/gpu_session.sh on a machine without CUDA: the CUDA tests skip, gpu_check refuses to
+    time nothing, and each stage's log and exit status still lands in $OUT."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none"),
+           "TESTS_S": "300", "CHECK_S": "120", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh")], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (tmp_path / "session.log").read_text()
+    assert "tests: " in log and "gpu_check: " in log and "exit 2" in log  # (gpu_check: no CUDA device)
+    assert "deselected" in (tmp_path / "tests.log").read_text()
+    assert "no CUDA device here" in (tmp_path / "check.log").read_text()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One prepared run on a CUDA machine that has PyTorch and Triton but maybe no package index:
+#   bash benchmarks/gpu_session.sh [gpu_check.py arguments]      (default: --quick)
+# installs the wheels in $WHEELS (default .whl/, e.g. SpikingJelly's and loguru's, fetched elsewhere with
+# `pip download --no-deps`), runs the CUDA-marked tests with compiled Triton, then benchmarks/gpu_check.py.
+# Logs, gpu_check.json and gpu_check.md go to $OUT (default benchmarks/results/gpu). Each stage has a time
+# limit (TESTS_S, CHECK_S seconds) so that the whole run ends in a known time.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+WHEELS=${WHEELS:-.whl}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-session-site \
+        "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/gpu-session-site"
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/session.log"
+start=$(date +%s)
+xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m cuda $xdist -p no:cacheprovider --continue-on-collection-errors \
+    tests > "$OUT/tests.log" 2>&1
+rc=$?
+tail -n 40 "$OUT/tests.log"
+echo "tests: $(( $(date +%s) - start )) s, exit $rc" | tee -a "$OUT/session.log"
+args=("$@")
+[ $# -eq 0 ] && args=(--quick)
+timeout "${CHECK_S:-420}" "$PY" benchmarks/gpu_check.py --out "$OUT" "${args[@]}" > "$OUT/check.log" 2>&1
+rc=$?
+tail -n 80 "$OUT/check.log"
+echo "gpu_check: $(( $(date +%s) - start )) s in all, exit $rc" | tee -a "$OUT/session.log"

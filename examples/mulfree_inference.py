@@ -1,6 +1,6 @@
 """Fold the sequential-CIFAR MF-PSN network and run it mul-free: integer bit-shift neurons, streaming.
 
-    python examples/mulfree_inference.py [--batch 2] [--seed 0]
+    python examples/mulfree_inference.py [--batch 2] [--seed 0] [--nir OUT.nir]
 
 Builds {{c128k3s1-BN-SN}*3-APk2s2}*2-FC256-SN-FC100 with MF-PSN (k = 16, sawtooth dilations), sets
 its batch-norm statistics from two random batches (no training), folds it, and prints: whether folded
@@ -9,6 +9,8 @@ calibrated fixed-point formats (set_integer(net, calibrate=x)), and single-step 
 multi-step with the neuron state size. Float32
 streaming can differ from multi-step where a charge lands within rounding of the threshold (the
 multi-step charge sums in another order); the integer neuron is exact, so only its float inputs can.
+With --nir it also writes the folded network as a NIR graph (pip install "spikingjelly_mfpsn[nir]"),
+reads the file back and runs it.
 """
 import argparse
 
@@ -28,7 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--batch", type=int, default=2, help="random images run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and images")
+    parser.add_argument("--nir", metavar="OUT.nir", default=None,
+                        help="also export the folded network to this NIR file and check it read back")
     return parser
+
+
+def export_nir(net, x, path) -> None:
+    """Write ``net`` as a NIR graph to ``path``, read it back and compare the imported network's output."""
+    import nir
+    from spikingjelly_mfpsn.nir import export_to_nir, import_from_nir
+    graph = export_to_nir(net, x)
+    nir.write(path, graph)
+    functional.reset_net(net)
+    same = torch.equal(import_from_nir(path)(x), net(x))
+    functional.reset_net(net)
+    print(f"\nNIR: {len(graph.nodes)} nodes written to {path}; read back, the same outputs: {same}")
 
 
 @torch.no_grad()
@@ -45,6 +61,8 @@ def main():
     functional.reset_net(net)
     deploy.fold(net)
     print("folded == unfolded (float eval):", torch.equal(net(x), want))
+    if args.nir:
+        export_nir(net, x, args.nir)
 
     print("\nspike agreement, integer vs float32 path (local: same input; network: whole net integer)")
     deploy.set_integer(net, calibrate=x)  # per layer, the widest fixed-point format the data fits

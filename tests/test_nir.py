@@ -1,0 +1,201 @@
+"""NIR export and import (spikingjelly_mfpsn.nir): round trips on the digits data set, files, the
+threshold's boundary, both layouts, and the errors for what NIR 1.0 cannot express."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
+from spikingjelly_mfpsn.paper import models
+
+nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
+from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def digits_sequences():
+    """The digits test split (the examples' default data), column by column: (T = 8, N, 1, 8)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    d = load_digits()
+    _, test = train_test_split(d.images, test_size=0.2, random_state=0)
+    return torch.tensor(test, dtype=torch.float32).div(16).permute(2, 0, 1).unsqueeze(2)
+
+
+def calibrated(net, x):
+    """``net`` with batch-norm statistics from a few batches of ``x``, in eval."""
+    net.train()
+    with torch.no_grad():
+        for i in range(40):
+            net(x[:, (i % 6) * 60:(i % 6 + 1) * 60])
+            functional.reset_net(net)
+    return net.eval()
+
+
+def run(net, x):
+    with torch.no_grad():
+        out = net(x)
+    functional.reset_net(net)
+    return out
+
+
+def sequential_net(k=2, **kwargs):
+    torch.manual_seed(0)
+    return models.sequential_image_net(1, 8, 10, neuron="mfpsn", k=k, channels=16, hidden=32, **kwargs)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_round_trip_gives_the_same_outputs_on_the_digits(k):
+    """Conv1d + BatchNorm + MF-PSN (BN threshold, sawtooth dilations), AvgPool1d, Flatten, Linear: the
+    imported graph's logits equal the network's bit for bit, so every spike on the way does too."""
+    x = digits_sequences()
+    net = calibrated(sequential_net(k), x)
+    want = run(net, x)
+    spikes = [run(nn.Sequential(*list(net)[:i + 1]), x) for i, m in enumerate(net)
+              if isinstance(m, MulFreeChannelwisePSN)]
+    assert all(0.02 < float(s.mean()) < 0.98 for s in spikes)  # (real spike trains, not constant ones)
+    graph = export_to_nir(net, x[:, :2])
+    assert {type(n).__name__ for n in graph.nodes.values()} >= {"Delay", "Scale", "Threshold", "Conv1d", "Affine",
+                                                               "Flatten", "Input", "Output"}
+    got = run(import_from_nir(graph), x)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(run(net, x), want)  # the network itself is left as it was (not folded)
+
+
+def test_a_file_round_trips(tmp_path):
+    x = digits_sequences()[:, :50]
+    net = calibrated(sequential_net(), digits_sequences())
+    graph = export_to_nir(net, x, dt=1e-3)
+    path = tmp_path / "net.nir"
+    nir.write(path, graph)
+    back = nir.read(path)
+    assert sorted(back.nodes) == sorted(graph.nodes)
+    assert torch.equal(run(import_from_nir(str(path)), x), run(net, x))
+
+
+def boundary_neuron():
+    """One parameter-threshold neuron, k = 2: H[t] = 0.5 x[t-1] + 1 x[t] - 1."""
+    sn = MulFreeChannelwisePSN(1, k=2, threshold="param", step_mode="m", exp_init=False)
+    with torch.no_grad():
+        sn.weight.copy_(torch.tensor([[0.5, 1.0]]))
+        sn.v_threshold.fill_(1.0)
+    return nn.Sequential(sn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_charge_of_exactly_zero_fires_after_the_round_trip(dtype):
+    """MF-PSN fires on H >= 0, NIR's Threshold on v > threshold: the exported threshold is the value
+    just below, so a charge of exactly 0 fires and one a step below it does not."""
+    net = boundary_neuron().to(dtype)
+    below = 1 - torch.finfo(dtype).eps / 2
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0, below, 0.0], dtype=dtype).reshape(6, 1, 1)
+    want = run(net, x)  # H = -1, 0, -0.5, 1.5, 0.5 * 2 + below - 1 > 0, -0.5 * ... ; and 0 exactly at t = 1
+    assert want[1].item() == 1.0
+    got = run(import_from_nir(export_to_nir(net, x)), x)
+    assert got.dtype == dtype and torch.equal(got, want)
+    x2 = torch.tensor([0.0, below], dtype=dtype).reshape(2, 1, 1)  # H = below - 1 < 0
+    assert run(net, x2)[1].item() == 0.0
+    assert torch.equal(run(import_from_nir(export_to_nir(net, x2)), x2), run(net, x2))
+
+
+def test_both_layouts_export_the_same_graph():
+    x = digits_sequences()[:, :40]
+    net = calibrated(sequential_net(), digits_sequences())
+    first = export_to_nir(net, x)
+    to_time_last(net)
+    last = export_to_nir(net, x)
+    assert list(last.nodes) == list(first.nodes)
+    assert torch.equal(run(import_from_nir(last), x), run(import_from_nir(first), x))
+
+
+def test_conv2d_and_avgpool2d_networks():
+    torch.manual_seed(1)
+    net = nn.Sequential(layer.Conv2d(1, 4, 3, padding=1, bias=False, step_mode="m"), layer.BatchNorm2d(4, step_mode="m"),
+                        MulFreeChannelwisePSN(4, k=3, step_mode="m"), layer.AvgPool2d(2, 2, step_mode="m"),
+                        layer.Conv2d(4, 4, 3, groups=2, step_mode="m"), MulFreeChannelwisePSN(4, k=2, dilation=2,
+                                                                                             step_mode="m"),
+                        layer.Flatten(step_mode="m"), layer.Linear(4 * 2 * 2, 3, step_mode="m"))
+    x = torch.rand(5, 20, 1, 8, 8)
+    calibrated(net, x)
+    assert torch.equal(run(import_from_nir(export_to_nir(net, x[:, :2])), x), run(net, x))
+
+
+@pytest.mark.parametrize("bad, what", [(layer.MaxPool1d(2, 2, step_mode="m"), "MaxPool1d"),
+                                       (layer.AvgPool1d(3, 3, step_mode="m"), "power-of-two")])
+def test_a_layer_nir_cannot_express_is_named(bad, what):
+    net = nn.Sequential(layer.Conv1d(1, 4, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
+                        bad)
+    with pytest.raises(NIRExportError, match=r"layer '2'.*" + what if what == "MaxPool1d" else what):
+        export_to_nir(net.eval(), torch.rand(4, 2, 1, 6))
+
+
+def test_an_unquantised_neuron_is_refused():
+    net = nn.Sequential(MulFreeChannelwisePSN(3, k=2, step_mode="m", quantize=False)).eval()
+    with pytest.raises(ValueError, match="quantize"):
+        export_to_nir(net, torch.rand(4, 2, 3))
+
+
+def test_a_network_that_is_not_sequential_is_refused():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sn = MulFreeChannelwisePSN(3, k=2, step_mode="m")
+
+        def forward(self, x):
+            return x + self.sn(x)
+    with pytest.raises(NIRExportError, match="nn.Sequential"):
+        export_to_nir(Residual().eval(), torch.rand(4, 2, 3))
+
+
+def test_import_names_a_node_it_cannot_run():
+    ones = np.ones(3)
+    graph = nir.NIRGraph({"input": nir.Input({"input": np.array([3])}),
+                          "lif": nir.LIF(tau=2 * ones, r=ones, v_leak=0 * ones, v_threshold=ones),
+                          "output": nir.Output({"output": np.array([3])})}, [("input", "lif"), ("lif", "output")])
+    with pytest.raises(NIRImportError, match=r"node 'lif' is a nir\.LIF"):
+        import_from_nir(graph)
+
+
+def test_import_refuses_a_delay_off_the_time_grid():
+    graph = nir.NIRGraph({"input": nir.Input({"input": np.array([2])}), "d": nir.Delay(np.array([0.5, 1.0])),
+                          "output": nir.Output({"output": np.array([2])})}, [("input", "d"), ("d", "output")])
+    with pytest.raises(NIRImportError, match="multiple of dt"):
+        import_from_nir(graph)
+    out = import_from_nir(graph, dt=0.5)(torch.arange(1.0, 5.0).reshape(4, 1, 1).expand(4, 1, 2))
+    assert out[:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and out[:, 0, 1].tolist() == [0.0, 0.0, 1.0, 2.0]
+
+
+def test_bad_arguments():
+    net = boundary_neuron()
+    with pytest.raises(ValueError, match="dt"):
+        export_to_nir(net, torch.rand(3, 1, 1), dt=0)
+    with pytest.raises(ValueError, match="example_input"):
+        export_to_nir(net, torch.rand(3, 1))
+
+
+def test_without_the_nir_package_the_error_names_the_extra():
+    code = ("import sys; sys.modules['nir'] = None\n"
+            "import torch, torch.nn as nn, spikingjelly_mfpsn\n"
+            "from spikingjelly_mfpsn.nir import export_to_nir\n"
+            "try:\n    export_to_nir(nn.Sequential(spikingjelly_mfpsn.MulFreeChannelwisePSN(1, step_mode='m')), "
+            "torch.rand(3, 1, 1))\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert "spikingjelly_mfpsn[nir]" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_inference_example_writes_a_nir_file(tmp_path):
+    path = tmp_path / "net.nir"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mulfree_inference.py"), "--batch", "1",
+                          "--nir", str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "read back, the same outputs: True" in out.stdout
+    assert any(type(n).__name__ == "Threshold" for n in nir.read(path).nodes.values())

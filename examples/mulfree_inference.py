@@ -1,6 +1,6 @@
 """Fold the sequential-CIFAR MF-PSN network and run it mul-free: integer bit-shift neurons, streaming.
 
-    python examples/mulfree_inference.py [--batch 2] [--seed 0] [--nir OUT.nir]
+    python examples/mulfree_inference.py [--batch 2] [--seed 0] [--nir OUT.nir] [--onnx OUT.onnx]
 
 Builds {{c128k3s1-BN-SN}*3-APk2s2}*2-FC256-SN-FC100 with MF-PSN (k = 16, sawtooth dilations), sets
 its batch-norm statistics from two random batches (no training), folds it, and prints: whether folded
@@ -10,7 +10,9 @@ multi-step with the neuron state size. Float32
 streaming can differ from multi-step where a charge lands within rounding of the threshold (the
 multi-step charge sums in another order); the integer neuron is exact, so only its float inputs can.
 With --nir it also writes the folded network as a NIR graph (pip install "spikingjelly_mfpsn[nir]"),
-reads the file back and runs it.
+reads the file back and runs it; with --onnx it writes the integer network (up to its last neuron) as an
+ONNX model, whole-sequence to OUT.onnx and streaming to OUT.stream.onnx (pip install
+"spikingjelly_mfpsn[onnx]"), and runs the first with onnxruntime.
 """
 import argparse
 
@@ -32,7 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and images")
     parser.add_argument("--nir", metavar="OUT.nir", default=None,
                         help="also export the folded network to this NIR file and check it read back")
+    parser.add_argument("--onnx", metavar="OUT.onnx", default=None,
+                        help="also export the integer network to ONNX (whole-sequence and OUT.stream.onnx)")
     return parser
+
+
+def export_onnx(body, x, path) -> None:
+    """Write ``body`` (integer neurons) as whole-sequence and streaming ONNX models; run the first."""
+    from spikingjelly_mfpsn.onnx import export_onnx as export
+    export(body, x, path)
+    stream = path[:-len(".onnx")] + ".stream.onnx" if path.endswith(".onnx") else path + ".stream.onnx"
+    export(body, x, stream, streaming=True)
+    functional.reset_net(body)
+    want = body(x)
+    functional.reset_net(body)
+    try:
+        import onnxruntime
+    except ImportError:
+        print(f"\nONNX: wrote {path} and {stream} (install onnxruntime to run them)")
+        return
+    got = onnxruntime.InferenceSession(path).run(None, {"x": x.numpy()})[0]
+    print(f"\nONNX: wrote {path} and {stream}; onnxruntime's spikes equal the integer network's: "
+          f"{torch.equal(torch.from_numpy(got), want)}")
 
 
 def export_nir(net, x, path) -> None:
@@ -73,8 +96,10 @@ def main():
     print(f"  calibrated formats {min(formats.values())}-{max(formats.values())} fractional bits: worst layer "
           f"local {local:.6f}, network {network:.6f}")
 
-    print("\nstreaming (step_mode 's', one column at a time) vs multi-step: spikes of the last SN layer")
     body = net[:-1]  # the classifier's float logits differ in the last bit between batched and per-step
+    if args.onnx:  # (the neurons are in their calibrated integer formats here)
+        export_onnx(body, x, args.onnx)
+    print("\nstreaming (step_mode 's', one column at a time) vs multi-step: spikes of the last SN layer")
     for arithmetic in ("float", "integer"):
         deploy.set_integer(net, calibrate=x) if arithmetic == "integer" else deploy.set_float(net)
         for t in (2 * T, 4 * T):  # both longer than the largest receptive field (k-1)*d+1 = 46

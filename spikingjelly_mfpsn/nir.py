@@ -17,7 +17,6 @@ layer raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjell
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Optional
 
@@ -32,8 +31,7 @@ except ImportError:  # pragma: no cover (the message is tested by simulating a m
     _nir = None
 
 from . import deploy
-from .convert import to_time_first
-from .neuron import MulFreeChannelwisePSN
+from ._export import bn_after, fold_bn, layers, per_step, prepared
 
 __all__ = ["NIRExportError", "NIRImportError", "NIRNetwork", "export_to_nir", "import_from_nir"]
 
@@ -58,38 +56,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------- export
-def _layers(net: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` in execution order: nested Sequential containers (SeqToANNContainer is one) opened."""
-    if isinstance(net, nn.Sequential):
-        out = []
-        for name, child in net.named_children():
-            out += _layers(child, f"{prefix}{name}.")
-        return out
-    return [(prefix.rstrip(".") or type(net).__name__, net)]
-
-
-def _per_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module``'s stateless op on one step ``x`` (N, ...), through its torch.nn base class's forward
-    (a SpikingJelly layer in multi-step mode expects a time axis)."""
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("torch.nn.modules") and "forward" in cls.__dict__:
-            return cls.forward(module, x)
-    return module(x)
-
-
-def _fold_bn(weight, bias, bn: nn.modules.batchnorm._BatchNorm):
-    """``(weight, bias)`` of a Conv/Linear followed by ``bn`` in eval: the BatchNorm folded in."""
-    scale = (bn.weight if bn.affine else torch.ones_like(bn.running_var)) / torch.sqrt(bn.running_var + bn.eps)
-    shift = (bn.bias if bn.affine else torch.zeros_like(bn.running_mean)) - bn.running_mean * scale
-    bias = torch.zeros_like(bn.running_mean) if bias is None else bias
-    return weight * scale.reshape(-1, *[1] * (weight.dim() - 1)), bias * scale + shift
-
-
-def _bn_after(layers, i):
-    nxt = layers[i + 1][1] if i + 1 < len(layers) else None
-    return nxt if isinstance(nxt, nn.modules.batchnorm._BatchNorm) else None
-
-
 def _weighted(name, module, bn, feat):
     """The NIR node of a Linear/Conv1d/Conv2d (``bn``, if any, folded in)."""
     nir = _nir
@@ -97,7 +63,7 @@ def _weighted(name, module, bn, feat):
     if bn is not None:
         if bn.running_mean is None:
             raise NIRExportError(f"layer {name!r}: a BatchNorm without running statistics cannot be folded")
-        weight, bias = _fold_bn(weight, bias, bn)
+        weight, bias = fold_bn(weight, bias, bn)
     if isinstance(module, nn.Linear):
         return nir.Linear(_np(weight)) if bias is None else nir.Affine(_np(weight), _np(bias))
     if module.padding_mode != "zeros" or isinstance(module.padding, str) and module.padding != "valid":
@@ -145,10 +111,10 @@ def _avgpool2d(name, module):
                           np.array(pair(module.padding)))
 
 
-def _stateless(name, module, layers, i, feat):
+def _stateless(name, module, seq, i, feat):
     """``(node or None, index of the last layer it covers)`` for a stateless layer; raises for the rest."""
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-        bn = _bn_after(layers, i)
+        bn = bn_after(seq, i)
         return _weighted(name, module, bn, feat), i + (bn is not None)
     if isinstance(module, nn.AvgPool1d):
         return _avgpool1d(name, module, feat), i
@@ -189,15 +155,6 @@ def _neuron_nodes(name, folded: deploy.FoldedMulFreePSN, feat, dt):
     return nodes, edges, entries
 
 
-def _prepared(net: nn.Module) -> nn.Module:
-    """A time-first, eval, folded copy of ``net``."""
-    net = copy.deepcopy(net).eval()
-    if any(getattr(m, "layout", "time_first") == "time_last" for m in net.modules()) or \
-            getattr(net.forward, "time_first_calls", None) is not None:
-        net = to_time_first(net)
-    return deploy.fold(net) if any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()) else net
-
-
 def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     """The NIR graph of a network of MF-PSN neurons and stateless layers (see the module's docstring).
 
@@ -220,8 +177,8 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3:
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
-    layers = _layers(_prepared(net))
-    if len(layers) == 1 and not isinstance(layers[0][1], deploy.FoldedMulFreePSN) and list(layers[0][1].children()):
+    seq = layers(prepared(net))
+    if len(seq) == 1 and not isinstance(seq[0][1], deploy.FoldedMulFreePSN) and list(seq[0][1].children()):
         raise NIRExportError(f"export_to_nir exports a network built as an nn.Sequential; "
                              f"{type(net).__name__} is not one (its forward may do more than run its modules in order)")
     feat = tuple(example_input.shape[2:])
@@ -229,17 +186,17 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     edges, last = [], ["input"]
     probe = torch.zeros(1, *feat, dtype=example_input.dtype)
     i = 0
-    while i < len(layers):
-        name, module = layers[i]
+    while i < len(seq):
+        name, module = seq[i]
         if isinstance(module, deploy.FoldedMulFreePSN):
             more, more_edges, entries = _neuron_nodes(name, module, feat, dt)
             nodes.update(more)
             edges += [(src, dst) for src in last for dst in entries] + more_edges
             last = [name]
         else:
-            node, j = _stateless(name, module, layers, i, feat)
-            for _, m in layers[i:j + 1]:
-                probe = _per_step(m, probe)
+            node, j = _stateless(name, module, seq, i, feat)
+            for _, m in seq[i:j + 1]:
+                probe = per_step(m, probe)
             feat = tuple(probe.shape[1:])
             if node is not None:
                 nodes[name] = node

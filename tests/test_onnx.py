@@ -1,0 +1,173 @@
+"""ONNX export of the folded integer network (spikingjelly_mfpsn.onnx), run by onnxruntime against
+spikingjelly_mfpsn.deploy's integer neurons: whole-sequence and streaming, the integer-only neuron
+graph, and the errors."""
+import copy
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer
+
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
+from spikingjelly_mfpsn.paper import models
+
+onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
+ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
+from spikingjelly_mfpsn.onnx import ONNXExportError, export_onnx  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def digits_sequences():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    _, test = train_test_split(load_digits().images, test_size=0.2, random_state=0)
+    return torch.tensor(test, dtype=torch.float32).div(16).permute(2, 0, 1).unsqueeze(2)
+
+
+def integer_body(k=3):
+    """The digits network up to its last neuron (spikes out), BN statistics from the data, folded and
+    in calibrated integer arithmetic."""
+    torch.manual_seed(0)
+    net = models.sequential_image_net(1, 8, 10, neuron="mfpsn", k=k, channels=16, hidden=32)
+    x = digits_sequences()
+    net.train()
+    with torch.no_grad():
+        for i in range(40):
+            net(x[:, (i % 6) * 60:(i % 6 + 1) * 60])
+            functional.reset_net(net)
+    body = deploy.fold(net[:-1])
+    with torch.no_grad():
+        deploy.set_integer(body, calibrate=x)
+    return body, x
+
+
+def run(net, x):
+    with torch.no_grad():
+        out = net(x)
+    functional.reset_net(net)
+    return out
+
+
+def session(model):
+    return ort.InferenceSession(model.SerializeToString())
+
+
+def stream(model, x):
+    """Run the streaming model step by step, its state outputs fed back as the next step's state."""
+    sess = session(model)
+    state = {i.name: np.zeros(i.shape, dtype=np.int64) for i in sess.get_inputs()[1:]}
+    names = [o.name for o in sess.get_outputs()]
+    ys = []
+    for t in range(x.shape[0]):
+        out = sess.run(None, {"x": x[t].numpy(), **state})
+        ys.append(torch.from_numpy(out[0]))
+        state = {n[:-len("_out")]: v for n, v in zip(names[1:], out[1:])}
+    return torch.stack(ys)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_whole_sequence_model_gives_the_integer_networks_spikes(k):
+    body, x = integer_body(k)
+    want = run(body, x)
+    assert 0.02 < float(want.mean()) < 0.98
+    y = session(export_onnx(body, x)).run(None, {"x": x.numpy()})[0]
+    assert torch.equal(torch.from_numpy(y), want)
+
+
+def test_streaming_model_gives_the_same_spikes_step_by_step(tmp_path):
+    body, x = integer_body(3)
+    want = run(body, x)
+    path = tmp_path / "net.onnx"
+    model = export_onnx(body, x, str(path), streaming=True)
+    assert path.is_file()
+    states = [i for i in model.graph.input if i.name.endswith(".state")]
+    assert states and all(i.type.tensor_type.elem_type == onnx.TensorProto.INT64 for i in states)
+    assert torch.equal(stream(onnx.load(str(path)), x), want)
+
+
+def test_an_unfolded_time_last_network_is_folded_and_calibrated_on_the_example():
+    x = digits_sequences()
+    torch.manual_seed(1)
+    net = nn.Sequential(layer.Conv1d(1, 8, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"),
+                        layer.AvgPool1d(2, 2, step_mode="m"), layer.Flatten(step_mode="m"),
+                        layer.Linear(32, 6, step_mode="m"), MulFreeChannelwisePSN(6, k=3, dilation=2, step_mode="m"))
+    net.eval()
+    want_net = deploy.fold(copy.deepcopy(net))
+    with torch.no_grad():
+        deploy.set_integer(want_net, calibrate=x)
+    want = run(want_net, x)
+    to_time_last(net)
+    assert torch.equal(torch.from_numpy(session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]), want)
+    assert isinstance(net[1], MulFreeChannelwisePSN)  # (the network itself is left unfolded)
+
+
+def _types(model):
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(inferred.graph.value_info) + list(inferred.graph.input)}
+    types.update({c.name: c.data_type for c in model.graph.initializer})
+    return types, {c.name: onnx.numpy_helper.to_array(c) for c in model.graph.initializer}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_neurons_do_integer_arithmetic_only(streaming):
+    """Every node of a neuron's charge reads int64 values; its products are by constants that are 0 or a
+    signed power of two; the only float operations of a neuron are its input's conversion."""
+    body, x = integer_body(3)
+    model = export_onnx(body, x, streaming=streaming)
+    types, consts = _types(model)
+    core = [n for n in model.graph.node if ".core." in n.name]
+    assert {n.op_type for n in core} >= {"Mul", "Add", "GreaterOrEqual"}
+    for node in core:
+        assert node.op_type in ("Mul", "Add", "GreaterOrEqual", "Pad", "Slice", "Reshape", "Unsqueeze", "Concat",
+                                "Gather"), node.op_type
+        assert types[node.input[0]] == onnx.TensorProto.INT64, (node.name, node.input[0])
+        if node.op_type == "Mul":
+            w = consts[node.input[1]]
+            assert w.dtype == np.int64
+            mags = np.abs(w[w != 0])
+            assert np.all(mags & (mags - 1) == 0), node.name  # powers of two
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "MatMul", "Mul") and ".core." not in node.name:
+            assert node.op_type != "Mul" or node.name.endswith(".to_fixed.scaled")
+
+
+def test_errors():
+    body, x = integer_body(2)
+    with pytest.raises(ValueError, match="float32"):
+        export_onnx(body, x.double())
+    net = nn.Sequential(layer.Linear(8, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
+                        nn.Softplus()).eval()
+    with pytest.raises(ONNXExportError, match=r"layer '2' \(Softplus\)"):
+        export_onnx(net, torch.rand(3, 2, 8))
+    folded = deploy.fold(nn.Sequential(layer.Linear(8, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")))
+    deploy.set_integer(folded, frac_bits=8, acc_frac_bits=0)
+    with pytest.raises(ONNXExportError, match="right shifts"):
+        export_onnx(folded, torch.rand(3, 2, 8))
+
+
+def test_without_onnx_the_error_names_the_extra():
+    code = ("import sys; sys.modules['onnx'] = None\n"
+            "import torch, torch.nn as nn, spikingjelly_mfpsn\n"
+            "from spikingjelly_mfpsn.onnx import export_onnx\n"
+            "try:\n    export_onnx(nn.Sequential(spikingjelly_mfpsn.MulFreeChannelwisePSN(1, step_mode='m')), "
+            "torch.rand(3, 1, 1))\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert "spikingjelly_mfpsn[onnx]" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_inference_example_writes_onnx_models(tmp_path):
+    path = tmp_path / "net.onnx"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mulfree_inference.py"), "--batch", "1",
+                          "--onnx", str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "onnxruntime's spikes equal the integer network's: True" in out.stdout
+    assert (tmp_path / "net.stream.onnx").is_file()
+    onnx.checker.check_model(onnx.load(str(path)))

@@ -199,3 +199,27 @@ def test_the_inference_example_writes_a_nir_file(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "read back, the same outputs: True" in out.stdout
     assert any(type(n).__name__ == "Threshold" for n in nir.read(path).nodes.values())
+
+
+def test_stateless_layers_match_spikingjellys_own_converter():
+    """Where SpikingJelly 2.0's converter has a layer, our node is the same node with the same values."""
+    sj = pytest.importorskip("spikingjelly.activation_based.nir_exchange",
+                             reason="SpikingJelly 0.0.0.0.14 has no nir_exchange (2.0 added it)")
+    import dataclasses
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1, step_mode="m"), layer.AvgPool2d(2, 2, step_mode="m"),
+                        layer.Flatten(step_mode="m"), layer.Linear(64, 5, step_mode="m"),
+                        layer.Linear(5, 3, bias=False, step_mode="m")).eval()
+    x = torch.rand(3, 2, 2, 8, 8)
+    theirs, ours = sj.export_to_nir(net, x), export_to_nir(net, x)
+    pairs = list(zip(list(theirs.nodes.values())[1:-1], list(ours.nodes.values())[1:-1]))
+    assert len(pairs) == 5
+    for a, b in pairs:
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            if f.name != "metadata":
+                va, vb = getattr(a, f.name), getattr(b, f.name)
+                if isinstance(va, dict):
+                    va, vb = list(va.values()), list(vb.values())
+                va, vb = np.broadcast_arrays(np.asarray(va), np.asarray(vb))  # (a pool size 2 is (2, 2))
+                assert np.array_equal(va, vb), (type(a).__name__, f.name)

@@ -11,18 +11,22 @@ weights are powers of two (a neuron with ``quantize=False`` is refused, not appr
 Stateless layers: Linear (:class:`nir.Affine`, or :class:`nir.Linear` without bias), Conv1d and Conv2d
 (with a BatchNorm after them folded into their weight and bias), AvgPool1d of a power-of-two size (a
 :class:`nir.Conv1d` with weights ``1/size``, exact), AvgPool2d, Flatten, and Dropout (nothing, in
-eval). A network is exported in the order of its modules: an ``nn.Sequential`` (nested ones and
-SpikingJelly's ``SeqToANNContainer`` included), time-first or time-last (converted back first). Any other
-layer raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjelly_mfpsn[nir]"``.
+eval). A network is exported as its forward runs: ``nn.Sequential`` containers (nested ones and
+SpikingJelly's ``SeqToANNContainer`` included) layer by layer, any other forward traced with torch.fx,
+where an addition of two values (a residual connection) becomes edges into the same node and
+``torch.flatten`` a Flatten node; time-first or time-last (converted back first). Any other layer or
+call raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjelly_mfpsn[nir]"``.
 """
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.fx as fx
 import torch.nn.functional as F
 
 try:
@@ -30,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover (the message is tested by simulating a missing package)
     _nir = None
 
-from . import deploy
+from . import deploy, rewrite, tracing
 from ._export import bn_after, fold_bn, layers, per_step, prepared
 
 __all__ = ["NIRExportError", "NIRImportError", "NIRNetwork", "export_to_nir", "import_from_nir"]
@@ -155,12 +159,96 @@ def _neuron_nodes(name, folded: deploy.FoldedMulFreePSN, feat, dt):
     return nodes, edges, entries
 
 
+class _Builder:
+    """The NIR nodes and edges of an export in progress. A value of the network is a list of node names
+    whose outputs add up to it (NIR adds the edges that enter a node), so ``a + b`` needs no node."""
+
+    def __init__(self, dt: float):
+        self.dt, self.nodes, self.edges = dt, {}, []
+
+    def chain(self, seq, sources: list, feat: tuple, dtype) -> tuple[list, tuple]:
+        """Add the layers ``seq`` (``(name, module)`` in order) fed by ``sources``: ``(their output's
+        sources, its per-step shape)``."""
+        probe, i = torch.zeros(1, *feat, dtype=dtype), 0
+        while i < len(seq):
+            name, module = seq[i]
+            if isinstance(module, deploy.FoldedMulFreePSN):
+                more, more_edges, entries = _neuron_nodes(name, module, feat, self.dt)
+                self.nodes.update(more)
+                self.edges += [(src, dst) for src in sources for dst in entries] + more_edges
+                sources = [name]
+            else:
+                node, j = _stateless(name, module, seq, i, feat)
+                with torch.no_grad():
+                    for _, m in seq[i:j + 1]:
+                        probe = per_step(m, probe)
+                feat = tuple(probe.shape[1:])
+                if node is not None:
+                    self.add(name, node, sources)
+                    sources = [name]
+                i = j
+            i += 1
+        return sources, feat
+
+    def add(self, name, node, sources):
+        self.nodes[name] = node
+        self.edges += [(src, name) for src in sources]
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (operator.add, torch.add) and not node.kwargs) or \
+        (node.op == "call_method" and node.target == "add" and not node.kwargs)
+
+
+def _flatten_start(node: fx.Node) -> Optional[int]:
+    """The start dim of a ``torch.flatten(x, start)`` / ``x.flatten(start)`` to the end, else None."""
+    if node.target not in (torch.flatten, "flatten") or node.op not in ("call_function", "call_method"):
+        return None
+    args = list(node.args[1:]) + [node.kwargs.get(k) for k in ("start_dim", "end_dim") if k in node.kwargs]
+    start = args[0] if args else 0
+    end = args[1] if len(args) > 1 else -1
+    return start if end == -1 and isinstance(start, int) else None
+
+
+def _walk(b: _Builder, net: nn.Module, graph: fx.Graph, shapes: dict, dtype) -> list:
+    """Add every node of ``net``'s traced ``graph``; returns the output's sources."""
+    values, folded_into = {}, {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            values[node] = ["input"]
+        elif node.op == "output":
+            return values[node.args[0]]
+        elif node in folded_into:  # a BatchNorm folded into the layer before it
+            values[node] = values[folded_into[node]]
+        elif node.op == "call_module":
+            module = net.get_submodule(node.target)
+            seq = layers(module, f"{node.target}.") if isinstance(module, nn.Sequential) else [(node.target, module)]
+            user = next(iter(node.users)) if len(node.users) == 1 else None
+            if len(seq) == 1 and user is not None and user.op == "call_module" and \
+                    isinstance(net.get_submodule(user.target), nn.modules.batchnorm._BatchNorm):
+                seq.append((user.target, net.get_submodule(user.target)))
+                folded_into[user] = node
+            values[node], _ = b.chain(seq, values[node.args[0]], tuple(shapes[node.args[0]][2:]), dtype)
+        elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
+            values[node] = values[node.args[0]] + values[node.args[1]]
+        elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
+            feat = tuple(shapes[node.args[0]][2:])
+            b.add(node.name, _nir.Flatten({"input": np.array(feat)}, _flatten_start(node) - 2, -1),
+                  values[node.args[0]])
+            values[node] = [node.name]
+        else:
+            raise NIRExportError(f"{rewrite.describe(node)} has no NIR 1.0 equivalent here: "
+                                 f"export_to_nir follows modules, additions (residual connections) and flatten")
+    raise NIRExportError("the traced forward has no output")
+
+
 def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     """The NIR graph of a network of MF-PSN neurons and stateless layers (see the module's docstring).
 
     Args:
-        net: an ``nn.Sequential`` (nested containers allowed) in either layout; MF-PSN neurons are folded
-            (BN threshold included) on a copy, and ``net`` itself is left as it is.
+        net: a SpikingJelly network in either layout whose forward runs its modules, adds values
+            (residual connections) and flattens; ``nn.Sequential`` containers are opened. MF-PSN neurons
+            are folded (BN threshold included) on a copy, and ``net`` itself is left as it is.
         example_input: one input of the network, time-first ``(T, N, ...)``: it fixes each layer's shape.
         dt: the time step, in the units of the exported delays (a delay of ``n`` steps is ``n * dt``).
 
@@ -169,7 +257,8 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
         ``input`` and an ``output`` node; ``nir.write(path, graph)`` saves it.
 
     Raises:
-        NIRExportError: a layer with no exact NIR 1.0 equivalent (named), or a non-Sequential network.
+        NIRExportError: a layer or call with no exact NIR 1.0 equivalent (named), or a forward that
+            cannot be traced.
     """
     nir = _require_nir()
     if not (isinstance(dt, (int, float)) and math.isfinite(dt) and dt > 0):
@@ -177,36 +266,22 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3:
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
-    seq = layers(prepared(net))
-    if len(seq) == 1 and not isinstance(seq[0][1], deploy.FoldedMulFreePSN) and list(seq[0][1].children()):
-        raise NIRExportError(f"export_to_nir exports a network built as an nn.Sequential; "
-                             f"{type(net).__name__} is not one (its forward may do more than run its modules in order)")
-    feat = tuple(example_input.shape[2:])
-    nodes = {"input": nir.Input({"input": np.array(feat)})}
-    edges, last = [], ["input"]
-    probe = torch.zeros(1, *feat, dtype=example_input.dtype)
-    i = 0
-    while i < len(seq):
-        name, module = seq[i]
-        if isinstance(module, deploy.FoldedMulFreePSN):
-            more, more_edges, entries = _neuron_nodes(name, module, feat, dt)
-            nodes.update(more)
-            edges += [(src, dst) for src in last for dst in entries] + more_edges
-            last = [name]
-        else:
-            node, j = _stateless(name, module, seq, i, feat)
-            for _, m in seq[i:j + 1]:
-                probe = per_step(m, probe)
-            feat = tuple(probe.shape[1:])
-            if node is not None:
-                nodes[name] = node
-                edges += [(src, name) for src in last]
-                last = [name]
-            i = j
-        i += 1
-    nodes["output"] = nir.Output({"output": np.array(feat)})
-    edges += [(src, "output") for src in last]
-    return nir.NIRGraph(nodes, edges, metadata={"dt": float(dt), "source": "spikingjelly_mfpsn"})
+    net = prepared(net)
+    b = _Builder(float(dt))
+    b.nodes["input"] = nir.Input({"input": np.array(example_input.shape[2:])})
+    if isinstance(net, (nn.Sequential, deploy.FoldedMulFreePSN)):
+        sources, feat = b.chain(layers(net), ["input"], tuple(example_input.shape[2:]), example_input.dtype)
+    else:
+        try:
+            graph, _, _ = tracing.trace(net, example_input)
+        except tracing.TraceFailure as e:
+            raise NIRExportError(f"cannot follow {type(net).__name__}'s forward: {e}") from e
+        out, shapes = tracing.run_graph(net, graph, example_input)
+        sources = _walk(b, net, graph, shapes, example_input.dtype)
+        feat = tuple(out.shape[2:])
+    b.nodes["output"] = nir.Output({"output": np.array(feat)})
+    b.edges += [(src, "output") for src in sources]
+    return nir.NIRGraph(b.nodes, b.edges, metadata={"dt": float(dt), "source": "spikingjelly_mfpsn"})
 
 
 # ---------------------------------------------------------------------------------- import

@@ -141,16 +141,41 @@ def test_an_unquantised_neuron_is_refused():
         export_to_nir(net, torch.rand(4, 2, 3))
 
 
-def test_a_network_that_is_not_sequential_is_refused():
-    class Residual(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.sn = MulFreeChannelwisePSN(3, k=2, step_mode="m")
+class Residual(nn.Module):
+    """Conv-BN-MF-PSN twice with a residual addition, then torch.flatten and a readout."""
 
-        def forward(self, x):
-            return x + self.sn(x)
-    with pytest.raises(NIRExportError, match="nn.Sequential"):
-        export_to_nir(Residual().eval(), torch.rand(4, 2, 3))
+    def __init__(self, tail=None):
+        super().__init__()
+        self.stem = nn.Sequential(layer.Conv1d(1, 8, 3, padding=1, bias=False, step_mode="m"),
+                                  layer.BatchNorm1d(8, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"))
+        self.conv = layer.Conv1d(8, 8, 3, padding=1, bias=False, step_mode="m")
+        self.bn = layer.BatchNorm1d(8, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m")
+        self.fc = layer.Linear(64, 10, step_mode="m")
+        self.tail = tail
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.sn(self.bn(self.conv(x)))
+        x = self.fc(torch.flatten(x, 2))
+        return self.tail(x) if self.tail else x
+
+
+def test_a_residual_network_round_trips():
+    """A forward that adds (a residual connection) and calls torch.flatten: NIR adds the edges into
+    a node, so the sum needs none; the digits give the same logits after export and import."""
+    torch.manual_seed(2)
+    x = digits_sequences()
+    net = calibrated(Residual(), x)
+    graph = export_to_nir(net, x[:, :2])
+    assert sum(dst == "fc" for _, dst in graph.edges) == 1
+    assert torch.equal(run(import_from_nir(graph), x), run(net, x))
+
+
+def test_a_call_nir_cannot_express_is_named_with_its_line():
+    net = Residual(tail=torch.sigmoid).eval()
+    with pytest.raises(NIRExportError, match=r"sigmoid.*test_nir.py"):
+        export_to_nir(net, torch.rand(4, 2, 1, 8))
 
 
 def test_import_names_a_node_it_cannot_run():

@@ -1,13 +1,16 @@
 """What the exporters (:mod:`.nir`, :mod:`.onnx`) share: a network's layers in execution order, a layer's
-stateless op on one step, and BatchNorm folding."""
+stateless op on one step, BatchNorm folding, and the walk over a traced forward."""
 from __future__ import annotations
 
 import copy
+import operator
+from typing import Optional
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
-from . import deploy
+from . import deploy, rewrite, tracing
 from .convert import to_time_first
 from .neuron import MulFreeChannelwisePSN
 
@@ -53,3 +56,66 @@ def prepared(net: nn.Module) -> nn.Module:
             getattr(net.forward, "time_first_calls", None) is not None:
         net = to_time_first(net)
     return deploy.fold(net) if any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()) else net
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (operator.add, torch.add) and not node.kwargs) or \
+        (node.op == "call_method" and node.target == "add" and not node.kwargs)
+
+
+def _flatten_start(node: fx.Node) -> Optional[int]:
+    """The start dim of a ``torch.flatten(x, start)`` / ``x.flatten(start)`` to the end, else None."""
+    if node.target not in (torch.flatten, "flatten") or node.op not in ("call_function", "call_method"):
+        return None
+    args = list(node.args[1:]) + [node.kwargs.get(k) for k in ("start_dim", "end_dim") if k in node.kwargs]
+    start = args[0] if args else 0
+    end = args[1] if len(args) > 1 else -1
+    return start if end == -1 and isinstance(start, int) else None
+
+
+def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
+    """Visit every node of ``net``'s traced ``graph`` in order, building through ``out`` (an exporter's
+    builder): ``out.input()``, ``out.chain(seq, value, feat)`` for modules (Sequential ones opened, a
+    BatchNorm appended to the Conv/Linear whose only user it is), ``out.sum(name, a, b)`` for an addition
+    and ``out.flatten(name, value, start, feat)`` for a flatten to the end (``feat``: the per-step shape of
+    the time-first value). Returns the output's value; anything else raises ``error`` naming the call."""
+    values, folded_into = {}, {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            values[node] = out.input()
+        elif node.op == "output":
+            return values[node.args[0]]
+        elif node in folded_into:  # a BatchNorm folded into the layer before it
+            values[node] = values[folded_into[node]]
+        elif node.op == "call_module":
+            module = net.get_submodule(node.target)
+            seq = layers(module, f"{node.target}.") if isinstance(module, nn.Sequential) else [(node.target, module)]
+            user = next(iter(node.users)) if len(node.users) == 1 else None
+            if len(seq) == 1 and user is not None and user.op == "call_module" and \
+                    isinstance(net.get_submodule(user.target), nn.modules.batchnorm._BatchNorm):
+                seq.append((user.target, net.get_submodule(user.target)))
+                folded_into[user] = node
+            values[node], _ = out.chain(seq, values[node.args[0]], tuple(shapes[node.args[0]][2:]))
+        elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
+            values[node] = out.sum(node.name, values[node.args[0]], values[node.args[1]])
+        elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
+            values[node] = out.flatten(node.name, values[node.args[0]], _flatten_start(node),
+                                       tuple(shapes[node.args[0]][2:]))
+        else:
+            raise error(f"{rewrite.describe(node)} cannot be exported: the exporters follow modules, "
+                        f"additions (residual connections) and flatten")
+    raise error("the traced forward has no output")
+
+
+def follow(net: nn.Module, example_input: torch.Tensor, out, error: type):
+    """``(output value, its per-step shape)`` of ``net`` built through ``out`` (see :func:`walk`): layer by
+    layer for an ``nn.Sequential`` (or a lone neuron), else along its forward traced on ``example_input``."""
+    feat = tuple(example_input.shape[2:])
+    if isinstance(net, (nn.Sequential, deploy.FoldedMulFreePSN)):
+        return out.chain(layers(net), out.input(), feat)
+    try:
+        graph, _, _ = tracing.trace(net, example_input)
+    except tracing.TraceFailure as e:
+        raise error(f"cannot follow {type(net).__name__}'s forward: {e}") from e
+    result, shapes = tracing.run_graph(net, graph, example_input)
+    return walk(net, graph, shapes, out, error), tuple(result.shape[2:])

@@ -20,13 +20,11 @@ call raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjelly
 from __future__ import annotations
 
 import math
-import operator
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.fx as fx
 import torch.nn.functional as F
 
 try:
@@ -34,8 +32,8 @@ try:
 except ImportError:  # pragma: no cover (the message is tested by simulating a missing package)
     _nir = None
 
-from . import deploy, rewrite, tracing
-from ._export import bn_after, fold_bn, layers, per_step, prepared
+from . import deploy
+from ._export import bn_after, fold_bn, follow, per_step, prepared
 
 __all__ = ["NIRExportError", "NIRImportError", "NIRNetwork", "export_to_nir", "import_from_nir"]
 
@@ -163,13 +161,13 @@ class _Builder:
     """The NIR nodes and edges of an export in progress. A value of the network is a list of node names
     whose outputs add up to it (NIR adds the edges that enter a node), so ``a + b`` needs no node."""
 
-    def __init__(self, dt: float):
-        self.dt, self.nodes, self.edges = dt, {}, []
+    def __init__(self, dt: float, dtype: torch.dtype):
+        self.dt, self.dtype, self.nodes, self.edges = dt, dtype, {}, []
 
-    def chain(self, seq, sources: list, feat: tuple, dtype) -> tuple[list, tuple]:
+    def chain(self, seq, sources: list, feat: tuple) -> tuple[list, tuple]:
         """Add the layers ``seq`` (``(name, module)`` in order) fed by ``sources``: ``(their output's
         sources, its per-step shape)``."""
-        probe, i = torch.zeros(1, *feat, dtype=dtype), 0
+        probe, i = torch.zeros(1, *feat, dtype=self.dtype), 0
         while i < len(seq):
             name, module = seq[i]
             if isinstance(module, deploy.FoldedMulFreePSN):
@@ -194,52 +192,16 @@ class _Builder:
         self.nodes[name] = node
         self.edges += [(src, name) for src in sources]
 
+    def input(self):
+        return ["input"]
 
-def _is_add(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in (operator.add, torch.add) and not node.kwargs) or \
-        (node.op == "call_method" and node.target == "add" and not node.kwargs)
+    def sum(self, name, a, b):
+        return a + b  # (edges from both into each consumer: NIR adds them)
 
-
-def _flatten_start(node: fx.Node) -> Optional[int]:
-    """The start dim of a ``torch.flatten(x, start)`` / ``x.flatten(start)`` to the end, else None."""
-    if node.target not in (torch.flatten, "flatten") or node.op not in ("call_function", "call_method"):
-        return None
-    args = list(node.args[1:]) + [node.kwargs.get(k) for k in ("start_dim", "end_dim") if k in node.kwargs]
-    start = args[0] if args else 0
-    end = args[1] if len(args) > 1 else -1
-    return start if end == -1 and isinstance(start, int) else None
-
-
-def _walk(b: _Builder, net: nn.Module, graph: fx.Graph, shapes: dict, dtype) -> list:
-    """Add every node of ``net``'s traced ``graph``; returns the output's sources."""
-    values, folded_into = {}, {}
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            values[node] = ["input"]
-        elif node.op == "output":
-            return values[node.args[0]]
-        elif node in folded_into:  # a BatchNorm folded into the layer before it
-            values[node] = values[folded_into[node]]
-        elif node.op == "call_module":
-            module = net.get_submodule(node.target)
-            seq = layers(module, f"{node.target}.") if isinstance(module, nn.Sequential) else [(node.target, module)]
-            user = next(iter(node.users)) if len(node.users) == 1 else None
-            if len(seq) == 1 and user is not None and user.op == "call_module" and \
-                    isinstance(net.get_submodule(user.target), nn.modules.batchnorm._BatchNorm):
-                seq.append((user.target, net.get_submodule(user.target)))
-                folded_into[user] = node
-            values[node], _ = b.chain(seq, values[node.args[0]], tuple(shapes[node.args[0]][2:]), dtype)
-        elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
-            values[node] = values[node.args[0]] + values[node.args[1]]
-        elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
-            feat = tuple(shapes[node.args[0]][2:])
-            b.add(node.name, _nir.Flatten({"input": np.array(feat)}, _flatten_start(node) - 2, -1),
-                  values[node.args[0]])
-            values[node] = [node.name]
-        else:
-            raise NIRExportError(f"{rewrite.describe(node)} has no NIR 1.0 equivalent here: "
-                                 f"export_to_nir follows modules, additions (residual connections) and flatten")
-    raise NIRExportError("the traced forward has no output")
+    def flatten(self, name, sources, start, feat):
+        """``torch.flatten(x, start)`` of a time-first value whose per-step shape is ``feat``."""
+        self.add(name, _nir.Flatten({"input": np.array(feat)}, start - 2, -1), sources)
+        return [name]
 
 
 def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
@@ -267,18 +229,9 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
     net = prepared(net)
-    b = _Builder(float(dt))
+    b = _Builder(float(dt), example_input.dtype)
     b.nodes["input"] = nir.Input({"input": np.array(example_input.shape[2:])})
-    if isinstance(net, (nn.Sequential, deploy.FoldedMulFreePSN)):
-        sources, feat = b.chain(layers(net), ["input"], tuple(example_input.shape[2:]), example_input.dtype)
-    else:
-        try:
-            graph, _, _ = tracing.trace(net, example_input)
-        except tracing.TraceFailure as e:
-            raise NIRExportError(f"cannot follow {type(net).__name__}'s forward: {e}") from e
-        out, shapes = tracing.run_graph(net, graph, example_input)
-        sources = _walk(b, net, graph, shapes, example_input.dtype)
-        feat = tuple(out.shape[2:])
+    sources, feat = follow(net, example_input, b, NIRExportError)
     b.nodes["output"] = nir.Output({"output": np.array(feat)})
     b.edges += [(src, "output") for src in sources]
     return nir.NIRGraph(b.nodes, b.edges, metadata={"dt": float(dt), "source": "spikingjelly_mfpsn"})

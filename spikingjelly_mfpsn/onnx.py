@@ -4,7 +4,10 @@ The neurons run the integer arithmetic of :mod:`.deploy`: each neuron's float in
 fixed-point grid (``round(x * 2**F)``, the only float operations of a neuron), and the charge is integer
 multiplication by a signed power of two per tap, additions, the integer bias, and ``>= 0``. The
 stateless layers (Linear, Conv1d/Conv2d with a following BatchNorm folded in, average and max pooling,
-Flatten, Dropout) stay float. Two forms:
+Flatten, Dropout) stay float. The network is followed as its forward runs: ``nn.Sequential`` layer by
+layer, any other forward traced with torch.fx (additions of two values, as in residual connections,
+and ``torch.flatten`` to the end are exported; other calls are refused with their source line).
+Two forms:
 
 * whole-sequence: ``x`` of the example's shape ``(T, N, ...)`` in, the network's ``(T, N, ...)`` out;
   a tap's delay is a Pad and a Slice along time;
@@ -29,7 +32,7 @@ except ImportError:  # pragma: no cover (the message is tested with the package 
     _onnx = None
 
 from . import deploy
-from ._export import bn_after, fold_bn, layers, per_step, prepared
+from ._export import bn_after, fold_bn, follow, per_step, prepared
 
 __all__ = ["ONNXExportError", "export_onnx"]
 
@@ -46,10 +49,12 @@ def _require_onnx():
 
 
 class _Graph:
-    """The nodes and constants of the ONNX graph under construction, with unique value names."""
+    """The nodes and constants of the ONNX graph under construction (value names are unique). A value of
+    the network is a tensor of shape ``(B, ...)``: ``B = T * N`` (whole sequence) or ``N`` (streaming)."""
 
-    def __init__(self):
+    def __init__(self, t: int, n: int, streaming: bool):
         self.nodes, self.constants, self.inputs, self.outputs = [], [], [], []
+        self.t, self.n, self.streaming = t, n, streaming
 
     def const(self, name: str, value) -> str:
         self.constants.append(numpy_helper.from_array(np.asarray(value), name))
@@ -58,6 +63,35 @@ class _Graph:
     def op(self, op_type: str, inputs: list, name: str, **attrs) -> str:
         self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
         return name
+
+    # the visitor protocol of :func:`._export.walk`
+    def input(self):
+        return "x.flat"
+
+    def chain(self, seq, x: str, feat: tuple):
+        """Add the layers ``seq`` on value ``x`` of per-step shape ``feat``: ``(value, its per-step shape)``."""
+        probe, i = torch.zeros(1, *feat), 0
+        while i < len(seq):
+            name, module = seq[i]
+            if isinstance(module, deploy.FoldedMulFreePSN):
+                x = (_neuron_step(self, name, module, x, (self.n,) + feat) if self.streaming
+                     else _neuron_sequence(self, name, module, x, (self.t, self.n) + feat))
+            else:
+                with torch.no_grad():
+                    probe = per_step(module, probe)
+                    if bn_after(seq, i) is not None and isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+                        probe = per_step(seq[i + 1][1], probe)
+                feat = tuple(probe.shape[1:])
+                x, i = _stateless(self, name, module, seq, i, x, feat)
+            i += 1
+        return x, feat
+
+    def sum(self, name, a, b):
+        return self.op("Add", [a, b], name)
+
+    def flatten(self, name, x, start, feat):
+        shape = (-1,) + tuple(feat[:start - 2]) + (int(np.prod(feat[start - 2:])),)
+        return self.op("Reshape", [x, self.const(f"{name}.shape", np.array(shape, dtype=np.int64))], name)
 
 
 # ---------------------------------------------------------------------------------- stateless layers
@@ -216,8 +250,8 @@ def export_onnx(net: nn.Module, example_input: torch.Tensor, path: Optional[str]
     """The ONNX model of ``net``'s folded integer inference network (see the module's docstring).
 
     Args:
-        net: an ``nn.Sequential`` of MF-PSN neurons (folded or not; a copy is folded) and stateless layers,
-            in either layout. Its folded neurons' integer formats (:func:`.deploy.set_integer`) are kept;
+        net: a network of MF-PSN neurons (folded or not; a copy is folded) and stateless layers, in either
+            layout: an ``nn.Sequential``, or a forward that also adds values and flattens. Its folded neurons' integer formats (:func:`.deploy.set_integer`) are kept;
             where none is set, each is calibrated on ``example_input``.
         example_input: float32, time-first ``(T, N, ...)``: it fixes the model's shapes (T and N too).
         path: where to save the model (``.onnx``), if given.
@@ -233,29 +267,13 @@ def export_onnx(net: nn.Module, example_input: torch.Tensor, path: Optional[str]
     """
     onnx = _require_onnx()
     _check_args(example_input, opset)
-    seq = layers(_integer_copy(net, example_input))
+    net = _integer_copy(net, example_input)
     t, n, feat = example_input.shape[0], example_input.shape[1], tuple(example_input.shape[2:])
-    g = _Graph()
+    g = _Graph(t, n, streaming)
     g.inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, *feat] if streaming
                                                   else list(example_input.shape)))
-    x = "x" if streaming else g.op("Reshape", ["x", g.const("x.flat_shape", np.array((-1,) + feat, dtype=np.int64))],
-                                   "x.flat")
-    probe, i = torch.zeros(1, *feat), 0
-    while i < len(seq):
-        name, module = seq[i]
-        if isinstance(module, deploy.FoldedMulFreePSN):
-            x = (_neuron_step(g, name, module, x, (n,) + feat) if streaming
-                 else _neuron_sequence(g, name, module, x, (t, n) + feat))
-        else:
-            j = i
-            with torch.no_grad():
-                probe = per_step(module, probe)
-                if bn_after(seq, i) is not None and isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-                    probe = per_step(seq[i + 1][1], probe)
-            feat = tuple(probe.shape[1:])
-            x, j = _stateless(g, name, module, seq, i, x, feat)
-            i = j
-        i += 1
+    g.op("Reshape", ["x", g.const("x.flat_shape", np.array((-1,) + feat, dtype=np.int64))], "x.flat")
+    x, feat = follow(net, example_input, g, ONNXExportError)
     out_shape = [n, *feat] if streaming else [t, n, *feat]
     g.op("Reshape", [x, g.const("y.shape", np.array(out_shape, dtype=np.int64))], "y")
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)] + g.outputs

@@ -1,4 +1,5 @@
-"""Small wrapper networks the tests share."""
+"""Small wrapper networks and data the tests share."""
+import torch
 from torch import nn
 
 
@@ -12,3 +13,44 @@ class Gained(nn.Module):
 
     def forward(self, x, gain):
         return self.body(x * gain)
+
+
+def digits_sequences():
+    """The digits test split (the examples' default data), column by column: (T = 8, N, 1, 8)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    _, test = train_test_split(load_digits().images, test_size=0.2, random_state=0)
+    return torch.tensor(test, dtype=torch.float32).div(16).permute(2, 0, 1).unsqueeze(2)
+
+
+def calibrated(net, x, steps=40):
+    """``net`` with batch-norm statistics from batches of 60 of ``x``, in eval."""
+    from spikingjelly.activation_based import functional
+    net.train()
+    with torch.no_grad():
+        for i in range(steps):
+            net(x[:, (i % 6) * 60:(i % 6 + 1) * 60])
+            functional.reset_net(net)
+    return net.eval()
+
+
+class Residual(nn.Module):
+    """Conv-BN-MF-PSN twice with a residual addition, then torch.flatten, a readout and ``tail``."""
+
+    def __init__(self, tail=None):
+        from spikingjelly.activation_based import layer
+        from spikingjelly_mfpsn import MulFreeChannelwisePSN
+        super().__init__()
+        self.stem = nn.Sequential(layer.Conv1d(1, 8, 3, padding=1, bias=False, step_mode="m"),
+                                  layer.BatchNorm1d(8, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"))
+        self.conv = layer.Conv1d(8, 8, 3, padding=1, bias=False, step_mode="m")
+        self.bn = layer.BatchNorm1d(8, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m")
+        self.fc = layer.Linear(64, 10, step_mode="m")
+        self.tail = tail
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.sn(self.bn(self.conv(x)))
+        x = self.fc(torch.flatten(x, 2))
+        return self.tail(x) if self.tail is not None else x

@@ -13,29 +13,12 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
 from spikingjelly_mfpsn.paper import models
 
+from nets import Residual, calibrated, digits_sequences
+
 nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
 from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def digits_sequences():
-    """The digits test split (the examples' default data), column by column: (T = 8, N, 1, 8)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    d = load_digits()
-    _, test = train_test_split(d.images, test_size=0.2, random_state=0)
-    return torch.tensor(test, dtype=torch.float32).div(16).permute(2, 0, 1).unsqueeze(2)
-
-
-def calibrated(net, x):
-    """``net`` with batch-norm statistics from a few batches of ``x``, in eval."""
-    net.train()
-    with torch.no_grad():
-        for i in range(40):
-            net(x[:, (i % 6) * 60:(i % 6 + 1) * 60])
-            functional.reset_net(net)
-    return net.eval()
 
 
 def run(net, x):
@@ -141,26 +124,6 @@ def test_an_unquantised_neuron_is_refused():
         export_to_nir(net, torch.rand(4, 2, 3))
 
 
-class Residual(nn.Module):
-    """Conv-BN-MF-PSN twice with a residual addition, then torch.flatten and a readout."""
-
-    def __init__(self, tail=None):
-        super().__init__()
-        self.stem = nn.Sequential(layer.Conv1d(1, 8, 3, padding=1, bias=False, step_mode="m"),
-                                  layer.BatchNorm1d(8, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"))
-        self.conv = layer.Conv1d(8, 8, 3, padding=1, bias=False, step_mode="m")
-        self.bn = layer.BatchNorm1d(8, step_mode="m")
-        self.sn = MulFreeChannelwisePSN(8, k=3, dilation=2, step_mode="m")
-        self.fc = layer.Linear(64, 10, step_mode="m")
-        self.tail = tail
-
-    def forward(self, x):
-        x = self.stem(x)
-        x = x + self.sn(self.bn(self.conv(x)))
-        x = self.fc(torch.flatten(x, 2))
-        return self.tail(x) if self.tail else x
-
-
 def test_a_residual_network_round_trips():
     """A forward that adds (a residual connection) and calls torch.flatten: NIR adds the edges into
     a node, so the sum needs none; the digits give the same logits after export and import."""
@@ -174,7 +137,7 @@ def test_a_residual_network_round_trips():
 
 def test_a_call_nir_cannot_express_is_named_with_its_line():
     net = Residual(tail=torch.sigmoid).eval()
-    with pytest.raises(NIRExportError, match=r"sigmoid.*test_nir.py"):
+    with pytest.raises(NIRExportError, match=r"sigmoid .*nets.py\", line \d+, in forward"):
         export_to_nir(net, torch.rand(4, 2, 1, 8))
 
 

@@ -15,18 +15,13 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
+from nets import Residual, calibrated, digits_sequences
+
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 from spikingjelly_mfpsn.onnx import ONNXExportError, export_onnx  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def digits_sequences():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    _, test = train_test_split(load_digits().images, test_size=0.2, random_state=0)
-    return torch.tensor(test, dtype=torch.float32).div(16).permute(2, 0, 1).unsqueeze(2)
 
 
 def integer_body(k=3):
@@ -35,12 +30,7 @@ def integer_body(k=3):
     torch.manual_seed(0)
     net = models.sequential_image_net(1, 8, 10, neuron="mfpsn", k=k, channels=16, hidden=32)
     x = digits_sequences()
-    net.train()
-    with torch.no_grad():
-        for i in range(40):
-            net(x[:, (i % 6) * 60:(i % 6 + 1) * 60])
-            functional.reset_net(net)
-    body = deploy.fold(net[:-1])
+    body = deploy.fold(calibrated(net, x)[:-1])
     with torch.no_grad():
         deploy.set_integer(body, calibrate=x)
     return body, x
@@ -104,6 +94,21 @@ def test_an_unfolded_time_last_network_is_folded_and_calibrated_on_the_example()
     to_time_last(net)
     assert torch.equal(torch.from_numpy(session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]), want)
     assert isinstance(net[1], MulFreeChannelwisePSN)  # (the network itself is left unfolded)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_residual_network(streaming):
+    """A forward traced with torch.fx: the residual addition is an Add, torch.flatten a Reshape."""
+    torch.manual_seed(3)
+    x = digits_sequences()
+    net = deploy.fold(calibrated(Residual(tail=MulFreeChannelwisePSN(10, k=2, step_mode="m")), x, steps=20))
+    with torch.no_grad():
+        deploy.set_integer(net, calibrate=x)
+    want = run(net, x)
+    assert 0.02 < float(want.mean()) < 0.98
+    model = export_onnx(net, x, streaming=streaming)
+    got = stream(model, x) if streaming else torch.from_numpy(session(model).run(None, {"x": x.numpy()})[0])
+    assert torch.equal(got, want)
 
 
 def _types(model):

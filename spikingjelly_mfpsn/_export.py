@@ -34,7 +34,10 @@ def per_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def fold_bn(weight, bias, bn: nn.modules.batchnorm._BatchNorm):
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)  # (SpikingJelly's subclass them)
+
+
+def fold_bn(weight, bias, bn: nn.BatchNorm1d):
     """``(weight, bias)`` of a Conv/Linear followed by ``bn`` in eval: the BatchNorm folded in (constants)."""
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     scale = (bn.weight.detach() if bn.affine else torch.ones_like(bn.running_var)) / torch.sqrt(bn.running_var + bn.eps)
@@ -46,7 +49,7 @@ def fold_bn(weight, bias, bn: nn.modules.batchnorm._BatchNorm):
 def bn_after(seq, i):
     """The BatchNorm right after layer ``i`` of ``seq`` (``layers``' list), or None."""
     nxt = seq[i + 1][1] if i + 1 < len(seq) else None
-    return nxt if isinstance(nxt, nn.modules.batchnorm._BatchNorm) else None
+    return nxt if isinstance(nxt, BATCH_NORMS) else None
 
 
 def prepared(net: nn.Module) -> nn.Module:
@@ -92,7 +95,7 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
             seq = layers(module, f"{node.target}.") if isinstance(module, nn.Sequential) else [(node.target, module)]
             user = next(iter(node.users)) if len(node.users) == 1 else None
             if len(seq) == 1 and user is not None and user.op == "call_module" and \
-                    isinstance(net.get_submodule(user.target), nn.modules.batchnorm._BatchNorm):
+                    isinstance(net.get_submodule(user.target), BATCH_NORMS):
                 seq.append((user.target, net.get_submodule(user.target)))
                 folded_into[user] = node
             values[node], _ = out.chain(seq, values[node.args[0]], tuple(shapes[node.args[0]][2:]))

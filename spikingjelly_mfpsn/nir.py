@@ -108,7 +108,8 @@ def _avgpool2d(name, module):
                                                                     and not module.count_include_pad):
         raise NIRExportError(f"layer {name!r}: NIR's AvgPool2d has no ceil_mode, divisor_override or "
                              f"count_include_pad=False (got {module})")
-    pair = nn.modules.utils._pair
+    def pair(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
     return _nir.AvgPool2d(np.array(pair(module.kernel_size)), np.array(pair(module.stride or module.kernel_size)),
                           np.array(pair(module.padding)))
 

@@ -12,7 +12,9 @@ step timed against SpikingJelly's PSN, LIF and BatchNorm + PSN, side by side in 
     against BatchNorm + PSN, PSN and LIF; the paper's Table 10 network (static images repeated T times)
     and the sequential-CIFAR network against the same network with PSN and LIF, eager and compiled with
     mode="reduce-overhead"; with each MF-PSN step's kernel launches and host time;
-(d) writes DIR/gpu_check.json and DIR/gpu_check.md (DIR: --out, else $OUT, else benchmarks/results/gpu).
+(d) host: torch.profiler's CPU time per operator of one BN layer's step, next to BatchNorm + PSN's, to
+    show where a host-bound step spends its time;
+(e) writes DIR/gpu_check.json and DIR/gpu_check.md (DIR: --out, else $OUT, else benchmarks/results/gpu).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+import _timing  # noqa: E402
 from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
 import reference  # noqa: E402  (tests/reference.py: plain loops, no package code)
 
@@ -40,7 +43,7 @@ import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
-SECTIONS = ("correctness", "determinism", "neuron", "network")
+SECTIONS = ("correctness", "determinism", "neuron", "network", "host")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -304,6 +307,29 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
     return rows
 
 
+def host_profile(device, dry_run, rows=15):
+    """Where one BN neuron layer's training step spends host time: torch.profiler's CPU time per
+    operator and Python function, largest self time first, next to BatchNorm + PSN's total."""
+    from torch.profiler import ProfilerActivity, profile
+    shape = (4, 2, 8, 4) if dry_run else (8, 128, 128, 32)
+    x, grad = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    out = {"shape": list(shape)}
+    for name, m in list(neuron_candidates(shape[0], shape[2], device).items())[:2]:
+        step = layer_step(m, x, grad)
+        for _ in range(3):
+            step()
+        _timing.sync(device)
+        with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+            for _ in range(10):
+                step()
+            _timing.sync(device)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        out[name] = {"total_us_per_step": sum(e.self_cpu_time_total for e in events) / 10,
+                     "top": [{"op": e.key, "self_us_per_step": e.self_cpu_time_total / 10, "calls_per_step": e.count / 10}
+                             for e in events[:rows]]}
+    return out
+
+
 # ---------------------------------------------------------------------------------------- (d)
 def versions(device):
     v = {"torch": torch.__version__, "python": platform.python_version(), "spikingjelly": str(_compat.SJ_VERSION),
@@ -338,6 +364,12 @@ def markdown(result) -> str:
         lines.append(markdown_table(["shape", "candidate", "median", "ratio", "baseline", "peak MiB"],
                                     [[tuple(r["shape"]), r["candidate"], f"{r['ms']:.3f} ms", r["ratio"], r["baseline"],
                                       _cell(r["peak_mib"], "{:.0f}")] for r in result["neuron"]]))
+    if "host" in result:
+        lines += ["", f"## host time of one layer's step, {tuple(result['host']['shape'])} (torch.profiler, CPU)", ""]
+        for name, r in result["host"].items():
+            if name != "shape":
+                lines += [f"- {name}: {r['total_us_per_step']:.0f} us a step; most: " + ", ".join(
+                    f"{t['op']} {t['self_us_per_step']:.0f}" for t in r["top"][:8])]
     if "network" in result:
         lines += ["", "## (c) networks, training step", ""]
         lines.append(markdown_table(
@@ -390,6 +422,7 @@ def main(argv=None):
     sections = (("correctness", lambda: correctness(device, args.quick, args.dry_run)),
                 ("determinism", lambda: determinism(device)),
                 ("neuron", lambda: neuron_timing(device, args.quick, args.dry_run, repeats)),
+                ("host", lambda: host_profile(device, args.dry_run)),
                 ("network", lambda: network_timing(device, args.quick, args.dry_run, repeats, compile_ts,
                                                    lambda rows: save({**result, "network": rows}, out))))
     for name, run in (s for s in sections if s[0] in args.sections):  # saved after each, so a run stopped part-way still leaves its figures

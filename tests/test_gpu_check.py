@@ -22,6 +22,8 @@ def test_dry_run_writes_its_report(tmp_path):
     assert result["determinism"]["identical"]
     assert {r["candidate"] for r in result["neuron"]} >= {"MF-PSN (auto)", "LIF"}
     assert {r["network"] for r in result["network"]} == {"Table 10", "sequential CIFAR"}
+    host = result["host"]["MF-PSN (auto)"]
+    assert host["total_us_per_step"] > 0 and host["top"] and all(t["calls_per_step"] > 0 for t in host["top"])
     assert all(r["launches"] > 0 for r in result["network"] if r["candidate"] == "mfpsn")
     text = (tmp_path / "gpu_check.md").read_text()
     assert "## (a) correctness: " in text and "bit-identical" in text and "| Table 10 | 2 | mfpsn |" in text

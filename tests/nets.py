@@ -1,4 +1,8 @@
-"""Small wrapper networks and data the tests share."""
+"""Small wrapper networks, data and helpers the tests share."""
+import os
+import subprocess
+import sys
+
 import torch
 from torch import nn
 
@@ -54,3 +58,20 @@ class Residual(nn.Module):
         x = x + self.sn(self.bn(self.conv(x)))
         x = self.fc(torch.flatten(x, 2))
         return self.tail(x) if self.tail is not None else x
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def export_error_without(package: str, module: str, call: str) -> str:
+    """What ``spikingjelly_mfpsn.<module>.<call>`` of a one-neuron network raises as ImportError in a
+    process where ``package`` cannot be imported (its output; the traceback's end if it raised nothing)."""
+    code = (f"import sys; sys.modules[{package!r}] = None\n"
+            "import torch, torch.nn as nn, spikingjelly_mfpsn\n"
+            f"from spikingjelly_mfpsn.{module} import {call}\n"
+            f"try:\n    {call}(nn.Sequential(spikingjelly_mfpsn.MulFreeChannelwisePSN(1, step_mode='m')), "
+            "torch.rand(3, 1, 1))\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    return out.stdout or out.stderr[-2000:]

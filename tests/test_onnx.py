@@ -15,7 +15,7 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import Residual, calibrated, digits_sequences
+from nets import Residual, calibrated, digits_sequences, export_error_without
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
@@ -156,15 +156,7 @@ def test_errors():
 
 
 def test_without_onnx_the_error_names_the_extra():
-    code = ("import sys; sys.modules['onnx'] = None\n"
-            "import torch, torch.nn as nn, spikingjelly_mfpsn\n"
-            "from spikingjelly_mfpsn.onnx import export_onnx\n"
-            "try:\n    export_onnx(nn.Sequential(spikingjelly_mfpsn.MulFreeChannelwisePSN(1, step_mode='m')), "
-            "torch.rand(3, 1, 1))\n"
-            "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
-    assert "spikingjelly_mfpsn[onnx]" in out.stdout, out.stderr[-2000:]
+    assert "spikingjelly_mfpsn[onnx]" in export_error_without("onnx", "onnx", "export_onnx")
 
 
 def test_the_inference_example_writes_onnx_models(tmp_path):

@@ -26,7 +26,7 @@ import types
 
 import torch
 import torch.hub
-import torch.nn as nn
+from torch import nn
 from spikingjelly.activation_based import functional, layer, neuron
 
 # The zoo modules try ``torchvision.models.utils`` first, then ``torchvision._internally_replaced_utils``.

@@ -72,6 +72,17 @@ def export_error_without(package: str, module: str, call: str) -> str:
             f"try:\n    {call}(nn.Sequential(spikingjelly_mfpsn.MulFreeChannelwisePSN(1, step_mode='m')), "
             "torch.rand(3, 1, 1))\n"
             "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env())
     return out.stdout or out.stderr[-2000:]
+
+
+def run_inference_example(*args) -> str:
+    """The output of ``examples/mulfree_inference.py --batch 1 ARGS``, which must succeed."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mulfree_inference.py"), "--batch", "1",
+                          *map(str, args)], capture_output=True, text=True, timeout=600, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}

@@ -1,8 +1,5 @@
 """NIR export and import (spikingjelly_mfpsn.nir): round trips on the digits data set, files, the
 threshold's boundary, both layouts, and the errors for what NIR 1.0 cannot express."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,12 +10,10 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import Residual, calibrated, digits_sequences, export_error_without
+from nets import Residual, calibrated, digits_sequences, export_error_without, run_inference_example
 
 nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
 from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(net, x):
@@ -173,11 +168,7 @@ def test_without_the_nir_package_the_error_names_the_extra():
 
 def test_the_inference_example_writes_a_nir_file(tmp_path):
     path = tmp_path / "net.nir"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mulfree_inference.py"), "--batch", "1",
-                          "--nir", str(path)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "read back, the same outputs: True" in out.stdout
+    assert "read back, the same outputs: True" in run_inference_example("--nir", path)
     assert any(type(n).__name__ == "Threshold" for n in nir.read(path).nodes.values())
 
 

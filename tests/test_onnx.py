@@ -2,9 +2,6 @@
 spikingjelly_mfpsn.deploy's integer neurons: whole-sequence and streaming, the integer-only neuron
 graph, and the errors."""
 import copy
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,13 +12,11 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import Residual, calibrated, digits_sequences, export_error_without
+from nets import Residual, calibrated, digits_sequences, export_error_without, run_inference_example
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 from spikingjelly_mfpsn.onnx import ONNXExportError, export_onnx  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def integer_body(k=3):
@@ -161,10 +156,6 @@ def test_without_onnx_the_error_names_the_extra():
 
 def test_the_inference_example_writes_onnx_models(tmp_path):
     path = tmp_path / "net.onnx"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mulfree_inference.py"), "--batch", "1",
-                          "--onnx", str(path)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "onnxruntime's spikes equal the integer network's: True" in out.stdout
+    assert "onnxruntime's spikes equal the integer network's: True" in run_inference_example("--onnx", path)
     assert (tmp_path / "net.stream.onnx").is_file()
     onnx.checker.check_model(onnx.load(str(path)))

@@ -26,8 +26,8 @@ import types
 
 import torch
 import torch.hub
-from torch import nn
 from spikingjelly.activation_based import functional, layer, neuron
+from torch import nn
 
 # The zoo modules try ``torchvision.models.utils`` first, then ``torchvision._internally_replaced_utils``.
 _STUB_MODULES = ("torchvision", "torchvision.models", "torchvision.models.utils",

@@ -246,22 +246,24 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
                  method: str = "auto", example_input=None, strict: bool = False) -> nn.Module:
     """Convert a multi-step SpikingJelly network to the time-last layout (see the module docstring).
 
-    :param net: a network in ``step_mode='m'``; converted in place, but use the return value (a
-        network that is itself a single layer comes back as a new wrapper)
-    :param fallback: ``None`` (default): raise :class:`UnconvertibleModuleError` naming every module
-        without a time-last version, changing nothing; ``'time_first'``: run such modules time-first
-        (input and output transposed around each), which is correct for any multi-step module
-        including stateful neurons, at the cost of two copies per module
-    :param boundary: install the boundary that takes and returns ``(T, N, ...)``; ``False`` makes the
-        network take ``(N, ..., T)`` and return its outputs that have a time axis with time last
-    :param method: ``method`` of the two-way stateless wrappers (``'auto'``, ``'vmap'``, ``'highdim'``)
-    :param example_input: one input of the network (``(T, N, ...)``; a tuple holds several positional
-        inputs). Needed where ``forward`` makes calls that depend on where the time axis is
-        (``torch.flatten(x, 2)``, ``x.mean(0)``, reshapes...): the forward is traced, run on it and on
-        it one step longer, rewritten, and checked against the time-first network
-    :param strict: where the forward cannot be traced or rewritten, raise
-        :class:`UnconvertibleModuleError` (``True``) or warn and convert the modules only (``False``)
-    :return: the converted network; :func:`to_time_first` undoes the conversion exactly
+    Args:
+        net: a network in ``step_mode='m'``; converted in place, but use the return value (a
+            network that is itself a single layer comes back as a new wrapper)
+        fallback: ``None`` (default): raise :class:`UnconvertibleModuleError` naming every module
+            without a time-last version, changing nothing; ``'time_first'``: run such modules time-first
+            (input and output transposed around each), which is correct for any multi-step module
+            including stateful neurons, at the cost of two copies per module
+        boundary: install the boundary that takes and returns ``(T, N, ...)``; ``False`` makes the
+            network take ``(N, ..., T)`` and return its outputs that have a time axis with time last
+        method: ``method`` of the two-way stateless wrappers (``'auto'``, ``'vmap'``, ``'highdim'``)
+        example_input: one input of the network (``(T, N, ...)``; a tuple holds several positional
+            inputs). Needed where ``forward`` makes calls that depend on where the time axis is
+            (``torch.flatten(x, 2)``, ``x.mean(0)``, reshapes...): the forward is traced, run on it and on
+            it one step longer, rewritten, and checked against the time-first network
+        strict: where the forward cannot be traced or rewritten, raise
+            :class:`UnconvertibleModuleError` (``True``) or warn and convert the modules only (``False``)
+    Returns:
+        the converted network; :func:`to_time_first` undoes the conversion exactly
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")

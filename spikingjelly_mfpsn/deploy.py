@@ -138,12 +138,14 @@ def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilatio
     If ``q`` has ``F`` fractional bits, ``acc`` has ``F + extra_bits``; with ``extra_bits >= -min(shift)``
     it equals ``sum_i Wq X * 2**(F + extra_bits)`` exactly.
 
-    :param q: integer tensor, time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)``
-    :param shift: integer exponents ``(C, k)``; ``sign``: -1/0/+1 ``(C, k)`` (see ``export_shifts``)
-    :param last: compute only the last ``last`` time steps (single-step inference passes 1)
-    :param tally: if given, ``tally['shift']`` and ``tally['add']`` grow by the element operations run
-        (one shift and one add-or-subtract per tap that falls inside the sequence)
-    :return: int64 tensor of ``q``'s shape (``last`` steps along time if given)
+    Args:
+        q: integer tensor, time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)``
+        shift: integer exponents ``(C, k)``; ``sign``: -1/0/+1 ``(C, k)`` (see ``export_shifts``)
+        last: compute only the last ``last`` time steps (single-step inference passes 1)
+        tally: if given, ``tally['shift']`` and ``tally['add']`` grow by the element operations run
+            (one shift and one add-or-subtract per tap that falls inside the sequence)
+    Returns:
+        int64 tensor of ``q``'s shape (``last`` steps along time if given)
     """
     check_fixed(q)
     ops.check_layout(layout)
@@ -403,15 +405,17 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
                 calibrate=None, headroom_bits: int = 2) -> nn.Module:
     """Run every folded neuron of ``net`` in integer bit-shift arithmetic (see the module docstring).
 
-    :param frac_bits: fractional bits F of the neurons' fixed-point input (float inputs, the synaptic
-        layers' outputs, are rounded to this grid on entry; integer inputs are taken as already in it);
-        ``None``: per neuron, from ``calibrate`` when given, else :data:`FRAC_BITS`
-    :param acc_frac_bits: accumulator fractional bits; ``None`` picks the exact width per neuron
-    :param calibrate: example input of the network (or a tuple of its positional inputs): each neuron
-        gets the widest F whose int64 accumulator holds its inputs on this data with ``headroom_bits``
-        to spare (inputs up to ``2**headroom_bits`` times larger still fit; larger ones raise
-        ``OverflowError``), and the integer spikes are then compared with the float path's on it:
-        any difference is reported with a warning (see :func:`agreement`)
+    Args:
+        frac_bits: fractional bits F of the neurons' fixed-point input (float inputs, the synaptic
+            layers' outputs, are rounded to this grid on entry; integer inputs are taken as already in it);
+            ``None``: per neuron, from ``calibrate`` when given, else :data:`FRAC_BITS`
+        acc_frac_bits: accumulator fractional bits; ``None`` picks the exact width per neuron
+        calibrate: example input of the network (or a tuple of its positional inputs): each neuron
+            gets the widest F whose int64 accumulator holds its inputs on this data with ``headroom_bits``
+            to spare (inputs up to ``2**headroom_bits`` times larger still fit; larger ones raise
+            ``OverflowError``), and the integer spikes are then compared with the float path's on it:
+            any difference is reported with a warning (see :func:`agreement`)
+
     Clears the neurons' single-step state. Returns ``net``.
     """
     for value, name in ((frac_bits, "frac_bits"), (acc_frac_bits, "acc_frac_bits")):

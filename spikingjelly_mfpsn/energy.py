@@ -359,17 +359,18 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
              layout: str = "time_first", use_spikingjelly: bool = True) -> EnergyReport:
     """Operation counts and energy of one inference of ``net`` on ``x``, per sample.
 
-    :param net: a multi-step network with MulFreeChannelwisePSN (folded or not) and/or PSN neurons
-    :param x: its input sequence, or a tuple of its positional inputs (the first a sequence: it gives
-        the batch size); ``net`` runs once in eval mode (its train/eval flags are restored)
-    :param costs: pJ per operation overriding :data:`COSTS_45NM` (keys mul, add, shift, mac, ac)
-    :param sops: ``'formula'`` (paper: ``fr x T x FLOPs``) or ``'events'`` (exact spike x fan-out
-        count) for the energy of non-encoding synaptic layers
-    :param firing_rate: override the measured input firing rate of the SOP formula: one value for
-        every synaptic layer, or ``{layer name: rate}``
-    :param batch_size: samples in ``x`` (default: dim 1 for ``layout='time_first'``, dim 0 otherwise)
-    :param use_spikingjelly: with SpikingJelly 2.x, take encoding MACs and spike events from its
-        ``op_counter`` (a second run) and record its counts in ``LayerCount.spikingjelly``
+    Args:
+        net: a multi-step network with MulFreeChannelwisePSN (folded or not) and/or PSN neurons
+        x: its input sequence, or a tuple of its positional inputs (the first a sequence: it gives
+            the batch size); ``net`` runs once in eval mode (its train/eval flags are restored)
+        costs: pJ per operation overriding :data:`COSTS_45NM` (keys mul, add, shift, mac, ac)
+        sops: ``'formula'`` (paper: ``fr x T x FLOPs``) or ``'events'`` (exact spike x fan-out
+            count) for the energy of non-encoding synaptic layers
+        firing_rate: override the measured input firing rate of the SOP formula: one value for
+            every synaptic layer, or ``{layer name: rate}``
+        batch_size: samples in ``x`` (default: dim 1 for ``layout='time_first'``, dim 0 otherwise)
+        use_spikingjelly: with SpikingJelly 2.x, take encoding MACs and spike events from its
+            ``op_counter`` (a second run) and record its counts in ``LayerCount.spikingjelly``
     """
     if sops not in ("formula", "events"):
         raise ValueError(f"sops must be 'formula' or 'events', got {sops!r}")

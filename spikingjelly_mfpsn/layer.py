@@ -322,9 +322,10 @@ class TimeLastBatchNorm(TimeLastModule):
 class TimeLastFlatten(TimeLastModule):
     """``Flatten`` on ``(N, ..., T)``: the per-step dims ``start_dim..end_dim`` (T stays last).
 
-    :param whole_sequence: the module was applied to the whole ``(T, N, ...)`` sequence (a plain
-        ``nn.Flatten`` outside SpikingJelly's containers) rather than to each step, so its dims count
-        T and N; ``start_dim`` must then be >= 2 or negative (it may not merge T or N away).
+    Args:
+        whole_sequence: the module was applied to the whole ``(T, N, ...)`` sequence (a plain
+            ``nn.Flatten`` outside SpikingJelly's containers) rather than to each step, so its dims count
+            T and N; ``start_dim`` must then be >= 2 or negative (it may not merge T or N away).
     """
 
     def __init__(self, flatten: nn.Flatten, whole_sequence: bool = False):
@@ -467,8 +468,9 @@ def wrapper_class(module: nn.Module):
 def time_last(module: nn.Module, method: str = "auto", whole_sequence: bool = False) -> nn.Module:
     """The time-last wrapper of one per-step stateless layer (raises ``TypeError`` if there is none).
 
-    :param method: for two-way wrappers, ``'auto'``, ``'vmap'`` or ``'highdim'``
-    :param whole_sequence: see :class:`TimeLastFlatten` (only used for ``nn.Flatten``)
+    Args:
+        method: for two-way wrappers, ``'auto'``, ``'vmap'`` or ``'highdim'``
+        whole_sequence: see :class:`TimeLastFlatten` (only used for ``nn.Flatten``)
     """
     cls = wrapper_class(module)
     if cls is None:

@@ -119,7 +119,7 @@ class ChargeNeuronBase(MemoryModule):
 
     def _member(self, name: str):
         """``getattr(self, name)`` for a parameter, buffer or submodule, read from the module's dicts: an
-        attribute lookup goes through two ``__getattr__`` (SpikingJelly's and torch's), about 1 us each,
+        attribute lookup goes through two ``__getattr__`` (SpikingJelly's and torch's),
         which shows at small layers. Anything not in them (e.g. a weight under
         ``torch.nn.utils.parametrize``, which becomes a property) through ``getattr``."""
         t = self._parameters.get(name)
@@ -225,24 +225,25 @@ class ChargeNeuronBase(MemoryModule):
 class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
     """Multiplication-free channel-wise Parallel Spiking Neuron.
 
-    :param channels: number of channels C (dim 1 of a single-step input); ``None`` infers it at the
-        first forward (then build the optimiser after one forward, as with torch's lazy modules)
-    :param k: order, the number of taps (>= 1)
-    :param dilation: spacing between taps in time steps (>= 1)
-    :param quantize: quantise the (fused) weight to signed powers of two
-    :param ste: gradient of the quantiser: ``'whole'`` (dQ/dW = 1) or ``'round'`` (round' = 1)
-    :param threshold: ``'bn'`` (batch-norm-fused threshold, paper Appendix C) or ``'param'``
-        (learnable per-channel V_th, initialised to ``v_threshold``)
-    :param surrogate_function: a SpikingJelly surrogate (``surrogate.ATan()`` by default)
-    :param step_mode: ``'s'`` (input ``(N, C, ...)`` per call) or ``'m'`` (a whole sequence)
-    :param backend: ``'torch'`` or another entry of :attr:`supported_backends`
-    :param method: ``'auto'`` or a charge implementation name (see :attr:`supported_methods`)
-    :param layout: multi-step layout, ``'time_first'`` ``(T, N, C, ...)`` or ``'time_last'``
-        ``(N, C, ..., T)``
-    :param momentum: running-statistics momentum for ``threshold='bn'`` (``None``: cumulative average)
-    :param eps: added to the variance for ``threshold='bn'``
-    :param exp_init: initialise W to ``(..., 1/4, 1/2, 1)``; otherwise Kaiming-uniform
-    :param v_threshold: initial V_th for ``threshold='param'``
+    Args:
+        channels: number of channels C (dim 1 of a single-step input); ``None`` infers it at the
+            first forward (then build the optimiser after one forward, as with torch's lazy modules)
+        k: order, the number of taps (>= 1)
+        dilation: spacing between taps in time steps (>= 1)
+        quantize: quantise the (fused) weight to signed powers of two
+        ste: gradient of the quantiser: ``'whole'`` (dQ/dW = 1) or ``'round'`` (round' = 1)
+        threshold: ``'bn'`` (batch-norm-fused threshold, paper Appendix C) or ``'param'``
+            (learnable per-channel V_th, initialised to ``v_threshold``)
+        surrogate_function: a SpikingJelly surrogate (``surrogate.ATan()`` by default)
+        step_mode: ``'s'`` (input ``(N, C, ...)`` per call) or ``'m'`` (a whole sequence)
+        backend: ``'torch'`` or another entry of :attr:`supported_backends`
+        method: ``'auto'`` or a charge implementation name (see :attr:`supported_methods`)
+        layout: multi-step layout, ``'time_first'`` ``(T, N, C, ...)`` or ``'time_last'``
+            ``(N, C, ..., T)``
+        momentum: running-statistics momentum for ``threshold='bn'`` (``None``: cumulative average)
+        eps: added to the variance for ``threshold='bn'``
+        exp_init: initialise W to ``(..., 1/4, 1/2, 1)``; otherwise Kaiming-uniform
+        v_threshold: initial V_th for ``threshold='param'``
     """
 
     def __init__(self, channels: Optional[int] = None, k: int = 2, dilation: int = 1,

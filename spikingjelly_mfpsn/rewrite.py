@@ -134,13 +134,14 @@ def _bind(n: fx.Node, params: tuple) -> dict:
 class Rewriter:
     """Builds the time-last graph of ``graph`` (traced from ``root``), node by node.
 
-    :param shapes: each node's value's shape on the example (``shapes[0]``) and on another input
-        (``shapes[1]``), from :func:`.tracing.run_graph`; ``steps`` is the example's T
-    :param grown: the other input is one step longer, so a value's time axis is the dimension that grew;
-        else (a network that runs for one number of steps only) it has one sample fewer, and the time
-        axes are followed from the input through the rules (a call no rule covers gives none)
-    :param convert_module: ``(module, path) -> bool``: records the module's time-last version, or says
-        (False) that it runs as it is
+    Args:
+        shapes: each node's value's shape on the example (``shapes[0]``) and on another input
+            (``shapes[1]``), from :func:`.tracing.run_graph`; ``steps`` is the example's T
+        grown: the other input is one step longer, so a value's time axis is the dimension that grew;
+            else (a network that runs for one number of steps only) it has one sample fewer, and the time
+            axes are followed from the input through the rules (a call no rule covers gives none)
+        convert_module: ``(module, path) -> bool``: records the module's time-last version, or says
+            (False) that it runs as it is
     """
 
     def __init__(self, root, graph: fx.Graph, shapes: tuple, steps: int, convert_module, boundary: bool,

@@ -123,8 +123,8 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
 
     The backward gets a gradient of ones of the output's shape (of each tensor of a structured output:
     tuples, lists, dicts; made once, outside the timed region; no
-    kernel's work depends on the gradient's values, and drawing random ones took 0.9 ms per call for a
-    digits-sized layer, 7 % of a cold autoselect).
+    kernel's work depends on the gradient's values, and drawing random ones is a visible part of a
+    cold autoselect).
     Once every timed run so far was slower than ``abandon_above``, the measurement ends early and returns
     the fastest of them: the candidate is already known to lose. A single slow run (noise only ever slows
     a run down) does not end it, except the first. A run whose forward alone settles that skips its

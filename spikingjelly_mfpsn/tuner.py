@@ -418,24 +418,26 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
                fallback: Optional[str] = None) -> AutoselectReport:
     """Benchmark every layer's implementations in each layout and apply the fastest, in place.
 
-    :param net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
-    :param x_example: an input of the real shape (and dtype/device) the network will train on; a
-        tuple holds the positional inputs of a network of several (called as ``net(*x_example)``)
-    :param m: each candidate runs a warm-up and ``2m`` timed runs; the mean of the last ``m`` counts
-    :param layouts: layouts to consider
-    :param cache: ``True`` (the default file, ``$SPIKINGJELLY_MFPSN_CACHE`` or
-        ``~/.cache/spikingjelly_mfpsn/autoselect.json``), a path, or ``False``
-    :param measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
-    :param progress: show a progress bar
-    :param compile: also time one whole training step of the chosen configuration under
-        ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
-        one graph, when it is faster and reproduces the outputs. The first compilation
-        takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
-    :param fallback: passed to :func:`~spikingjelly_mfpsn.convert.to_time_last`: ``'time_first'`` lets
-        the time-last layout run modules without a time-last version (e.g. a remaining LIF neuron)
-        time-first inside it, so that layout is timed too; ``None`` (default): such a network is
-        timed time-first only
-    :return: an :class:`AutoselectReport`; ``print`` it for a table
+    Args:
+        net: a multi-step SpikingJelly network (time-first input ``(T, N, ...)``)
+        x_example: an input of the real shape (and dtype/device) the network will train on; a
+            tuple holds the positional inputs of a network of several (called as ``net(*x_example)``)
+        m: each candidate runs a warm-up and ``2m`` timed runs; the mean of the last ``m`` counts
+        layouts: layouts to consider
+        cache: ``True`` (the default file, ``$SPIKINGJELLY_MFPSN_CACHE`` or
+            ``~/.cache/spikingjelly_mfpsn/autoselect.json``), a path, or ``False``
+        measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
+        progress: show a progress bar
+        compile: also time one whole training step of the chosen configuration under
+            ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
+            one graph, when it is faster and reproduces the outputs. The first compilation
+            takes tens of seconds on a CPU (then it is cached on disk by PyTorch); it is not counted.
+        fallback: passed to :func:`~spikingjelly_mfpsn.convert.to_time_last`: ``'time_first'`` lets
+            the time-last layout run modules without a time-last version (e.g. a remaining LIF neuron)
+            time-first inside it, so that layout is timed too; ``None`` (default): such a network is
+            timed time-first only
+    Returns:
+        an :class:`AutoselectReport`; ``print`` it for a table
 
     Called with gradients disabled (``torch.no_grad()`` or ``torch.inference_mode()``, usually on a
     network in eval mode), it times forward passes only and caches those timings and that plan apart

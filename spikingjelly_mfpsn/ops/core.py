@@ -47,21 +47,23 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
            quantize: Optional[str] = "whole", training: bool = False) -> torch.Tensor:
     """Spikes ``S = Theta(conv(X, Wq) + b)`` of a multi-step MF-PSN layer, differentiable w.r.t. every tensor.
 
-    :param x: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), floating point of
-        at most the weight's precision (lower precision is computed in the weight's dtype)
-    :param weight: ``(C, k)``; tap ``i`` reads ``X[t - (k-1-i)*dilation]``
-    :param bias: ``(C,)`` added to the charge (the threshold is 0), or
-    :param v_threshold: ``(C,)``: the parameter threshold, ``b = -v_threshold``, or
-    :param bn: a :class:`BatchNorm` folded into the weight and bias: ``Wf = gamma / sqrt(var + eps) * W``,
-        ``b = beta - gamma * mean / sqrt(var + eps)``, with the batch statistics of ``conv(X, W)`` in
-        ``training`` (blended into the running ones in place) and the running ones otherwise
-    :param method: an implementation name (``ops.names()``) or ``'auto'`` (the dispatcher's choice among
-        ``backend``'s)
-    :param surrogate_function: a SpikingJelly surrogate (default ``surrogate.ATan()``); those of the
-        surrogate table are fused into the kernels, any other is applied to the charge
-    :param quantize: ``'whole'`` (``Wq = Q(Wf)`` with the whole straight-through gradient), ``'round'``
-        or None (no quantiser)
-    :return: 0/1 spikes in ``x``'s dtype and shape
+    Args:
+        x: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), floating point of
+            at most the weight's precision (lower precision is computed in the weight's dtype)
+        weight: ``(C, k)``; tap ``i`` reads ``X[t - (k-1-i)*dilation]``
+        bias: ``(C,)`` added to the charge (the threshold is 0), or
+        v_threshold: ``(C,)``: the parameter threshold, ``b = -v_threshold``, or
+        bn: a :class:`BatchNorm` folded into the weight and bias: ``Wf = gamma / sqrt(var + eps) * W``,
+            ``b = beta - gamma * mean / sqrt(var + eps)``, with the batch statistics of ``conv(X, W)`` in
+            ``training`` (blended into the running ones in place) and the running ones otherwise
+        method: an implementation name (``ops.names()``) or ``'auto'`` (the dispatcher's choice among
+            ``backend``'s)
+        surrogate_function: a SpikingJelly surrogate (default ``surrogate.ATan()``); those of the
+            surrogate table are fused into the kernels, any other is applied to the charge
+        quantize: ``'whole'`` (``Wq = Q(Wf)`` with the whole straight-through gradient), ``'round'``
+            or None (no quantiser)
+    Returns:
+        0/1 spikes in ``x``'s dtype and shape
 
     Refuses (``ValueError``) NaN or inf in what it folds (weight, threshold, statistics) and
     ``var + eps <= 0``; a NaN or inf input changes only the spikes of its window. Under autocast it

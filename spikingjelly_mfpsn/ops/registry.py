@@ -66,7 +66,7 @@ def tap_schedule(t_len: int, k: int, dilation: int, start: int = 0):
 
 def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether autograd records a call on these tensors (None entries ignored): else an implementation
-    may skip its autograd Function, whose call alone costs about 10 us."""
+    may skip its autograd Function, whose call alone is a cost at small shapes."""
     if not torch.is_grad_enabled():
         return False
     for t in tensors:  # (a loop: a generator costs about as much as the rest)

@@ -629,7 +629,7 @@ _TILES = INTERPRETER_TILES if INTERPRETED else GPU_TILES
 
 
 def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` in plain Python (``triton.cdiv`` is a JIT-callable: about 15 us a host call)."""
+    """``ceil(a / b)`` in plain Python (``triton.cdiv`` is a JIT-callable, slow to call from the host)."""
     return -(-a // b)
 
 

@@ -161,12 +161,13 @@ class SHD(torch.utils.data.Dataset):
     """Spiking Heidelberg Digits from its .h5 file (``spikes/times`` in seconds, ``spikes/units`` in
     0..699, ``labels``), each sample binned into ``bins`` frames of spike counts.
 
-    :param path: ``shd_train.h5`` or ``shd_test.h5``
-    :param bins: number of time steps T
-    :param duration: seconds covered by the bins; spikes at or after it (or before 0) are dropped and
-        counted in :attr:`dropped_spikes`. ``None``: the latest spike time in the file, so nothing is dropped
-    :param unit_bin: sum this many neighbouring input channels (700 / unit_bin features)
-    :param units: number of input channels of the recording (700 for SHD)
+    Args:
+        path: ``shd_train.h5`` or ``shd_test.h5``
+        bins: number of time steps T
+        duration: seconds covered by the bins; spikes at or after it (or before 0) are dropped and
+            counted in :attr:`dropped_spikes`. ``None``: the latest spike time in the file, so nothing is dropped
+        unit_bin: sum this many neighbouring input channels (700 / unit_bin features)
+        units: number of input channels of the recording (700 for SHD)
 
     An item is ``(frames (T, units / unit_bin) float32, label int64)``.
     """

@@ -57,12 +57,13 @@ def psn_available(name: str) -> bool:
 class NeuronFactory:
     """Makes the spiking-neuron layers of one network, in the order they run.
 
-    :param neuron: one of :data:`NEURONS`, or a SpikingJelly neuron class (built with
-        ``step_mode='m'``, ``surrogate_function`` and ``neuron_kwargs``)
-    :param k: order of MF-PSN and Sliding PSN
-    :param sawtooth: MF-PSN dilations 1, 2, 3, ... in running order; ``False``: all 1
-    :param surrogate_function: a SpikingJelly surrogate, copied into every neuron (``ATan()`` by default)
-    :param neuron_kwargs: passed to every neuron (e.g. ``threshold='param'`` for MF-PSN)
+    Args:
+        neuron: one of :data:`NEURONS`, or a SpikingJelly neuron class (built with
+            ``step_mode='m'``, ``surrogate_function`` and ``neuron_kwargs``)
+        k: order of MF-PSN and Sliding PSN
+        sawtooth: MF-PSN dilations 1, 2, 3, ... in running order; ``False``: all 1
+        surrogate_function: a SpikingJelly surrogate, copied into every neuron (``ATan()`` by default)
+        neuron_kwargs: passed to every neuron (e.g. ``threshold='param'`` for MF-PSN)
     """
 
     def __init__(self, neuron: Union[str, type] = "mfpsn", k: int = 2, sawtooth: bool = True,
@@ -309,9 +310,10 @@ def sequential_image_net(in_channels: int = 3, height: int = 32, num_classes: in
     Images are fed column by column: input ``(T=W, N, C, H)`` (``images.permute(3, 0, 1, 2)``), the
     convolutions and pools are 1D along the column's height. Output ``(T, N, num_classes)``.
 
-    :param height: image height (must be divisible by ``2 ** stages``)
-    :param T: number of columns (image width); needed only for ``neuron='psn'``
-    :param channels, convs_per_stage, stages, hidden: width and depth (paper: 128, 3, 2, 256)
+    Args:
+        height: image height (must be divisible by ``2 ** stages``)
+        T: number of columns (image width); needed only for ``neuron='psn'``
+        channels, convs_per_stage, stages, hidden: width and depth (paper: 128, 3, 2, 256)
     """
     _check_positive(in_channels=in_channels, height=height, num_classes=num_classes, channels=channels,
                     convs_per_stage=convs_per_stage, stages=stages, hidden=hidden)
@@ -340,10 +342,11 @@ def pixel_image_net(in_channels: int = 3, num_classes: int = 10, T: Optional[int
     ``APk4s4`` is read as average pooling along time (the only spatial axis of a pixel sequence), so
     the second stage runs ``ceil(T / time_pool)`` steps; output ``(ceil(T / time_pool), N, num_classes)``.
 
-    :param T: sequence length; needed only for ``neuron='psn'``
-    :param widths: features of each stage (paper: 128, 256), a pool between consecutive stages
-    :param blocks: residual blocks per stage (paper: 2)
-    :param time_pool: pooling kernel and stride along time (paper: 4; 1 disables pooling)
+    Args:
+        T: sequence length; needed only for ``neuron='psn'``
+        widths: features of each stage (paper: 128, 256), a pool between consecutive stages
+        blocks: residual blocks per stage (paper: 2)
+        time_pool: pooling kernel and stride along time (paper: 4; 1 disables pooling)
     """
     _check_positive(in_channels=in_channels, num_classes=num_classes, blocks=blocks, time_pool=time_pool)
     if not widths:
@@ -369,10 +372,11 @@ def shd_net(in_features: int = 700, num_classes: int = 20, T: Optional[int] = No
     """SHD: ``{Dcls256-BN-SN-DP}*2-Dcls20-LIF(Vth=1e9)``; input ``(T, N, in_features)`` binned spikes,
     output ``(T, N, num_classes)`` membrane potentials of the readout.
 
-    :param delays: ``True``: learnable-delay :class:`DelayedLinear` layers (needs the ``dcls``
-        package); ``False``: plain fully connected layers; ``None``: delays when ``dcls`` is installed
-    :param max_delay: largest synaptic delay, in time steps
-    :param T: number of time steps; needed only for ``neuron='psn'``
+    Args:
+        delays: ``True``: learnable-delay :class:`DelayedLinear` layers (needs the ``dcls``
+            package); ``False``: plain fully connected layers; ``None``: delays when ``dcls`` is installed
+        max_delay: largest synaptic delay, in time steps
+        T: number of time steps; needed only for ``neuron='psn'``
     """
     _check_positive(in_features=in_features, num_classes=num_classes, hidden=hidden, layers=layers)
     if not 0.0 <= dropout < 1.0:
@@ -409,8 +413,9 @@ def dvs_lip_resnet18(in_channels: int = 2, num_classes: int = 100, T: Optional[i
     halve H and W. The readout is a fully connected layer with a stateful (leaky-integrating)
     synapse, :class:`MembraneReadout`.
 
-    :param widths, blocks: channels and residual blocks per stage (ResNet-18: 64..512, 2 each)
-    :param T: number of time steps; needed only for ``neuron='psn'``
+    Args:
+        widths, blocks: channels and residual blocks per stage (ResNet-18: 64..512, 2 each)
+        T: number of time steps; needed only for ``neuron='psn'``
     """
     _check_positive(in_channels=in_channels, num_classes=num_classes)
     if len(widths) != len(blocks) or not widths:

@@ -6,9 +6,9 @@ TORCH ?= torch==2.13.0
 SJ2 ?= spikingjelly==2.0.0
 SJ14 ?= spikingjelly==0.0.0.0.14
 TRAIN_EXTRAS = ninja scikit-learn matplotlib
-EXTRAS = ninja pytest hypothesis scikit-learn matplotlib h5py triton==3.9.0 dcls==0.1.1 nir==1.0.8 nirtorch==2.6 onnx==1.23.2 onnxruntime==1.32.0 docutils==0.23
+EXTRAS = ninja pytest hypothesis scikit-learn matplotlib h5py triton==3.9.0 dcls==0.1.1 nir==1.0.8 nirtorch==2.6 onnx==1.23.2 onnxruntime==1.32.0 sphinx==9.0.4 furo==2025.12.19
 
-.PHONY: demo train test test-sj2 test-sj14 bench clean test-zoo
+.PHONY: demo train test test-sj2 test-sj14 bench clean test-zoo docs
 
 # (SpikingJelly goes in after the packages pip resolves, so that pip never meets its unmet requirements.)
 define make_venv
@@ -52,10 +52,15 @@ test-sj2: .venv-sj2/.ready
 test-sj14: .venv-sj14/.ready
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 .venv-sj14/bin/python -m pytest -q tests
 
+# The documentation site (warnings are errors), then every Python block of its pages run as a doctest.
+docs: .venv-sj2/.ready
+	.venv-sj2/bin/python -m sphinx -W --keep-going -q -b html -d build/docs/doctrees docs build/docs/html
+	OMP_NUM_THREADS=1 .venv-sj2/bin/python -m sphinx -W --keep-going -q -b doctest -d build/docs/doctrees docs build/docs/doctest
+
 # Every constructor of SpikingJelly's model zoo converted to time-last (the tests take one per family).
 test-zoo: .venv-sj2/.ready .venv-sj14/.ready
 	OMP_NUM_THREADS=1 .venv-sj2/bin/python -m pytest -q tests/test_zoo.py --zoo=all
 	OMP_NUM_THREADS=1 .venv-sj14/bin/python -m pytest -q tests/test_zoo.py --zoo=all
 
 clean:
-	rm -rf .venv-sj2 .venv-sj14 .venv-train
+	rm -rf .venv-sj2 .venv-sj14 .venv-train build/docs

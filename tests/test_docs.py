@@ -1,4 +1,5 @@
-"""The README a newcomer reads: short, its links and Python blocks working, no measurement history."""
+"""The README a newcomer reads and the documentation site: short, links and Python blocks working, warnings-free."""
+import glob
 import io
 import os
 import re
@@ -15,17 +16,22 @@ def readme() -> str:
         return f.read()
 
 
-def python_blocks(text: str) -> list[str]:
-    """The bodies of the ``.. code-block:: python`` blocks of an rst text, dedented."""
+def python_blocks(text: str, options: bool = False) -> list:
+    """The bodies of the ``.. code-block:: python`` blocks of an rst text, dedented (with their options)."""
     blocks, lines, i = [], text.split("\n"), 0
     while i < len(lines):
         if lines[i].strip() == ".. code-block:: python":
             i += 1
+            opts = []
+            while i < len(lines) and lines[i].strip().startswith(":"):
+                opts.append(lines[i].strip())
+                i += 1
             body = []
             while i < len(lines) and (not lines[i].strip() or lines[i].startswith("    ")):
                 body.append(lines[i][4:])
                 i += 1
-            blocks.append("\n".join(body).strip() + "\n")
+            block = "\n".join(body).strip() + "\n"
+            blocks.append((block, opts) if options else block)
         else:
             i += 1
     return blocks
@@ -51,7 +57,7 @@ def test_the_readme_has_no_commit_hashes_or_timings():
 def test_the_readme_renders_without_warnings():
     docutils_core = pytest.importorskip("docutils.core", reason="docutils is not installed (pip install docutils)")
     warnings = io.StringIO()
-    docutils_core.publish_string(readme(), writer_name="null",
+    docutils_core.publish_string(readme(), writer="null",
                                  settings_overrides={"warning_stream": warnings, "report_level": 2})
     assert warnings.getvalue() == ""
 
@@ -60,8 +66,44 @@ def test_the_readme_python_blocks_run(tmp_path):
     blocks = python_blocks(readme())
     assert blocks
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-           "XDG_CACHE_HOME": str(tmp_path)}
+           "SPIKINGJELLY_MFPSN_CACHE": str(tmp_path / "autoselect.json")}   # (the C++ build cache is shared)
     for block in blocks:
         out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=600, env=env,
                              cwd=tmp_path)
         assert out.returncode == 0, block + out.stderr[-3000:]
+
+
+def sphinx_build(builder: str, out, env=None) -> subprocess.CompletedProcess:
+    pytest.importorskip("sphinx", reason="sphinx is not installed (pip install sphinx furo)")
+    pytest.importorskip("furo", reason="furo is not installed (pip install sphinx furo)")
+    return subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", builder,
+                           "-d", str(out / "doctrees"), os.path.join(ROOT, "docs"), str(out / builder)],
+                          capture_output=True, text=True, timeout=1200, env=env, cwd=out)
+
+
+def test_the_site_builds_with_warnings_as_errors(tmp_path):
+    out = sphinx_build("html", tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    pages = {os.path.basename(p) for p in glob.glob(str(tmp_path / "html" / "*.html"))}
+    guide = {os.path.basename(p)[:-4] + ".html" for p in glob.glob(os.path.join(ROOT, "docs", "*.rst"))}
+    assert guide <= pages
+    with open(tmp_path / "html" / "api.html", encoding="utf-8") as f:
+        api = f.read()
+    for name in ("MulFreeChannelwisePSN", "functional.replace_neurons", "functional.autoselect", "ops.mf_psn",
+                 "deploy.fold", "energy.estimate", "nir.export_to_nir", "onnx.export_onnx"):
+        assert f'id="spikingjelly_mfpsn.{name}"' in api, name
+
+
+def test_every_python_block_of_the_docs_runs_as_a_doctest(tmp_path):
+    blocks = [b for p in glob.glob(os.path.join(ROOT, "docs", "*.rst"))
+              for b in python_blocks(open(p, encoding="utf-8").read(), options=True)]
+    readme_included = len(python_blocks(readme().split(".. start-quickstart")[1].split(".. end-quickstart")[0]))
+    unconditional = sum(1 for _, opts in blocks if not opts) + readme_included
+    env = {**os.environ, "SPIKINGJELLY_MFPSN_CACHE": str(tmp_path / "autoselect.json")}
+    out = sphinx_build("doctest", tmp_path, env)
+    with open(tmp_path / "doctest" / "output.txt", encoding="utf-8") as f:
+        report = f.read()
+    assert out.returncode == 0, report[-3000:] + out.stderr[-3000:]
+    ran = int(re.search(r"^\s*(\d+) tests$", report, re.M).group(1))
+    assert unconditional <= ran <= len(blocks) + readme_included
+    assert re.search(r"^\s*0 failures in tests$", report, re.M)

@@ -16,8 +16,10 @@ def as_args(x) -> tuple:
 
 
 def run_hooked(net: nn.Module, x, hooks: list) -> None:
-    """Run ``net`` on input ``x`` without gradients, then remove ``hooks`` (that recorded the run) and
-    reset the network's state."""
+    """Run ``net`` on input ``x`` without gradients, then remove ``hooks`` and reset the network.
+
+    ``hooks`` are those that recorded the run; resetting clears the network's state.
+    """
     try:
         with torch.no_grad():
             net(*as_args(x))

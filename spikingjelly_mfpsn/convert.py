@@ -452,8 +452,11 @@ def _revert(m: nn.Module) -> nn.Module:
 
 
 def to_time_first(net: nn.Module) -> nn.Module:
-    """Undo :func:`to_time_last`: the original time-first modules (the same objects, holding the
-    current parameters), ``layout='time_first'`` on every MF-PSN, no boundary. Use the return value."""
+    """Undo :func:`to_time_last`.
+
+    Restores the original time-first modules (the same objects, holding the current parameters), with
+    ``layout='time_first'`` on every MF-PSN and no boundary. Use the return value.
+    """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
     _remove_hooks(net, _boundary_enter, _boundary_exit)

@@ -130,7 +130,9 @@ def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
 def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilation: int,
                layout: str = "time_first", extra_bits: int = 0, last: Optional[int] = None,
                tally: Optional[dict] = None) -> torch.Tensor:
-    """The MF-PSN charge without bias, in integer arithmetic (shifts, negation, additions)::
+    """The MF-PSN charge without bias, in integer arithmetic (shifts, negation, additions).
+
+    It computes::
 
         acc[t, c] = sum_i sign[c, i] * sh(q[t - (k-1-i)*d, c], shift[c, i] + extra_bits)
 
@@ -144,6 +146,7 @@ def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilatio
         last: compute only the last ``last`` time steps (single-step inference passes 1)
         tally: if given, ``tally['shift']`` and ``tally['add']`` grow by the element operations run
             (one shift and one add-or-subtract per tap that falls inside the sequence)
+
     Returns:
         int64 tensor of ``q``'s shape (``last`` steps along time if given)
     """

@@ -1,4 +1,4 @@
-"""Operation counts and inference energy of spiking networks (paper Sec. 5.4, Appendix F, Tables 1, 5, 11).
+"""Operation counts and inference energy of spiking networks (paper Sec. 5.4, App. F, Tables 1, 5, 11).
 
 Neuron layers (per neuron, i.e. per channel and feature position, over ``T`` steps; the paper's
 convention counts one ADD per multiply/shift, accumulating, plus one ADD per step for the threshold):
@@ -119,6 +119,15 @@ def neuron_energy_pj(kind: str, t: int, k: Optional[int] = None, dilation: int =
 
 # ---------------------------------------------------------------------------------- per-module counts
 def neuron_kind(module: nn.Module) -> Optional[str]:
+    """The kind of neuron ``module`` is, as the energy model names it (see :func:`neuron_ops`).
+
+    Args:
+        module: any module.
+
+    Returns:
+        ``'channelwise_psn'`` for a :class:`MulFreeChannelwisePSN` without quantisation, ``'mfpsn'`` for
+        another MF-PSN, ``'psn'`` for SpikingJelly's PSN, else None.
+    """
     if isinstance(module, MulFreeChannelwisePSN) and not module.quantize:
         return "channelwise_psn"
     if isinstance(module, MFPSN_TYPES):
@@ -143,9 +152,11 @@ def closed_form_neuron_ops(module: nn.Module, x: torch.Tensor) -> dict[str, int]
 
 
 def counted_neuron_ops(module: nn.Module, x: torch.Tensor) -> dict[str, int]:
-    """Operations the neuron runs on ``x``: for MF-PSN the integer path's tap schedule
-    (:func:`ops.tap_schedule`, one shift and one add per tap element, one threshold add per step);
-    for PSN the shapes of its ``addmm(bias, W, X)``."""
+    """Operations the neuron runs on ``x``, counted from what it computes.
+
+    For MF-PSN the integer path's tap schedule (:func:`ops.tap_schedule`, one shift and one add per tap
+    element, one threshold add per step); for PSN the shapes of its ``addmm(bias, W, X)``.
+    """
     t, n = _sequence_geometry(module, x)
     kind = neuron_kind(module)
     if kind == "psn":
@@ -165,8 +176,11 @@ def dense_macs(module: nn.Module, out: torch.Tensor) -> int:
 
 @torch.no_grad()
 def spike_events(module: nn.Module, x: torch.Tensor) -> int:
-    """Accumulates an event-driven Conv/Linear runs: ``sum over inputs of value x fan-out`` (for spikes,
-    each spike adds one weight to every output it reaches; zero padding reaches nothing)."""
+    """Accumulates an event-driven Conv/Linear runs on input ``x``.
+
+    The count is ``sum over inputs of value x fan-out`` (for spikes, each spike adds one weight to every
+    output it reaches; zero padding reaches nothing).
+    """
     if isinstance(module, nn.Linear):
         return round(float(x.double().sum()) * module.out_features)
     dims = len(module.kernel_size)
@@ -210,6 +224,13 @@ class LayerCount:
 
 @dataclass
 class EnergyReport:
+    """Operation counts and energy of one inference, per sample, as :func:`estimate` returns them.
+
+    ``layers``: a :class:`LayerCount` per neuron or synaptic layer; ``costs``: pJ per operation;
+    ``batch_size``: samples in the input; ``sops``: how synaptic operations were counted (``'formula'`` or
+    ``'events'``); ``notes``: remarks on how the counts were made.
+    """
+
     layers: list
     costs: dict
     batch_size: int

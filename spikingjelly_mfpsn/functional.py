@@ -26,8 +26,10 @@ def _check_count(value, name: str, least: int) -> None:
 
 
 def sawtooth_dilation(index: int, period: int = 3) -> int:
-    """Dilation of the ``index``-th (0-based) spiking-neuron layer (paper Eq. 4:
-    ``d^0 = 1, d^{l+1} = d^l mod 3 + 1``): 1, 2, 3, 1, 2, 3, ..."""
+    """Dilation of the ``index``-th (0-based) spiking-neuron layer (paper Eq. 4).
+
+    The sawtooth ``d^0 = 1, d^{l+1} = d^l mod 3 + 1``: 1, 2, 3, 1, 2, 3, ...
+    """
     _check_count(index, "index", 0)
     _check_count(period, "period", 1)
     return index % period + 1
@@ -42,6 +44,12 @@ def sawtooth(n: int, period: int = 3) -> list[int]:
 
 @dataclass
 class Replacement:
+    """One neuron ``replace_neurons`` replaced (or re-configured), a row of :class:`ReplaceSummary`.
+
+    ``name``: the neuron's module name; ``old``: its former type's name; ``channels``, ``k``, ``dilation``
+    and ``step_mode``: those of the MF-PSN now in its place.
+    """
+
     name: str
     old: str
     channels: Optional[int]
@@ -64,9 +72,12 @@ READOUT_REASON = "non-spiking readout (outputs membrane potential)"
 
 @dataclass
 class ReplaceSummary:
-    """What ``replace_neurons`` did: one row per replaced (or re-configured) neuron, in the order the
-    neurons run, and in ``skipped`` the neurons it matched but left alone (non-spiking readouts, MF-PSN
-    layers that already have the requested configuration), with the reason."""
+    """What ``replace_neurons`` did.
+
+    One row per replaced (or re-configured) neuron, in the order the neurons run, and in ``skipped`` the
+    neurons it matched but left alone (non-spiking readouts, MF-PSN layers that already have the requested
+    configuration), with the reason.
+    """
 
     rows: list[Replacement] = field(default_factory=list)
     order: str = "registration"
@@ -267,9 +278,10 @@ def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Modul
 
 def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instance=(nn.Module,),
                example_input=None) -> nn.Module:
-    """Set ``method`` on every module of type ``instance`` whose ``supported_methods`` (or, for MF-PSN
-    neurons, ``candidate_methods``: a method of another available backend, which switches the neuron's
-    backend too) has it.
+    """Set ``method`` on every module of type ``instance`` that supports it.
+
+    A module supports it when its ``supported_methods`` (or, for MF-PSN neurons, ``candidate_methods``: a
+    method of another available backend, which switches the neuron's backend too) has it.
 
     ``'auto'`` is accepted by every such module; others are logged and skipped. With ``layout``, the
     network is first converted to that layout (:func:`~spikingjelly_mfpsn.to_time_last` /
@@ -296,7 +308,9 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
 
 
 def autoselect(net: nn.Module, x_example, m: int = 2, layouts=("time_first", "time_last"), cache=True, **kwargs):
-    """Paper Algorithm 1: time every layer's implementations in each layout and apply the fastest.
-    See :func:`spikingjelly_mfpsn.tuner.autoselect`."""
+    """Time every layer's implementations in each layout and apply the fastest (paper Algorithm 1).
+
+    See :func:`spikingjelly_mfpsn.tuner.autoselect`.
+    """
     from .tuner import autoselect as _autoselect
     return _autoselect(net, x_example, m=m, layouts=layouts, cache=cache, **kwargs)

@@ -270,8 +270,10 @@ class TimeLastPool(_SpatialLayer):
 
 
 class TimeLastLinear(_Tunable, TimeLastModule):
-    """``Linear`` on ``(N, *, F, T)``: features on dim -2. ``'highdim'`` is a 1x1 ``Conv1d`` over
-    ``(N*, F, T)``; ``'vmap'`` runs ``Linear`` on each step."""
+    """``Linear`` on ``(N, *, F, T)``: features on dim -2.
+
+    ``'highdim'`` is a 1x1 ``Conv1d`` over ``(N*, F, T)``; ``'vmap'`` runs ``Linear`` on each step.
+    """
 
     def __init__(self, linear: nn.Linear, method: str = "auto"):
         if not isinstance(linear, nn.Linear):
@@ -296,8 +298,11 @@ _BN_RANKS = {nn.BatchNorm1d: (3, 4), nn.BatchNorm2d: (5,), nn.BatchNorm3d: (6,)}
 
 
 class TimeLastBatchNorm(TimeLastModule):
-    """``BatchNorm1d/2d/3d`` on ``(N, C, ..., T)`` through ``F.batch_norm`` on the module's own
-    parameters and buffers: the same statistics (and running-statistics updates) as time-first."""
+    """``BatchNorm1d/2d/3d`` on ``(N, C, ..., T)``.
+
+    Runs ``F.batch_norm`` on the module's own parameters and buffers: the same statistics (and
+    running-statistics updates) as time-first.
+    """
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
         ranks = _lookup(bn, _BN_RANKS)
@@ -367,9 +372,11 @@ _DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}
 
 
 class TimeLastDropout(MemoryModule):
-    """SpikingJelly's multi-step ``Dropout``/``Dropout2d`` on ``(N, ..., T)``: one mask, drawn at the
-    first step of a simulation and kept until ``reset_net``, multiplies every step. (In
-    ``step_mode='s'`` it takes one step ``(N, ...)``, like SpikingJelly's.)"""
+    """SpikingJelly's multi-step ``Dropout``/``Dropout2d`` on ``(N, ..., T)``.
+
+    One mask, drawn at the first step of a simulation and kept until ``reset_net``, multiplies every step.
+    (In ``step_mode='s'`` it takes one step ``(N, ...)``, like SpikingJelly's.)
+    """
 
     def __init__(self, dropout: nn.Module):
         name = type(dropout).__name__
@@ -402,8 +409,10 @@ class TimeLastDropout(MemoryModule):
 
 
 class TimeLastSequential(_MultiStepOnly, nn.Sequential, MultiStepModule):
-    """SpikingJelly's ``SeqToANNContainer`` (per-step stateless modules) in the time-last layout:
-    its children, each replaced by its time-last wrapper, applied in order."""
+    """SpikingJelly's ``SeqToANNContainer`` (per-step stateless modules) in the time-last layout.
+
+    Its children, each replaced by its time-last wrapper, are applied in order.
+    """
 
     def __init__(self, container: nn.Sequential, children: dict):
         super().__init__()

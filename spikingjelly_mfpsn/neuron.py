@@ -38,8 +38,11 @@ def exp_init_weight(channels: int, k: int) -> torch.Tensor:
 
 
 def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend: str = "torch") -> str:
-    """The implementation ``method='auto'`` uses before any autoselect pass (see ``ops.choose``: the
-    supported implementation of the highest declared priority; on CUDA tensors the fused kernels)."""
+    """The implementation ``method='auto'`` uses before any autoselect pass.
+
+    See ``ops.choose``: the supported implementation of the highest declared priority; on CUDA tensors the
+    fused kernels.
+    """
     return ops.choose(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout, backend)
 
 

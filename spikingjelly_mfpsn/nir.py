@@ -371,9 +371,12 @@ def _order(graph) -> list[str]:
 
 
 class NIRNetwork(nn.Module):
-    """A NIR graph as a torch module: ``forward(x)`` takes a time-first sequence ``(T, N, ...)`` of the
-    input node's shape and returns the output node's ``(T, N, ...)``; a node with several incoming edges
-    adds them in the order the edges are listed. Stateless: each call is a fresh sequence."""
+    """A NIR graph as a torch module.
+
+    ``forward(x)`` takes a time-first sequence ``(T, N, ...)`` of the input node's shape and returns the
+    output node's ``(T, N, ...)``; a node with several incoming edges adds them in the order the edges are
+    listed. Stateless: each call is a fresh sequence.
+    """
 
     def __init__(self, graph, dt: Optional[float] = None):
         super().__init__()

@@ -7,6 +7,12 @@ from typing import Optional
 
 @dataclass
 class LayerResult:
+    """One layer of an :class:`AutoselectReport` in one layout.
+
+    ``name`` and ``kind``: the layer's module name and type name; ``times``: seconds per candidate method;
+    ``choice``: the method kept; ``cached``: whether the times came from the timing cache.
+    """
+
     name: str
     kind: str
     times: dict[str, float]

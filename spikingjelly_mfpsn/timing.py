@@ -25,8 +25,11 @@ def is_tunable(m: nn.Module) -> bool:
 
 
 def layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers autoselect times: tunable modules and stateful modules (neurons), not descended
-    into, and every other leaf module."""
+    """The layers autoselect times, as ``(name, module)`` pairs.
+
+    These are the tunable modules and stateful modules (neurons), not descended into, and every other leaf
+    module.
+    """
     out, skip = [], []
     for name, m in net.named_modules():
         if m is net or any(name.startswith(p + ".") for p in skip):
@@ -40,6 +43,15 @@ def layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def candidates(m: nn.Module) -> list[str]:
+    """The methods autoselect may time for layer ``m``.
+
+    Args:
+        m: a layer, as listed by :func:`layers`.
+
+    Returns:
+        Its ``candidate_methods`` (or, without them, its ``supported_methods``); ``['-']`` for a layer that
+        is not tunable (no choice of implementations).
+    """
     if not is_tunable(m):
         return ["-"]
     return list(getattr(m, "candidate_methods", None) or m.supported_methods)
@@ -118,8 +130,10 @@ class _SeedGradient(torch.autograd.Function):
 
 def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter,
             abandon_above: float = math.inf, input_grad: bool = True) -> float:
-    """Mean forward + backward time (seconds) of ``module(*args)`` over the last ``m`` of ``2m`` timed runs,
-    after a warm-up run (which may pay one-off costs, and is never timed).
+    """Mean forward + backward time (seconds) of ``module(*args)``.
+
+    The mean is over the last ``m`` of ``2m`` timed runs, after a warm-up run (which may pay one-off costs,
+    and is never timed).
 
     The backward gets a gradient of ones of the output's shape (of each tensor of a structured output:
     tuples, lists, dicts; made once, outside the timed region; no

@@ -92,9 +92,11 @@ def layer_key(module: nn.Module, layout: str, args: tuple) -> str:
 
 
 def net_key(net: nn.Module, x, layouts, fallback: Optional[str] = None) -> str:
-    """Cache key of a whole network's choice: every module's signature, the input, the device, the
-    layouts considered (and the time-last conversion's fallback), the registered implementations and
-    the library versions."""
+    """Cache key of a whole network's choice.
+
+    It covers every module's signature, the input, the device, the layouts considered (and the time-last
+    conversion's fallback), the registered implementations and the library versions.
+    """
     mods = [[name, *_describe(m), [list(p.shape) for p in m.parameters(recurse=False)], m.training]
             for name, m in net.named_modules()]
     return _hash({"modules": mods, "layouts": list(layouts), "implementations": sorted(ops.names()),
@@ -102,8 +104,10 @@ def net_key(net: nn.Module, x, layouts, fallback: Optional[str] = None) -> str:
 
 
 def state_digest(net: nn.Module) -> Optional[str]:
-    """SHA-256 of every parameter and buffer of ``net``: names, shapes, dtypes and bytes; None when one
-    is not on the CPU (hashing would copy it there)."""
+    """SHA-256 of every parameter and buffer of ``net``: names, shapes, dtypes and bytes.
+
+    None when one is not on the CPU (hashing would copy it there).
+    """
     named = list(itertools.chain(net.named_parameters(), net.named_buffers()))
     if any(t.device.type != "cpu" for _, t in named):
         return None
@@ -143,18 +147,26 @@ def with_check(plan: dict, digest: Optional[str]) -> dict:
 
 
 def default_cache_path() -> str:
+    """The autoselect cache file used when no path is given.
+
+    Returns:
+        The path in the ``SPIKINGJELLY_MFPSN_CACHE`` environment variable if set, else
+        ``spikingjelly_mfpsn/autoselect.json`` under ``$XDG_CACHE_HOME`` (default ``~/.cache``).
+    """
     return os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "spikingjelly_mfpsn", "autoselect.json")
 
 
 class TimingCache:
-    """A JSON file of per-layer timings. A corrupted or foreign file is rebuilt, and every entry is
-    checked against the schema of what this code writes (see :func:`_valid_layer`, :func:`_valid_plan`):
-    anything else is dropped with a warning and measured again, never trusted. A path that is not a
-    regular file (a directory, a FIFO, a device) is never opened: a warning, and no cache. Writes go to a
-    temporary file renamed over the old one (never torn) under a lock (no lost updates between
-    concurrent writers), waited for at most ``LOCK_TIMEOUT`` seconds. It keeps the
-    ``MAX_LAYER_ENTRIES`` layer timings and the ``MAX_PLANS`` plans written last."""
+    """A JSON file of per-layer timings.
+
+    A corrupted or foreign file is rebuilt, and every entry is checked against the schema of what this code
+    writes (see :func:`_valid_layer`, :func:`_valid_plan`): anything else is dropped with a warning and
+    measured again, never trusted. A path that is not a regular file (a directory, a FIFO, a device) is
+    never opened: a warning, and no cache. Writes go to a temporary file renamed over the old one (never
+    torn) under a lock (no lost updates between concurrent writers), waited for at most ``LOCK_TIMEOUT``
+    seconds. It keeps the ``MAX_LAYER_ENTRIES`` layer timings and the ``MAX_PLANS`` plans written last.
+    """
 
     def __init__(self, path: Optional[str]):
         self.path = path

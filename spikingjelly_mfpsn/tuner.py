@@ -1,5 +1,7 @@
-"""Autoselect (paper Algorithm 1): time every implementation of every layer on the user's real shapes,
-in each layout, and apply the fastest configuration.
+"""Autoselect (paper Algorithm 1): time every layer's implementations and apply the fastest.
+
+Every implementation of every layer is timed on the user's real shapes, in each layout, and the fastest
+configuration is applied.
 
 For each layout: convert the net, capture every layer's input with forward hooks, and time each of the
 layer's candidate methods (forward, then backward with a gradient of ones of the output's shape;

@@ -28,10 +28,12 @@ QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straigh
 
 
 class BatchNorm(NamedTuple):
-    """The batch normalisation folded into the threshold (paper Appendix C), as the arguments of
-    ``torch.nn.functional.batch_norm``: ``gamma``, ``beta`` (C,); the running statistics (C,), or None
-    (training only; nothing to update); ``momentum`` (None: a cumulative average over
-    ``num_batches_tracked``, a one-element integer tensor, counted up in place in training)."""
+    """The batch normalisation folded into the threshold (paper Appendix C).
+
+    Its fields are the arguments of ``torch.nn.functional.batch_norm``: ``gamma``, ``beta`` (C,); the
+    running statistics (C,), or None (training only; nothing to update); ``momentum`` (None: a cumulative
+    average over ``num_batches_tracked``, a one-element integer tensor, counted up in place in training).
+    """
     gamma: torch.Tensor
     beta: torch.Tensor
     running_mean: Optional[torch.Tensor] = None
@@ -45,7 +47,9 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
            v_threshold: Optional[torch.Tensor] = None, bn: Optional[BatchNorm] = None, dilation: int = 1,
            layout: str = "time_first", method: str = "auto", backend: str = "torch", surrogate_function=None,
            quantize: Optional[str] = "whole", training: bool = False) -> torch.Tensor:
-    """Spikes ``S = Theta(conv(X, Wq) + b)`` of a multi-step MF-PSN layer, differentiable w.r.t. every tensor.
+    """Spikes ``S = Theta(conv(X, Wq) + b)`` of a multi-step MF-PSN layer.
+
+    Differentiable w.r.t. every tensor.
 
     Args:
         x: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), floating point of
@@ -314,11 +318,14 @@ def _fire(impl, x, w, b, dilation, layout, code, alpha, sg) -> torch.Tensor:
 
 
 def exact_where_overflowed(h: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``h`` where it is finite; where a charge narrower than float64 is not (a sum that overflowed on the
-    way or in the end, or a NaN or inf input), the float64 charge ``exact()`` of the same inputs, cast
-    back (beyond the dtype's range: the infinity of its sign). So a spike is the sign of the exact sum
+    """The charge ``h``, with the exact float64 charge wherever ``h`` is not finite.
+
+    ``h`` is kept where it is finite; where a charge narrower than float64 is not (a sum that overflowed on
+    the way or in the end, or a NaN or inf input), the float64 charge ``exact()`` of the same inputs is used,
+    cast back (beyond the dtype's range: the infinity of its sign). So a spike is the sign of the exact sum
     whatever order an implementation adds in, as the fused kernels do too. Eager only (a data-dependent
-    branch); the check is one read of ``h`` (a float64 sum: no sum of finite float32 values overflows it)."""
+    branch); the check is one read of ``h`` (a float64 sum: no sum of finite float32 values overflows it).
+    """
     if h.dtype == torch.float64 or torch.compiler.is_compiling() or bool(h.sum(dtype=torch.float64).isfinite()):
         return h
     return torch.where(torch.isfinite(h), h, exact().to(h.dtype))
@@ -327,9 +334,11 @@ def exact_where_overflowed(h: torch.Tensor, exact: Callable[[], torch.Tensor]) -
 # ---------------------------------------------------------------------------- the charge alone
 def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, dilation: int = 1,
            layout: str = "time_first", method: str = "auto") -> torch.Tensor:
-    """The charge ``H = conv(X, W) + b`` alone (no quantiser, no spike), by ``method`` (an implementation
-    name, or ``'auto'``), after validating the call; an input of lower precision than the weight is
-    computed in the weight's dtype."""
+    """The charge ``H = conv(X, W) + b`` alone (no quantiser, no spike).
+
+    Computed by ``method`` (an implementation name, or ``'auto'``), after validating the call; an input of
+    lower precision than the weight is computed in the weight's dtype.
+    """
     impl, x = _checked(x, weight, bias, dilation, layout, method)
     return impl.apply(_in_weight_dtype(x, weight), weight, bias, dilation, layout)
 
@@ -339,12 +348,14 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
                 v_threshold: Optional[torch.Tensor] = None, bn: Optional[BatchNorm] = None, method: str = "auto",
                 backend: str = "torch", surrogate_function=None, quantize: Optional[str] = "whole",
                 training: bool = False) -> torch.Tensor:
-    """One step of :func:`mf_psn` from the inputs its taps read (single-step mode's ring buffer): the
-    spikes ``Theta(sum_i Wq[:, i] * taps[i] + b)`` of inputs ``(N, C, ...)``, ``taps[i]`` the input tap
-    ``i`` reads, ``(k-1-i)*dilation`` steps back, or None before the first step (``taps[-1]``: this
-    step's input). The threshold arguments as in :func:`mf_psn`; with ``bn`` in ``training``, the batch
+    """One step of :func:`mf_psn` from the inputs its taps read (single-step mode's ring buffer).
+
+    Returns the spikes ``Theta(sum_i Wq[:, i] * taps[i] + b)`` of inputs ``(N, C, ...)``, ``taps[i]`` the
+    input tap ``i`` reads, ``(k-1-i)*dilation`` steps back, or None before the first step (``taps[-1]``:
+    this step's input). The threshold arguments as in :func:`mf_psn`; with ``bn`` in ``training``, the batch
     statistics are this step's. Without a gradient to compute, a pinned ``method`` (or a kernel
-    ``backend``) with a fused step runs it in one kernel call."""
+    ``backend``) with a fused step runs it in one kernel call.
+    """
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, _ = surrogate.fused(sg)
     _check_step_args(taps, weight, bias, v_threshold, bn)

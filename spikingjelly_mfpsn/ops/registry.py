@@ -28,6 +28,17 @@ LAYOUTS = ("time_first", "time_last")
 
 
 def check_layout(layout: str) -> str:
+    """Check that ``layout`` is one of :data:`LAYOUTS`.
+
+    Args:
+        layout: ``'time_first'`` or ``'time_last'``.
+
+    Returns:
+        ``layout`` itself.
+
+    Raises:
+        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -183,10 +194,12 @@ def _ranked(registered: tuple, backend: str, device_type: str, k: int, t: int) -
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str, backend: str = "torch") -> str:
-    """The implementation ``method='auto'`` runs for this call (before any autoselect pass): the supported
-    one of the highest priority (see :class:`Implementation`) among ``backend``'s, where backend 'torch'
-    (the default) also takes the kernel backends of priority >= 0 (Triton and CuPy on CUDA). Under
-    torch.compile the implementations it can trace come first."""
+    """The implementation ``method='auto'`` runs for this call (before any autoselect pass).
+
+    That is the supported one of the highest priority (see :class:`Implementation`) among ``backend``'s,
+    where backend 'torch' (the default) also takes the kernel backends of priority >= 0 (Triton and CuPy on
+    CUDA). Under torch.compile the implementations it can trace come first.
+    """
     rank = _ranked.__wrapped__ if torch.compiler.is_compiling() else _ranked  # (dynamo traces no cache)
     ranked = rank(tuple(map(id, _REGISTRY.values())), backend, x.device.type, weight.shape[-1],
                   x.shape[time_dim(layout)] if x.dim() else 0)
@@ -203,6 +216,18 @@ def choose(x: torch.Tensor, weight: torch.Tensor, dilation: int, layout: str, ba
 
 
 def get(name: str) -> Implementation:
+    """The implementation registered as ``name``.
+
+    Args:
+        name: an implementation name (not ``'auto'``).
+
+    Returns:
+        The registered :class:`Implementation`.
+
+    Raises:
+        ValueError: no implementation is registered as ``name``; for a kernel backend's that does not run
+            here, the error of :func:`not_here`.
+    """
     impl = _REGISTRY.get(name)
     if impl is not None:
         return impl
@@ -212,8 +237,11 @@ def get(name: str) -> Implementation:
 
 
 def not_here(backend: str) -> ValueError:
-    """The error for a neuron set to a kernel backend that does not run here (e.g. in a network saved
-    on a machine where it ran): why, and the way back to the methods that do."""
+    """The error for a neuron set to a kernel backend that does not run here.
+
+    This happens e.g. in a network saved on a machine where the backend ran. The error says why, and the
+    way back to the methods that do run.
+    """
     why = _UNAVAILABLE_REASONS.get(backend) or _INSTALL_HINTS.get(backend, "its backend is not available")
     return ValueError(f"method {backend!r} cannot run here: {why}. Here the methods are {sorted(_REGISTRY)}; a "
                       f"network saved where it ran switches with functional.set_backend(net, 'torch') or "
@@ -221,8 +249,10 @@ def not_here(backend: str) -> ValueError:
 
 
 def find(name: str) -> Optional[Implementation]:
-    """The implementation registered as ``name`` here, or None (e.g. a kernel backend's, in a network
-    saved on a machine where that backend ran)."""
+    """The implementation registered as ``name`` here, or None.
+
+    None e.g. for a kernel backend's, in a network saved on a machine where that backend ran.
+    """
     return _REGISTRY.get(name)
 
 
@@ -233,13 +263,20 @@ def names(layout: Optional[str] = None, backend: Optional[str] = None) -> list[s
 
 
 def candidate_names(layout: str) -> list[str]:
-    """Implementations an autoselect pass may time for ``layout``: every available backend's, except
-    those that run emulated here (e.g. Triton's interpreter)."""
+    """Implementations an autoselect pass may time for ``layout``.
+
+    Every available backend's, except those that run emulated here (e.g. Triton's interpreter).
+    """
     return [n for n in names(layout=layout)
             if _REGISTRY[n].autoselect and backend_available(_REGISTRY[n].backend)]
 
 
 def implementations() -> list[Implementation]:
+    """Every registered implementation, in registration order.
+
+    Returns:
+        A new list of the registered :class:`Implementation` objects.
+    """
     return list(_REGISTRY.values())
 
 
@@ -272,8 +309,13 @@ def input_dtype_error(x_dtype: torch.dtype, param_dtype: torch.dtype, what: str 
 
 def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       dilation: int, layout: str) -> None:
-    """Validate a charge call; raises ``ValueError`` naming the offending argument (``TypeError`` for a
-    dtype: see :func:`input_dtype_error`; the weight and bias share one floating dtype)."""
+    """Validate a charge call.
+
+    Raises:
+        ValueError: names the offending argument.
+        TypeError: for a dtype (see :func:`input_dtype_error`; the weight and bias share one floating
+            dtype).
+    """
     check_layout(layout)
     if not weight.is_floating_point() or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"weight and bias must share one floating-point dtype, got weight {weight.dtype}"
@@ -337,6 +379,15 @@ def check_backend(backend: str) -> str:
 
 
 def backend_available(backend: str) -> bool:
+    """Whether ``backend`` runs here.
+
+    Args:
+        backend: a backend name (the known ones are the keys of :data:`BACKEND_LIBRARIES`).
+
+    Returns:
+        True for ``'torch'``; for another known backend, True when its library (if it needs one) imports
+        and it registered at least one implementation; False for an unknown name.
+    """
     if backend not in BACKEND_LIBRARIES:
         return False
     if backend == "torch":
@@ -348,4 +399,9 @@ def backend_available(backend: str) -> bool:
 
 
 def available_backends() -> tuple[str, ...]:
+    """The backends that run here (see :func:`backend_available`).
+
+    Returns:
+        Their names, in the order of :data:`BACKEND_LIBRARIES`.
+    """
     return tuple(b for b in BACKEND_LIBRARIES if backend_available(b))

@@ -45,8 +45,10 @@ def _unpickle(read, where: str, name: str) -> dict:
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
-    """scikit-learn's bundled handwritten digits (1797 images, 8x8, 10 classes), split in a fixed,
-    class-stratified way. Images ``(N, 1, 8, 8)`` in ``[0, 1]``."""
+    """scikit-learn's bundled handwritten digits (1797 images, 8x8, 10 classes), as a fixed split.
+
+    The split is class-stratified. Images ``(N, 1, 8, 8)`` in ``[0, 1]``.
+    """
     try:
         from sklearn.datasets import load_digits as sk_load_digits
         from sklearn.model_selection import train_test_split
@@ -77,10 +79,11 @@ def _cifar_arrays(batch: dict, label_key: bytes, where: str) -> tuple[torch.Tens
 
 
 def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
-    """CIFAR-10/100 from the standard python-pickle archive in ``data_dir``: either the archive itself
-    (``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz``) or its extracted folder
-    (``cifar-10-batches-py/`` / ``cifar-100-python/``), or that folder itself. Images ``(N, 3, 32, 32)``
-    in ``[0, 1]``.
+    """CIFAR-10/100 from the standard python-pickle archive in ``data_dir``.
+
+    ``data_dir`` holds either the archive itself (``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz``)
+    or its extracted folder (``cifar-10-batches-py/`` / ``cifar-100-python/``), or is that folder itself.
+    Images ``(N, 3, 32, 32)`` in ``[0, 1]``.
 
     The batches are Python pickles: only read files from the official archive (or your own).
     """
@@ -158,8 +161,10 @@ def to_pixels(images: torch.Tensor) -> torch.Tensor:
 
 
 class SHD(torch.utils.data.Dataset):
-    """Spiking Heidelberg Digits from its .h5 file (``spikes/times`` in seconds, ``spikes/units`` in
-    0..699, ``labels``), each sample binned into ``bins`` frames of spike counts.
+    """Spiking Heidelberg Digits from its .h5 file, binned into frames of spike counts.
+
+    Each sample is binned into ``bins`` frames. The file holds ``spikes/times`` in seconds, ``spikes/units``
+    in 0..699 and ``labels``.
 
     Args:
         path: ``shd_train.h5`` or ``shd_test.h5``

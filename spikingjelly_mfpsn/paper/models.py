@@ -188,8 +188,9 @@ class TemporalConv3d(_TimeMixing):
 
 
 class DelayedLinear(_TimeMixing):
-    """Fully connected layer with learnable synaptic delays: ``Dcls1d`` from the ``dcls`` package
-    (Hammouamri et al. 2023, the SHD network of the paper), applied causally along time.
+    """Fully connected layer with learnable synaptic delays, applied causally along time.
+
+    It is ``Dcls1d`` from the ``dcls`` package (Hammouamri et al. 2023, the SHD network of the paper).
 
     Each synapse has one weight and one learnable delay in ``[0, max_delay - 1]`` steps. Call
     :func:`clamp_delays` after every optimiser step to keep the delays in range.
@@ -217,8 +218,10 @@ class DelayedLinear(_TimeMixing):
 
 
 class MembraneReadout(_TimeMixing):
-    """LIF neuron with an infinite threshold whose membrane potential is the output (paper: LIF(Vth=1e9),
-    the "stateful synapse" readout): ``V[t] = V[t-1] + (X[t] - V[t-1]) / tau``, ``V[-1] = 0``.
+    """LIF neuron with an infinite threshold whose membrane potential is the output.
+
+    This is the paper's LIF(Vth=1e9), the "stateful synapse" readout:
+    ``V[t] = V[t-1] + (X[t] - V[t-1]) / tau``, ``V[-1] = 0``.
 
     Not a SpikingJelly neuron on purpose: it never spikes, and neuron-replacing utilities must not
     turn it into one.
@@ -369,8 +372,10 @@ def shd_net(in_features: int = 700, num_classes: int = 20, T: Optional[int] = No
             sawtooth: bool = True, hidden: int = 256, layers: int = 2, dropout: float = 0.4,
             delays: Optional[bool] = None, max_delay: int = 25, readout_tau: float = 2.0,
             surrogate_function=None, **neuron_kwargs) -> nn.Sequential:
-    """SHD: ``{Dcls256-BN-SN-DP}*2-Dcls20-LIF(Vth=1e9)``; input ``(T, N, in_features)`` binned spikes,
-    output ``(T, N, num_classes)`` membrane potentials of the readout.
+    """SHD network: ``{Dcls256-BN-SN-DP}*2-Dcls20-LIF(Vth=1e9)``.
+
+    Input ``(T, N, in_features)`` binned spikes, output ``(T, N, num_classes)`` membrane potentials of the
+    readout.
 
     Args:
         delays: ``True``: learnable-delay :class:`DelayedLinear` layers (needs the ``dcls``
@@ -404,8 +409,9 @@ def dvs_lip_resnet18(in_channels: int = 2, num_classes: int = 100, T: Optional[i
                      k: int = 2, sawtooth: bool = True, widths: Sequence[int] = (64, 128, 256, 512),
                      blocks: Sequence[int] = (2, 2, 2, 2), dropout: float = 0.5, readout_tau: float = 2.0,
                      surrogate_function=None, **neuron_kwargs) -> nn.Sequential:
-    """DVS-Lip Modified Spiking ResNet-18: ``3D_c64k577s122p233-APk3s2p1-{RB64}*2-{RB128}*2-{RB256}*2-
-    {RB512}*2-AAPk1-DP-Stateful FC100``.
+    """DVS-Lip Modified Spiking ResNet-18.
+
+    Architecture: ``3D_c64k577s122p233-APk3s2p1-{RB64}*2-{RB128}*2-{RB256}*2-{RB512}*2-AAPk1-DP-Stateful FC100``.
 
     Input ``(T, N, 2, H, W)`` event frames (paper: T = 90, 88x88 crops); output ``(T, N, num_classes)``.
     The front end is a 3D convolution over (time, H, W) with stride (1, 2, 2), followed by BN and a
@@ -448,8 +454,10 @@ BUILDERS: dict[str, Callable[..., nn.Module]] = {
 
 
 def build(name: str, **kwargs) -> nn.Module:
-    """Build one of :data:`BUILDERS` by name (``'sequential_cifar'``, ``'pixel_cifar'``, ``'shd'``,
-    ``'dvs_lip'``)."""
+    """Build one of :data:`BUILDERS` by name.
+
+    The names are ``'sequential_cifar'``, ``'pixel_cifar'``, ``'shd'`` and ``'dvs_lip'``.
+    """
     if name not in BUILDERS:
         raise ValueError(f"name must be one of {sorted(BUILDERS)}, got {name!r}")
     return BUILDERS[name](**kwargs)

@@ -107,3 +107,32 @@ def test_every_python_block_of_the_docs_runs_as_a_doctest(tmp_path):
     ran = int(re.search(r"^\s*(\d+) tests$", report, re.M).group(1))
     assert unconditional <= ran <= len(blocks) + readme_included
     assert re.search(r"^\s*0 failures in tests$", report, re.M)
+
+
+API_MODULES = ["spikingjelly_mfpsn", "spikingjelly_mfpsn.functional", "spikingjelly_mfpsn.convert",
+               "spikingjelly_mfpsn.tuner", "spikingjelly_mfpsn.layer", "spikingjelly_mfpsn.ops",
+               "spikingjelly_mfpsn.quantize", "spikingjelly_mfpsn.deploy", "spikingjelly_mfpsn.energy",
+               "spikingjelly_mfpsn.nir", "spikingjelly_mfpsn.onnx", "spikingjelly_mfpsn.paper.models",
+               "spikingjelly_mfpsn.paper.data"]
+
+
+def test_public_docstrings_open_with_a_one_line_summary():
+    """Every module of the API page and every function and class it exports: a docstring whose first
+    line is a summary of its own (followed by a blank line), as napoleon and the API page expect."""
+    import importlib
+    import inspect
+    offenders, seen = [], set()
+    for name in API_MODULES:
+        module = importlib.import_module(name)
+        exported = getattr(module, "__all__", [n for n in dir(module) if not n.startswith("_")])
+        objects = [(name, module)] + [(f"{name}.{n}", getattr(module, n)) for n in exported]
+        for path, obj in objects:
+            if not (obj is module or inspect.isfunction(obj) or inspect.isclass(obj)) or id(obj) in seen:
+                continue
+            if obj is not module and not getattr(obj, "__module__", "").startswith("spikingjelly_mfpsn"):
+                continue  # re-exported from torch or SpikingJelly
+            seen.add(id(obj))
+            lines = (inspect.getdoc(obj) or "").split("\n")
+            if not lines[0] or len(lines[0]) > 110 or (len(lines) > 1 and lines[1].strip()):
+                offenders.append(path)
+    assert len(seen) > 100 and not offenders, offenders

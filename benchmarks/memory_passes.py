@@ -139,15 +139,23 @@ def count_cpp(mode: Traffic):
         mode.extra = None
 
 
-def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2) -> tuple[float, float, int, int]:
+def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
+                strided: bool = False) -> tuple[float, float, int, int]:
     """(forward passes, backward passes, forward launches, backward launches) of one training step of the
     neuron with ``method``: a launch is a PyTorch operator that runs a kernel (neither a view nor an
-    allocation) or a Triton kernel."""
+    allocation) or a Triton kernel. ``strided``: X is a view stored in the other layout's order (time
+    first stored time-last, or the reverse), which a method that reads strides takes without a copy."""
     torch.manual_seed(0)
     backend = ops.get(method).backend
     sn = neuron.MulFreeChannelwisePSN(shape[ops.channel_dim(layout)], k=k, dilation=1, step_mode="m",
                                       layout=layout, threshold=threshold, backend=backend, method=method)
-    x = torch.randn(shape, requires_grad=True)
+    if strided:  # the time axis moved to the other end of the storage
+        order = list(range(1, len(shape))) + [0] if layout == "time_first" else [len(shape) - 1] + list(range(len(shape) - 1))
+        stored = torch.randn([shape[i] for i in order])
+        x = stored.permute([order.index(i) for i in range(len(shape))]).requires_grad_()
+        assert tuple(x.shape) == tuple(shape) and not x.is_contiguous()
+    else:
+        x = torch.randn(shape, requires_grad=True)
     g = torch.randn(shape)
     sn(x).backward(g)  # warm-up (lazy state, autotuning)
     sn.zero_grad(set_to_none=True)  # as optimizer.zero_grad() leaves them: a step's gradients are new tensors
@@ -160,7 +168,9 @@ def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2) -> 
         return (mode.read + mode.written) / _bytes(x), mode.launches, out
 
     fwd, fwd_launches, s = passes(lambda: sn(x))
-    bwd, bwd_launches, _ = passes(lambda: s.backward(g))
+    # The gradients of X and the parameters as the step produces them: X stands for an activation, whose
+    # gradient autograd hands on rather than accumulates (into a strided leaf it would copy it first).
+    bwd, bwd_launches, _ = passes(lambda: torch.autograd.grad(s, [x, *sn.parameters()], g))
     return fwd, bwd, fwd_launches, bwd_launches
 
 

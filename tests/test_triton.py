@@ -17,6 +17,7 @@ import torch
 import spikingjelly_mfpsn  # noqa: F401  (registers the neuron)
 from spikingjelly.activation_based import neuron, surrogate
 from spikingjelly_mfpsn import ops
+from spikingjelly_mfpsn.ops import tiles
 
 import reference
 from test_ops import make_input
@@ -123,14 +124,12 @@ def test_no_bias_and_partial_grads(layout):
     torch.testing.assert_close(gw, gw_ref)
 
 
-def test_strided_views_run_in_place():
-    """Time-first data stored time-last, and a slice along T: strides passed, nothing copied."""
+def test_strided_views_run():
+    """Time-first data stored time-last, and a slice along T (that nothing is copied: the memory passes)."""
     base = rand(2, 3, 4, 5, 9)  # (N, C, H, W, T) contiguous
     x_tf = base.permute(4, 0, 1, 2, 3)  # time-first view, T is the contiguous axis
     x_tl = base[..., ::2]  # time-last view with T stride 2
     for x, layout in ((x_tf, "time_first"), (x_tl, "time_last")):
-        x4, strides, m, _ = triton_ops._view4(x, layout)
-        assert x4.data_ptr() == base.data_ptr() and m == 20, "the kernel should read x in place"
         check_charge(x, rand(3, 3), rand(3), 2, layout, TOL[torch.float64])
 
 
@@ -258,24 +257,31 @@ def test_neuron_backend_triton(layout, threshold):
 
 
 # ---------------------------------------------------------------- GPU autotuning choices (plain Python)
+def covered(tile, r, c, t):
+    """Elements an (R, C, T) problem's tiles cover, padding included, counted tile by tile."""
+    return len(range(0, r, tile[0])) * tile[0] * len(range(0, c, tile[1])) * tile[1] * len(range(0, t, tile[2])) * tile[2]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_autotune_prunes_wasteful_tiles(layout):
-    configs = triton_ops._configs(layout, triton_ops.GPU_TILES)
+    every = tiles.GPU_TILES[layout]
     # T = 4 (common in SNNs): tiles long in T are not worth benchmarking.
-    kept = triton_ops._prune(configs, dict(R=4096, C=64, T=4))
-    assert kept and all(cf.kwargs["BT"] <= 8 for cf in kept)
-    # Every shape keeps at least one config, the least wasteful one among them.
-    for r, c, t in ((1, 1, 1), (3, 1000, 2), (100000, 3, 1000)):
-        kept = triton_ops._prune(configs, dict(R=r, C=c, T=t))
-        least = min(triton_ops._padded_work(cf, r, c, t) for cf in configs)
-        assert kept and min(triton_ops._padded_work(cf, r, c, t) for cf in kept) == least
+    kept = tiles.worth_trying(every, 4096, 64, 4)
+    assert kept and all(bt <= 8 for _, _, bt in kept)
+    # Every shape keeps the least wasteful tile, and only tiles within 2x of it.
+    for r, c, t in ((1, 1, 1), (3, 1000, 2), (100000, 3, 1000), (4096, 64, 4)):
+        kept = tiles.worth_trying(every, r, c, t)
+        least = min(covered(tile, r, c, t) for tile in every)
+        assert kept and min(covered(tile, r, c, t) for tile in kept) == least
+        assert all(covered(tile, r, c, t) <= 2 * least for tile in kept)
+        assert all(tile in kept for tile in every if covered(tile, r, c, t) <= 2 * least)
 
 
 def test_reduction_grid_fills_the_target():
     tile = (16, 1, 64)
-    assert triton_ops._reduction_grid(tile, r=4096, c=8, t=256, target=432) == (8, 54)
-    assert triton_ops._reduction_grid(tile, r=16, c=8, t=64, target=432) == (8, 1)  # one tile each
-    assert triton_ops._reduction_grid(tile, r=4096, c=1000, t=256, target=432) == (1000, 1)
+    assert tiles.reduction_grid(tile, r=4096, c=8, t=256, target=432) == (8, 54)
+    assert tiles.reduction_grid(tile, r=16, c=8, t=64, target=432) == (8, 1)  # one tile each
+    assert tiles.reduction_grid(tile, r=4096, c=1000, t=256, target=432) == (1000, 1)
 
 
 # ---------------------------------------------------------------- what the implementation refuses
@@ -581,8 +587,10 @@ def test_training_step_at_the_memory_floor(threshold, passes, launches):
         import memory_passes
     finally:
         sys.path.pop(0)
-    for layout, shape, k in (("time_first", (8, 4, 16, 64), 2), ("time_last", (4, 16, 64, 8), 3)):
-        fwd, bwd, fwd_launches, bwd_launches = memory_passes.step_passes("triton", layout, threshold, shape, k=k)
+    cases = (("time_first", (8, 4, 16, 64), 2), ("time_last", (4, 16, 64, 8), 3))
+    for (layout, shape, k), strided in itertools.product(cases, (False, True)):  # strided: read in place
+        fwd, bwd, fwd_launches, bwd_launches = memory_passes.step_passes("triton", layout, threshold, shape, k=k,
+                                                                         strided=strided)
         # parameter-sized tensors add a few hundredths of a pass
         assert fwd == pytest.approx(passes[0], abs=0.1) and bwd == pytest.approx(passes[1], abs=0.1)
         assert fwd_launches + bwd_launches <= launches

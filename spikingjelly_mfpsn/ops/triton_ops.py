@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from . import surrogate
+from . import surrogate, tiles
 from .registry import LAYOUTS, Implementation, first_order_only, needs_grad, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -615,45 +615,19 @@ TRAFFIC = {
 # ---------------------------------------------------------------- autotune configs per layout
 INTERPRETED = type(_charge_fwd_kernel).__name__ == "InterpretedFunction"
 
-# (BR, BC, BT) tiles. Time-first (T, N, C, M): C (when M = 1) or M is the contiguous axis and T the
-# outermost, so tiles are wide in rows/channels and short in T. Time-last (N, C, M, T): T is
-# contiguous, so tiles are long in T, with row-heavy ones for the short T common in SNNs (T = 4..8).
-GPU_TILES = {"time_first": [(1, 256, 2), (4, 64, 4), (16, 16, 4), (64, 4, 4), (256, 1, 2), (128, 1, 8)],
-             "time_last": [(4, 1, 256), (8, 1, 128), (16, 1, 64), (32, 1, 32), (64, 1, 16), (128, 1, 8),
-                           (256, 1, 4)]}
-# The interpreter: one config per layout (nothing to benchmark on the CPU); few, large programs, as
-# each program costs interpreter overhead; test shapes past 32 rows / 4 channels / 16 steps still
-# span several tiles.
-INTERPRETER_TILES = {"time_first": [(32, 4, 16)], "time_last": [(32, 4, 16)]}
-_TILES = INTERPRETER_TILES if INTERPRETED else GPU_TILES
+_TILES = tiles.INTERPRETER_TILES if INTERPRETED else tiles.GPU_TILES
 
 
-def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` in plain Python (``triton.cdiv`` is a JIT-callable, slow to call from the host)."""
-    return -(-a // b)
-
-
-def _pow2_ceil(n: int) -> int:
-    """The least power of two >= n (``triton.next_power_of_2`` in plain Python, for the same reason)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _configs(layout: str, tiles=None) -> list:
-    return [triton.Config({"BR": br, "BC": bc, "BT": bt}, num_warps=4 if br * bc * bt <= 1024 else 8)
-            for br, bc, bt in (tiles or _TILES)[layout]]
-
-
-def _padded_work(config, r: int, c: int, t: int) -> int:
-    """Elements a config's tiles cover for an (R, C, T) problem, masked-off padding included."""
-    kw = config.kwargs
-    return math.prod(_cdiv(n, kw[b]) * kw[b] for b, n in (("BR", r), ("BC", c), ("BT", t)))
+def _configs(layout: str) -> list:
+    return [triton.Config({"BR": br, "BC": bc, "BT": bt}, num_warps=tiles.num_warps((br, bc, bt)))
+            for br, bc, bt in _TILES[layout]]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Benchmark only tiles that waste little on this shape: padded work within 2x of the least."""
-    r, c, t = (int(named_args[n]) for n in ("R", "C", "T"))
-    least = min(_padded_work(cf, r, c, t) for cf in configs)
-    return [cf for cf in configs if _padded_work(cf, r, c, t) <= 2 * least]
+    """The autotuner's early prune: the configs of :func:`tiles.worth_trying` for this shape."""
+    shape = [int(named_args[n]) for n in ("R", "C", "T")]
+    kept = tiles.worth_trying([(cf.kwargs["BR"], cf.kwargs["BC"], cf.kwargs["BT"]) for cf in configs], *shape)
+    return [cf for cf in configs if (cf.kwargs["BR"], cf.kwargs["BC"], cf.kwargs["BT"]) in kept]
 
 
 _KEY = ["R", "C", "T", "M", "K"]
@@ -701,7 +675,7 @@ def _acc_dtype(*tensors):
 
 def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
     """One program per (BR, BC, BT) tile."""
-    return (_cdiv(r, tile["BR"]) * _cdiv(c, tile["BC"]) * _cdiv(t, tile["BT"]),)
+    return (tiles.cdiv(r, tile["BR"]) * tiles.cdiv(c, tile["BC"]) * tiles.cdiv(t, tile["BT"]),)
 
 
 def _hi_lo(v: float) -> tuple[float, float]:
@@ -723,12 +697,12 @@ def _reduction_tile(layout: str, c: int, t: int, m: int) -> tuple[int, int, int]
     shape alone. Time-last: long in the contiguous T; time-first: wide in channels when they are the
     contiguous axis (M = 1), else in rows."""
     if INTERPRETED:
-        return INTERPRETER_TILES[layout][0]
+        return tiles.INTERPRETER_TILES[layout][0]
     if layout == "time_last":
-        bt = min(_pow2_ceil(t), 64)
+        bt = min(tiles.pow2_ceil(t), 64)
         return 1024 // bt, 1, bt
     if m == 1:
-        bc = min(_pow2_ceil(c), 128)
+        bc = min(tiles.pow2_ceil(c), 128)
         return max(512 // bc, 1), bc, 2
     return 256, 1, 4
 
@@ -741,18 +715,9 @@ def _split_target(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _reduction_grid(tile: tuple, r: int, c: int, t: int, target: int) -> tuple[int, int]:
-    """(channel blocks, splits): each channel block's tiles are shared by enough programs to reach
-    about ``target`` programs in all (:func:`_split_target`)."""
-    br, bc, bt = tile
-    n_cb = _cdiv(c, bc)
-    n_tiles = _cdiv(r, br) * _cdiv(t, bt)
-    return n_cb, max(1, min(n_tiles, target // n_cb))
-
-
 def _tile_args(tile: tuple) -> dict:
     br, bc, bt = tile
-    return dict(BR=br, BC=bc, BT=bt, num_warps=4 if br * bc * bt <= 1024 else 8)
+    return dict(BR=br, BC=bc, BT=bt, num_warps=tiles.num_warps(tile))
 
 
 def _on_device_of(position: int):
@@ -806,8 +771,8 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     part_dtype = torch.float64 if acc == tl.float64 else torch.float32
     x4, xs, m, (r, c, t) = _view4(x, layout)
     tile = _reduction_tile(layout, c, t, m)
-    grid = _reduction_grid(tile, r, c, t, _split_target(x.device))
-    bk = _pow2_ceil(k)
+    grid = tiles.reduction_grid(tile, r, c, t, _split_target(x.device))
+    bk = tiles.pow2_ceil(k)
     # Every program writes its slot of partial sums, so they need no zero fill (but an empty x runs none).
     alloc = torch.empty if x.numel() else torch.zeros
     pw = alloc((grid[1], c, bk), dtype=part_dtype, device=x.device)
@@ -878,8 +843,8 @@ def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     """(channel block, split block) of the per-channel kernels K2 and K5, about 2048 values a step."""
     if INTERPRETED:
         return 4, 8
-    bc = min(_pow2_ceil(c), max(2048 // per_channel, 1), 64)
-    return bc, min(_pow2_ceil(n_split), max(2048 // (bc * per_channel), 1))
+    bc = min(tiles.pow2_ceil(c), max(2048 // per_channel, 1), 64)
+    return bc, min(tiles.pow2_ceil(n_split), max(2048 // (bc * per_channel), 1))
 
 
 @_on_device_of(0)
@@ -890,7 +855,7 @@ def _bn_forward(x, weight, gamma, beta, cfg):
     x4, xs, m, (r, c, t) = _view4(x, layout)
     acc = _acc_dtype(x, weight)
     tile = _reduction_tile(layout, c, t, m)
-    n_cb, n_split = _reduction_grid(tile, r, c, t, _split_target(device))
+    n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
     # Every per-channel output in one allocation: Wq (C, k), b, OK (1.0 where the folding is finite), and
     # the batch mean and variance.
     folded = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, c, c))
@@ -906,7 +871,7 @@ def _bn_forward(x, weight, gamma, beta, cfg):
     rm, rv, factor = running if running is not None else (mean, var, 0.0)
     saved = (rm.clone(), rv.clone()) if running is not None and not x.is_cuda else None
     bc, bs = _fold_blocks(c, n_split, 2)
-    _bn_fold_kernel[(_cdiv(c, bc),)](
+    _bn_fold_kernel[(tiles.cdiv(c, bc),)](
         part, n_split, x4, weight, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1], xs[3],
         *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
         var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
@@ -932,8 +897,8 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, cfg, need_gx):
     acc = _acc_dtype(x, weight)
     acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
     tile = _reduction_tile(layout, c, t, m)
-    n_cb, n_split = _reduction_grid(tile, r, c, t, _split_target(device))
-    bk = _pow2_ceil(k)
+    n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
+    bk = tiles.pow2_ceil(k)
     consts = surrogate_constants(kind, alpha)  # (COEF is stored in the parameters' dtype)
     mean = mean.contiguous()
     part = torch.empty((n_split, c, 4, bk), dtype=acc_dtype, device=device)
@@ -944,7 +909,7 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, cfg, need_gx):
     g_weight, g_gamma, g_beta, coef = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, 2 * c))
     g_weight = g_weight.view(c, k)
     bc, bs = _fold_blocks(c, n_split, 4 * bk)
-    _bn_grad_fold_kernel[(_cdiv(c, bc),)](
+    _bn_grad_fold_kernel[(tiles.cdiv(c, bc),)](
         part, n_split, weight, gamma, mean, var, wq, g_weight, g_gamma, g_beta, coef, c, r * t, *_hi_lo(eps),
         *weight.stride(), gamma.stride(0), mean.stride(0), var.stride(0), K=k, BK=bk, ROUND=ste == "round",
         STATS=stats, F64=dtype == torch.float64, BC=bc, BS=bs)
@@ -994,8 +959,8 @@ def _param_forward(x, weight, v_threshold, cfg):
     c, k = weight.shape
     wq, b, ok = torch.empty(c * (k + 2), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c, c))
     wq = wq.view(c, k)
-    bc = 4 if INTERPRETED else min(_pow2_ceil(c), 256)
-    _param_fold_kernel[(_cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
+    bc = 4 if INTERPRETED else min(tiles.pow2_ceil(c), 256)
+    _param_fold_kernel[(tiles.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
                                               v_threshold.stride(0), K=k, QUANT=ste is not None,
                                               F64=weight.dtype == torch.float64, BC=bc)
     _refuse_unless_finite(ok, x, "its weight or v_threshold")
@@ -1034,7 +999,7 @@ def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
     g_weight, g_vth = torch.empty(c * (k + 1), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c))
     g_weight = g_weight.view(c, k)
     bc, bs = _fold_blocks(c, pw.shape[0], pw.shape[2] + 1)
-    _param_grad_fold_kernel[(_cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
+    _param_grad_fold_kernel[(tiles.cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
                                                    *weight.stride(), K=k, BK=pw.shape[2], ROUND=ste == "round",
                                                    F64=weight.dtype == torch.float64, BC=bc, BS=bs)
     return gx, g_weight, g_vth

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops
 from spikingjelly_mfpsn.ops import cupy_ops
@@ -231,7 +232,7 @@ def test_shim_half_rounding_is_exact(shim_lib, dtype):
     launch = ShimLauncher(shim_lib)
     bias = rounding_cases(dtype)
     x = torch.zeros(1, 1, bias.numel(), dtype=dtype)
-    h = cupy_ops._Charge.apply(x, torch.ones(bias.numel(), 1), bias, 1, "time_first", launch)[0, 0]
+    h = cupy_ops.charge_with(launch, x, torch.ones(bias.numel(), 1, dtype=dtype), bias, 1, "time_first")[0, 0]
     want = bias.to(dtype)
     assert h.dtype == dtype
     nan = want.isnan()
@@ -308,15 +309,24 @@ def test_shim_64_bit_indices(shim_lib, layout, dtype, monkeypatch):
                                                      for kind in ("forward", "grad_x", "grad_wb")}
 
 
-def test_index_width_follows_what_a_launch_reaches():
-    """32-bit indices where every element index (plus a grid's stride) and every offset fits, else 64."""
-    launch = ShimLauncher.__new__(ShimLauncher)
-    launch.block, launch.lanes, launch.max_blocks = 256, 32, 1 << 16
-    small, big = (2, 3, 4, 5), (2, 3, 2 ** 28, 2)
-    assert cupy_ops._index_suffix(launch, small, (60, 20, 5, 1)) == "_i32"
-    assert cupy_ops._index_suffix(launch, big, (3 * 2 ** 29, 2 ** 29, 2, 1)) == ""  # 3 * 2**30 elements
-    # few elements, but a stride that reaches past 2**31 (a slice of a large tensor)
-    assert cupy_ops._index_suffix(launch, small, (60, 20, 5, 1), (2 ** 31, 20, 5, 1)) == ""
+def test_index_width_follows_what_a_launch_reaches(shim_lib, monkeypatch):
+    """32-bit index kernels where every element index (plus a grid's stride) and every offset a launch
+    reaches fits in ``INDEX32_LIMIT``, else the 64-bit ones; the same answers either way. (The limit is
+    lowered here so that small tensors cross it.)"""
+    limit = 4096
+    monkeypatch.setattr(cupy_ops, "INDEX32_LIMIT", limit)
+    block = ShimLauncher(shim_lib).block
+    assert block < limit - 200
+    small = torch.randn(4, 2, 3, 5)                                   # 120 elements, small strides
+    big = torch.randn(4, 2, 3, (limit - block) // 24 + 1)             # elements + a grid's stride > limit
+    sliced = torch.randn(4, 2, 3, 400)[..., :5]                       # 120 elements, offsets up to ~9200
+    for x, wide_kernels in ((small, set()), (big, {"forward", "grad_x", "grad_wb"}), (sliced, {"forward", "grad_wb"})):
+        launch = ShimLauncher(shim_lib, max_blocks=1)
+        check_against_reference(launch, x, torch.randn(3, 2), torch.randn(3), 2, "time_first",
+                                TOLERANCES[torch.float32])
+        narrow = {name.removeprefix("mfpsn_").removesuffix("_i32").rsplit("_", 1)[0]: name.endswith("_i32")
+                  for name, _ in launch.launched}  # kernel -> launched with 32-bit indices
+        assert narrow == {kind: kind not in wide_kernels for kind in ("forward", "grad_x", "grad_wb")}, x.stride()
 
 
 def test_shim_is_deterministic(shim_lib):
@@ -329,15 +339,35 @@ def test_shim_is_deterministic(shim_lib):
     assert torch.equal(runs[0], runs[1])
 
 
-def test_axes_reads_strided_inputs_in_place():
+class Copies(TorchDispatchMode):
+    """Records the PyTorch operators (neither views nor allocations) that write a tensor of ``numel``
+    elements: what a launch copies of its input before the kernels read it."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (not func.is_view and not func.overloadpacket.__name__.startswith(("empty", "new_empty"))
+                and isinstance(out, torch.Tensor) and out.numel() == self.numel):
+            self.ops.append(func.overloadpacket.__name__)
+        return out
+
+
+def test_strided_inputs_are_read_in_place(shim_lib):
+    """A permuted time-first input is read through its strides, never copied; one whose feature axes do
+    not merge into one stride is copied once (the documented fallback). Both give the reference's answer."""
     base = torch.randn(2, 7, 3, 4)  # (N, T, C, M) in memory, seen as time-first (T, N, C, M)
-    x = base.transpose(0, 1)
-    t, sizes, strides = cupy_ops._axes(x, "time_first")
-    assert t.data_ptr() == base.data_ptr() and sizes == (2, 3, 4, 7)
-    assert strides == (base.stride(0), base.stride(2), base.stride(3), base.stride(1))
-    reversed_ = torch.randn(3, 2, 4, 2, 7).permute(4, 3, 2, 1, 0)  # features cannot merge: one copy
-    t, sizes, strides = cupy_ops._axes(reversed_, "time_first")
-    assert t.is_contiguous() and torch.equal(t, reversed_) and sizes == (2, 4, 6, 7)
+    permuted = base.transpose(0, 1)
+    reversed_ = torch.randn(3, 2, 4, 2, 7).permute(4, 3, 2, 1, 0)  # (T, N, C, 2, 3) with features reversed
+    for x, copies in ((permuted, []), (reversed_, ["clone"])):
+        w = torch.randn(x.shape[2], 2)
+        with Copies(x.numel()) as seen:
+            h = cupy_ops.charge_with(ShimLauncher(shim_lib), x, w, None, 1, "time_first")
+        assert seen.ops == copies
+        torch.testing.assert_close(h, reference.charge(x.double(), w.double(), None, 1, "time_first").float(),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- 3. availability

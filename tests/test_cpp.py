@@ -22,6 +22,7 @@ from spikingjelly_mfpsn.ops.reduce import batch_stats as reference_stats
 
 import reference
 from test_ops import make_input
+import sj
 
 if cpp_ops.compiler() is None:
     pytest.skip("no C++ compiler (g++/clang++ or $CXX): backend 'cpp' is not registered here "
@@ -476,7 +477,7 @@ def test_single_step_takes_the_general_path_where_the_kernel_does_not_apply(monk
     sn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="s", method="cpp", threshold="param")
     x = torch.randn(3, 4, 5)
     assert sn(x).grad_fn is not None  # the weight requires grad
-    functional_reset = spikingjelly_mfpsn._compat.functional.reset_net
+    functional_reset = sj.functional.reset_net
     bn = neuron.MulFreeChannelwisePSN(4, k=2, step_mode="s", method="cpp")
     with torch.no_grad():
         with CountMultiplications() as count:

@@ -22,10 +22,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
 from spikingjelly_mfpsn.ops import cupy_ops
 
 import reference
+import sj
 
 HOST_DIR = os.path.join(os.path.dirname(__file__), "cuda_host")
 KERNELS = [f"mfpsn_{kind}_{sfx}{index}" for kind in ("forward", "grad_x", "grad_wb")
@@ -401,8 +402,8 @@ def test_without_cupy_backend_cupy_is_a_clear_error(monkeypatch, without_cupy_re
     sn = MulFreeChannelwisePSN(4, step_mode="m")
     with pytest.raises(ImportError, match="cupy"):
         sn.backend = "cupy"
-    if _compat.HAS_SET_BACKEND:  # SpikingJelly's own set_backend warns and leaves the neuron alone
-        _compat.functional.set_backend(torch.nn.Sequential(sn), "cupy")
+    if sj.HAS_SET_BACKEND:  # SpikingJelly's own set_backend warns and leaves the neuron alone
+        sj.functional.set_backend(torch.nn.Sequential(sn), "cupy")
     assert sn.backend == "torch" and sn(torch.randn(3, 2, 4)).shape == (3, 2, 4)
 
 
@@ -422,9 +423,9 @@ def test_cupy_with_cuda_device_registers(monkeypatch, without_cupy_registered):
     assert "cupy" in ops.available_backends() and ops.names(backend="cupy") == ["cupy"]
     sn = MulFreeChannelwisePSN(4, backend="cupy", step_mode="m")
     assert sn.supported_methods == ["cupy"]
-    if _compat.HAS_SET_BACKEND:  # SpikingJelly's own set_backend switches the neuron to cupy
+    if sj.HAS_SET_BACKEND:  # SpikingJelly's own set_backend switches the neuron to cupy
         other = MulFreeChannelwisePSN(4, step_mode="m")
-        _compat.functional.set_backend(torch.nn.Sequential(other), "cupy")
+        sj.functional.set_backend(torch.nn.Sequential(other), "cupy")
         assert other.backend == "cupy"
     # CPU tensors are refused with a reason, not run.
     reasons = ops.get("cupy").not_supported_reasons(torch.randn(3, 2, 4), torch.randn(4, 2), 1, "time_first")

@@ -8,18 +8,19 @@ import torch
 import torch.nn as nn
 from spikingjelly.activation_based import functional, layer
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, deploy, energy
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, energy
 
 from nets import Gained
+import sj
 
 _spec = importlib.util.spec_from_file_location(
     "energy_table5", os.path.join(os.path.dirname(__file__), "..", "examples", "energy_table5.py"))
 table5_example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(table5_example)
 
-needs_psn = pytest.mark.skipif(_compat.PSN is None, reason=f"SpikingJelly {_compat.SJ_VERSION} has no neuron.PSN")
-needs_op_counter = pytest.mark.skipif(_compat.op_counter is None,
-                                      reason=f"SpikingJelly {_compat.SJ_VERSION} has no op_counter")
+needs_psn = pytest.mark.skipif(sj.PSN is None, reason=f"SpikingJelly {sj.VERSION} has no neuron.PSN")
+needs_op_counter = pytest.mark.skipif(sj.op_counter is None,
+                                      reason=f"SpikingJelly {sj.VERSION} has no op_counter")
 
 
 def brute_taps(t, k, d):
@@ -84,7 +85,7 @@ def test_paper_table5_neuron_counts_for_mfpsn():
 def test_paper_table5_neuron_counts_for_psn_and_ordering():
     torch.manual_seed(0)
     x = table5_example.image_to_sequence(torch.randn(1, 3, 32, 32))
-    psn = energy.estimate(table5_example.sequential_cifar_net(lambda i, c: _compat.PSN(32)).eval(), x,
+    psn = energy.estimate(table5_example.sequential_cifar_net(lambda i, c: sj.PSN(32)).eval(), x,
                           use_spikingjelly=False)
     assert psn.neuron_ops == {"shift": 0, "mul": 18688 * 32 ** 2, "add": 18688 * (32 ** 2 + 32)}
     assert psn.neuron_energy_uj == pytest.approx(88.56, abs=0.01)  # the paper's 1.91e7 MUL, 1.97e7 ADD
@@ -97,7 +98,7 @@ def test_paper_table5_neuron_counts_for_psn_and_ordering():
 def test_psn_costs_more_than_mfpsn_on_the_sequential_network():
     torch.manual_seed(1)
     x = torch.randn(16, 2, 3, 8)
-    psn = energy.estimate(small_seq_net(lambda i, c: _compat.PSN(16)), x)
+    psn = energy.estimate(small_seq_net(lambda i, c: sj.PSN(16)), x)
     ours = energy.estimate(small_seq_net(lambda i, c: MulFreeChannelwisePSN(c, k=8, step_mode="m")), x)
     assert ours.neuron_ops["mul"] == 0 and psn.neuron_ops["shift"] == 0
     assert psn.neuron_energy_uj > ours.neuron_energy_uj
@@ -137,7 +138,7 @@ def test_sops_formula_events_and_firing_rate_override():
 
 
 @pytest.mark.parametrize("folded", [False, True])
-@pytest.mark.parametrize("use_spikingjelly", [False, True] if _compat.op_counter is not None else [False])
+@pytest.mark.parametrize("use_spikingjelly", [False, True] if sj.op_counter is not None else [False])
 def test_a_time_last_network_counts_as_its_time_first_form(folded, use_spikingjelly):
     """Time-last wrappers run their Conv/Linear without its hooks: every layer is still counted, the
     same as in the time-first form (the autoselected form of a network is often time-last)."""
@@ -197,7 +198,7 @@ def test_spikingjelly_counters_agree_with_the_plugin():
 @needs_op_counter
 def test_spikingjelly_profiler_counts_mfpsn_as_shift_and_add():
     torch.manual_seed(4)
-    oc = _compat.op_counter
+    oc = sj.op_counter
     x = torch.randn(6, 2, 3, 8)
     results = {}
     for method in ("conv1d", "shift_add"):
@@ -221,7 +222,7 @@ def test_spikingjelly_profiler_counts_mfpsn_as_shift_and_add():
     assert a.breakdown_pj["neuron_pj"] == pytest.approx(ours.neuron_energy_uj * 2e6)
 
 
-@pytest.mark.skipif(_compat.op_counter is not None, reason="SpikingJelly 2.x has op_counter")
+@pytest.mark.skipif(sj.op_counter is not None, reason="SpikingJelly 2.x has op_counter")
 def test_profiler_needs_spikingjelly2():
     with pytest.raises(ImportError, match="op_counter"):
         energy.MulFreeEnergyProfiler()

@@ -20,14 +20,16 @@ import torch
 
 from spikingjelly.activation_based import functional, neuron as sj_neuron
 
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat
+from spikingjelly_mfpsn import MulFreeChannelwisePSN
 from spikingjelly_mfpsn.paper import data, models
+
+import sj
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 NEURONS = [pytest.param(n, marks=pytest.mark.skipif(
     n in ("psn", "sliding_psn") and not models.psn_available(n),
-    reason=f"SpikingJelly {_compat.SJ_VERSION} has no PSN family (PSN/SlidingPSN exist only in 2.x)"))
+    reason=f"SpikingJelly {sj.VERSION} has no PSN family (PSN/SlidingPSN exist only in 2.x)"))
     for n in models.NEURONS]
 
 # builder -> (kwargs for a tiny network, input shape (T, N, ...), expected output T)

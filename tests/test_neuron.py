@@ -2,6 +2,10 @@
 
 import contextlib
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -9,10 +13,11 @@ from spikingjelly.activation_based import functional, neuron, surrogate
 
 import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
-from spikingjelly_mfpsn import _compat
 
 import reference
+import sj
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES = {2: (), 3: (3,), 4: (2, 3), 5: (2, 2, 2)}
 
 
@@ -29,12 +34,30 @@ def smooth(**kw):
 # ---------------------------------------------------------------- registration
 def test_registered_in_spikingjelly_namespace():
     assert neuron.MulFreeChannelwisePSN is MulFreeChannelwisePSN
-    # idempotent, and never replaces a name SpikingJelly defines
-    assert _compat.add_to_namespace(neuron, "MulFreeChannelwisePSN", MulFreeChannelwisePSN)
-    lif = neuron.LIFNode
-    assert not _compat.add_to_namespace(neuron, "LIFNode", MulFreeChannelwisePSN)
-    assert neuron.LIFNode is lif
     assert "MulFreeChannelwisePSN" in repr(neuron.MulFreeChannelwisePSN(channels=4, k=2))
+
+
+def test_importing_twice_adds_the_names_once_and_replaces_none_of_spikingjelly(tmp_path):
+    """In a fresh process: every name SpikingJelly's neuron, layer and functional namespaces had before
+    the import is the same object after importing (and reloading) the package; only new names appear."""
+    script = textwrap.dedent("""
+        import importlib
+        from spikingjelly.activation_based import functional, layer, neuron
+        spaces = (functional, layer, neuron)
+        before = [dict(vars(space)) for space in spaces]
+        import spikingjelly_mfpsn
+        importlib.reload(spikingjelly_mfpsn)
+        for space, names in zip(spaces, before):
+            assert all(getattr(space, n) is obj for n, obj in names.items()), space.__name__
+        added = sorted(n for space, names in zip(spaces, before) for n in vars(space) if n not in names)
+        print(" ".join(added))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    added = set(out.stdout.split())
+    assert {"MulFreeChannelwisePSN", "autoselect", "replace_neurons", "set_method"} <= added
+    assert ("set_backend" in added) is not sj.HAS_SET_BACKEND
 
 
 # ---------------------------------------------------------------- the equations

@@ -27,8 +27,13 @@ doctest_global_setup = """
 import os, tempfile
 import torch
 import spikingjelly_mfpsn
-os.chdir(tempfile.mkdtemp(prefix="mfpsn-doctest-"))   # files the blocks write land here
+_cwd, _tmp = os.getcwd(), tempfile.TemporaryDirectory(prefix="mfpsn-doctest-")
+os.chdir(_tmp.name)                                    # files the blocks write land here
 from spikingjelly.activation_based import functional, layer, neuron, surrogate
+"""
+doctest_global_cleanup = """
+os.chdir(_cwd)
+_tmp.cleanup()
 """
 SKIP = {"cuda": "not torch.cuda.is_available()",
         "cpp": "not spikingjelly_mfpsn.ops.backend_available('cpp')",

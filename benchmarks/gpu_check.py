@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -37,10 +38,10 @@ import _timing  # noqa: E402
 from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
 import reference  # noqa: E402  (tests/reference.py: plain loops, no package code)
 
-from spikingjelly.activation_based import functional, layer  # noqa: E402
+from spikingjelly.activation_based import functional, layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 SECTIONS = ("correctness", "determinism", "neuron", "network", "host")
@@ -175,12 +176,12 @@ def determinism(device):
 
 # ---------------------------------------------------------------------------------------- (c)
 def _psn(T):
-    return _compat.neuron.PSN(T=T, surrogate_function=_compat.default_surrogate()) if models.psn_available("psn") else None
+    return neuron.PSN(T=T, surrogate_function=surrogate.ATan()) if models.psn_available("psn") else None
 
 
 def _lif(device):
-    lif = _compat.neuron.LIFNode(tau=2.0, detach_reset=True, step_mode="m",
-                                 surrogate_function=_compat.default_surrogate())
+    lif = neuron.LIFNode(tau=2.0, detach_reset=True, step_mode="m",
+                                 surrogate_function=surrogate.ATan())
     if device.type == "cuda" and "cupy" in getattr(lif, "supported_backends", ()):
         try:
             lif.backend = "cupy"
@@ -332,7 +333,7 @@ def host_profile(device, dry_run, rows=15):
 
 # ---------------------------------------------------------------------------------------- (d)
 def versions(device):
-    v = {"torch": torch.__version__, "python": platform.python_version(), "spikingjelly": str(_compat.SJ_VERSION),
+    v = {"torch": torch.__version__, "python": platform.python_version(), "spikingjelly": importlib.metadata.version("spikingjelly"),
          "device": str(device)}
     try:
         import triton

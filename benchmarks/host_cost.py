@@ -22,10 +22,10 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
-from spikingjelly.activation_based import layer  # noqa: E402
+from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 
@@ -56,9 +56,9 @@ def candidates(T: int, c: int) -> dict[str, nn.Module]:
         out["MF-PSN cpp, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="cpp")
     out["MF-PSN shift_add, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="shift_add")
     if models.psn_available("psn"):
-        out["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), Flat(_compat.neuron.PSN(T=T)))
-        out["PSN"] = Flat(_compat.neuron.PSN(T=T))
-    out["LIF"] = _compat.neuron.LIFNode(step_mode="m", surrogate_function=_compat.default_surrogate())
+        out["BatchNorm + PSN"] = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), Flat(neuron.PSN(T=T)))
+        out["PSN"] = Flat(neuron.PSN(T=T))
+    out["LIF"] = neuron.LIFNode(step_mode="m", surrogate_function=surrogate.ATan())
     return out
 
 

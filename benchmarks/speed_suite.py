@@ -34,10 +34,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import interleaved, machine, markdown_table, median, ratio_cell  # noqa: E402
 
-from spikingjelly.activation_based import functional  # noqa: E402
+from spikingjelly.activation_based import base as sj_base, functional  # noqa: E402
 
 import spikingjelly_mfpsn as mf  # noqa: E402
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 VANILLA = ("time_first", "conv1d")
@@ -298,7 +298,7 @@ def part_inference(args, out):
             for t in range(T):  # materialise, and the state after T steps
                 net(x[t])
         state[label] = sum(v.numel() * v.element_size() for m in net.modules()
-                           if isinstance(m, _compat.MemoryModule) for v in _tensors(m))
+                           if isinstance(m, sj_base.MemoryModule) for v in _tensors(m))
         nets[label] = net
 
     def sequence(net):

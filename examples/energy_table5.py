@@ -15,10 +15,10 @@ import argparse
 
 import torch
 import torch.nn as nn
-from spikingjelly.activation_based import functional, layer
+from spikingjelly.activation_based import functional, layer, neuron
 
 import spikingjelly_mfpsn  # noqa: F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, _compat, energy
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, energy
 
 T = 32
 PAPER_TABLE5 = """Paper Table 5 (trained network, per CIFAR100 image):
@@ -89,8 +89,8 @@ def main():
     torch.manual_seed(args.seed)
     x = image_to_sequence(torch.randn(args.batch, 3, 32, T))  # normalised-image statistics
     nets = {}
-    if _compat.PSN is not None:
-        nets["PSN"] = sequential_cifar_net(lambda i, c: _compat.PSN(T))
+    if hasattr(neuron, "PSN"):  # (SpikingJelly 2.x)
+        nets["PSN"] = sequential_cifar_net(lambda i, c: neuron.PSN(T))
     nets["MF-PSN (d=1)"] = sequential_cifar_net(mfpsn())
     nets["MF-PSN (sawtooth d)"] = sequential_cifar_net(mfpsn(sawtooth=True))
     reports = {}

@@ -210,16 +210,15 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         example_input: optional input for ``net`` (a tuple holds several positional inputs); when
             given, neurons are ordered as they run in a forward pass and get their channel count from it,
             otherwise registration order and lazy channels
-        include_readouts: also replace non-spiking readouts (``NonSpiking*`` nodes, ``LIAFNode``:
-            see ``_compat.readout_neuron_classes``), which output membrane potentials or analog values and
-            are otherwise left alone and listed in ``summary.skipped``; naming a readout class in
-            ``targets`` includes that class
+        include_readouts: also replace non-spiking readouts (the ``NonSpiking*`` nodes and ``LIAFNode``),
+            which output membrane potentials or analog values and are otherwise left alone and listed in
+            ``summary.skipped``; naming a readout class in ``targets`` includes that class
         neuron_kwargs: passed to :class:`MulFreeChannelwisePSN` (``threshold``, ``quantize``, ...)
     Returns:
         ``(net, summary)``; each new neuron keeps the old one's ``step_mode``, surrogate function
-            (where it had one, unless ``surrogate_function`` is given), device and dtype, and a re-configured
-            MF-PSN its channels and other settings; one that already has ``k``, its dilation and every
-            setting of ``neuron_kwargs`` is kept as it is
+        (where it had one, unless ``surrogate_function`` is given), device and dtype, and a re-configured
+        MF-PSN its channels and other settings; one that already has ``k``, its dilation and every
+        setting of ``neuron_kwargs`` is kept as it is
     """
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")

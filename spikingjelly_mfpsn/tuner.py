@@ -150,7 +150,7 @@ class _Selection:
     layouts: tuple
     cache: TimingCache
     measure_fn: Callable
-    progress: bool
+    progress: Optional[bool]
     compile_backend: Optional[str] = None
     fallback: Optional[str] = None
     report: AutoselectReport = field(default_factory=AutoselectReport)
@@ -276,9 +276,10 @@ class _Selection:
             return self._skip(f"the network does not run in layout {layout!r} ({error})", f"layout {layout}: {error}")
         finally:
             _restore(self.net, self.snap)
-        if self.progress:
-            from tqdm import tqdm
-            mods = tqdm(mods, desc=f"autoselect {layout}", leave=False)
+        if self.progress is not False:
+            from tqdm import tqdm  # (disable=None: no bar where stderr is not a terminal)
+            mods = tqdm(mods, desc=f"autoselect {layout}", leave=False,
+                        disable=None if self.progress is None else False)
         rows, plan = [], {}
         for name, mod in mods:
             if name not in inputs:  # never ran on this input
@@ -415,7 +416,7 @@ def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallb
 
 
 def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = ("time_first", "time_last"),
-               cache=True, measure_fn: Optional[Callable] = None, progress: bool = True,
+               cache=True, measure_fn: Optional[Callable] = None, progress: Optional[bool] = None,
                verbose: bool = False, compile: Union[bool, str] = False,
                fallback: Optional[str] = None) -> AutoselectReport:
     """Benchmark every layer's implementations in each layout and apply the fastest, in place.
@@ -429,7 +430,8 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         cache: ``True`` (the default file, ``$SPIKINGJELLY_MFPSN_CACHE`` or
             ``~/.cache/spikingjelly_mfpsn/autoselect.json``), a path, or ``False``
         measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
-        progress: show a progress bar
+        progress: a progress bar on stderr: ``None`` (the default) where stderr is a terminal (so a
+            log file gets none), ``True`` always, ``False`` never
         compile: also time one whole training step of the chosen configuration under
             ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
             one graph, when it is faster and reproduces the outputs. The first compilation

@@ -1085,3 +1085,25 @@ def test_fused_kernels_are_timed_first_then_the_layers_default():
     if "cpp" in ops.names():
         assert order[0] == "cpp"
     assert [method for module, method in timed if module is lin] == ["-"]
+
+
+@pytest.mark.parametrize("progress,bar", [(None, False), (True, True), (False, False)])
+def test_progress_bar_only_on_a_terminal_by_default(progress, bar, tmp_path):
+    """stderr here is not a terminal (a log file, CI): the default shows no bar; progress=True does."""
+    import subprocess
+    import sys
+    import textwrap
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent(f"""
+        import torch, torch.nn as nn
+        import spikingjelly_mfpsn as mf
+        from spikingjelly.activation_based import functional, layer
+        net = nn.Sequential(layer.Linear(4, 4), mf.MulFreeChannelwisePSN(4, k=2), layer.Linear(4, 2))
+        functional.set_step_mode(net, 'm')
+        mf.autoselect(net, torch.rand(4, 3, 4), cache=False, progress={progress!r}, layouts=('time_first',))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("autoselect time_first" in out.stderr) is bar, out.stderr[-2000:]

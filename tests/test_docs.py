@@ -54,6 +54,14 @@ def test_the_readme_has_no_commit_hashes_or_timings():
     assert not re.search(r"\d+(\.\d+)? ?(ms|us)\b", text)
 
 
+def test_the_docs_name_no_commits():
+    """History lives in the commit messages and the changelog, not in the user's pages."""
+    for path in glob.glob(os.path.join(ROOT, "docs", "*.rst")):
+        with open(path, encoding="utf-8") as f:
+            words = re.findall(r"\b[0-9a-f]{7,40}\b", f.read())
+        assert not [w for w in words if re.search(r"\d", w) and re.search("[a-f]", w)], path
+
+
 def test_the_readme_renders_without_warnings():
     docutils_core = pytest.importorskip("docutils.core", reason="docutils is not installed (pip install docutils)")
     warnings = io.StringIO()

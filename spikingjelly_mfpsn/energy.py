@@ -535,6 +535,7 @@ if _compat.op_counter is not None:
 else:
     def _needs_spikingjelly2(name: str):
         def missing(*args, **kwargs):
+            """Raise ``ImportError``: this needs SpikingJelly 2.x's ``op_counter``."""
             raise ImportError(f"{name} plugs into spikingjelly.activation_based.op_counter, which SpikingJelly "
                               f"{_compat.SJ_VERSION} does not have (it ships with 2.x); energy.estimate() "
                               f"works without it")

@@ -422,8 +422,10 @@ class TimeLastSequential(_MultiStepOnly, nn.Sequential, MultiStepModule):
 
 
 class _TLastSeqToANNContainer(nn.Sequential, MultiStepModule):
-    """Stand-in for SpikingJelly 2.x's ``layer.TLastSeqToANNContainer`` where it is missing: single-step
-    stateless modules applied to a time-last ``(N, ..., T)`` sequence with ``torch.vmap``."""
+    """Stand-in for SpikingJelly 2.x's ``layer.TLastSeqToANNContainer`` where it is missing.
+
+    Single-step stateless modules applied to a time-last ``(N, ..., T)`` sequence with ``torch.vmap``.
+    """
 
     def __init__(self, *args):
         super().__init__(*args)

@@ -22,12 +22,14 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly.activation_based import neuron  # noqa: E402
 from spikingjelly_mfpsn import ops  # noqa: E402
+from spikingjelly_mfpsn.neuron import FusedBatchNorm  # noqa: E402
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "promote_types",
         "result_type",
@@ -139,16 +141,37 @@ def count_cpp(mode: Traffic):
         mode.extra = None
 
 
+class BatchNormLayer(nn.BatchNorm2d):
+    """A batch norm over every axis of a sequence but the channels, as a separate layer in front of the
+    neuron (SpikingJelly's ``layer.BatchNorm`` in multi-step mode)."""
+
+    def __init__(self, channels: int, layout: str):
+        super().__init__(channels)
+        self.layout = layout
+
+    def forward(self, x):
+        y = x.flatten(0, 1) if self.layout == "time_first" else x
+        y = y.flatten(2).unsqueeze(-1)  # (samples, C, features, 1)
+        return super().forward(y).view(x.shape)
+
+
 def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
-                strided: bool = False) -> tuple[float, float, int, int]:
+                strided: bool = False, input_bn: str = "none") -> tuple[float, float, int, int]:
     """(forward passes, backward passes, forward launches, backward launches) of one training step of the
     neuron with ``method``: a launch is a PyTorch operator that runs a kernel (neither a view nor an
     allocation) or a Triton kernel. ``strided``: X is a view stored in the other layout's order (time
-    first stored time-last, or the reverse), which a method that reads strides takes without a copy."""
+    first stored time-last, or the reverse), which a method that reads strides takes without a copy.
+    ``input_bn``: ``'layer'``, a batch norm layer in front of the neuron (counted with it), or ``'fused'``,
+    that batch norm applied by the neuron (``functional.fuse_batchnorm``)."""
     torch.manual_seed(0)
     backend = ops.get(method).backend
-    sn = neuron.MulFreeChannelwisePSN(shape[ops.channel_dim(layout)], k=k, dilation=1, step_mode="m",
+    channels = shape[ops.channel_dim(layout)]
+    sn = neuron.MulFreeChannelwisePSN(channels, k=k, dilation=1, step_mode="m",
                                       layout=layout, threshold=threshold, backend=backend, method=method)
+    if input_bn == "fused":
+        sn.set_input_bn(FusedBatchNorm(BatchNormLayer(channels, layout)))
+    elif input_bn == "layer":
+        sn = nn.Sequential(BatchNormLayer(channels, layout), sn)
     if strided:  # the time axis moved to the other end of the storage
         order = list(range(1, len(shape))) + [0] if layout == "time_first" else [len(shape) - 1] + list(range(len(shape) - 1))
         stored = torch.randn([shape[i] for i in order])
@@ -170,7 +193,8 @@ def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
     fwd, fwd_launches, s = passes(lambda: sn(x))
     # The gradients of X and the parameters as the step produces them: X stands for an activation, whose
     # gradient autograd hands on rather than accumulates (into a strided leaf it would copy it first).
-    bwd, bwd_launches, _ = passes(lambda: torch.autograd.grad(s, [x, *sn.parameters()], g))
+    params = [*sn.parameters(), *(sn.input_bn.parameters() if input_bn == "fused" else ())]
+    bwd, bwd_launches, _ = passes(lambda: torch.autograd.grad(s, [x, *params], g))
     return fwd, bwd, fwd_launches, bwd_launches
 
 
@@ -188,6 +212,13 @@ def main():
             for threshold in ("param", "bn"):
                 f, b, lf, lb = step_passes(method, layout, threshold, shapes[layout])
                 print(f"{layout:<11} {method:<12} {threshold:<9} {f:8.1f} {b:9.1f} {f + b:6.1f} {lf + lb:9d}")
+    print("\nwith the batch norm in front of the neuron: a separate layer, or fused (functional.fuse_batchnorm)")
+    print(f"{'layout':<11} {'method':<12} {'input bn':<9} {'forward':>8} {'backward':>9} {'total':>6} {'launches':>9}")
+    for layout in ops.LAYOUTS:
+        for method in ops.names(layout=layout):
+            for input_bn in ("layer", "fused"):
+                f, b, lf, lb = step_passes(method, layout, "bn", shapes[layout], input_bn=input_bn)
+                print(f"{layout:<11} {method:<12} {input_bn:<9} {f:8.1f} {b:9.1f} {f + b:6.1f} {lf + lb:9d}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ and, where SpikingJelly lacks it, ``TLastSeqToANNContainer`` to ``spikingjelly.a
 """
 from . import _compat, functional, layer, ops, tuner
 from .convert import UnconvertibleModuleError, to_time_first, to_time_last
-from .functional import autoselect, replace_neurons, sawtooth, set_backend, set_method
+from .functional import (autoselect, fuse_batchnorm, replace_neurons, sawtooth, set_backend, set_method,
+                         unfuse_batchnorm)
 from .neuron import MulFreeChannelwisePSN, default_method, exp_init_weight
 from .quantize import quantize, quantize_pow2_, shift_amounts
 from . import deploy, energy
@@ -20,6 +21,6 @@ for _name in ("autoselect", "replace_neurons", "set_method") + (() if _compat.HA
     _compat.add_to_namespace(_compat.functional, _name, getattr(functional, _name))
 
 __all__ = ["MulFreeChannelwisePSN", "UnconvertibleModuleError", "autoselect", "default_method", "deploy", "energy",
-           "exp_init_weight", "functional", "layer", "ops", "quantize", "quantize_pow2_", "replace_neurons",
-           "sawtooth", "set_backend", "set_method", "shift_amounts", "to_time_first", "to_time_last", "tuner",
-           "__version__"]
+           "exp_init_weight", "functional", "fuse_batchnorm", "layer", "ops", "quantize", "quantize_pow2_",
+           "replace_neurons", "sawtooth", "set_backend", "set_method", "shift_amounts", "to_time_first", "to_time_last",
+           "tuner", "unfuse_batchnorm", "__version__"]

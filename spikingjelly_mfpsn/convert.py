@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from . import _compat, layer, rewrite, tracing
 from ._util import agree, as_args
-from .neuron import ChargeNeuronBase
+from .neuron import ChargeNeuronBase, FusedBatchNorm
 from .rewrite import GraphForward
 
 FALLBACKS = (None, "time_first")
@@ -61,7 +61,7 @@ class UnconvertibleModuleError(TypeError):
 
 
 def _is_elementwise(m: nn.Module) -> bool:
-    return type(m) in ELEMENTWISE or isinstance(m, _compat.surrogate.SurrogateFunctionBase)
+    return type(m) in ELEMENTWISE or isinstance(m, (FusedBatchNorm, _compat.surrogate.SurrogateFunctionBase))
 
 
 # ---------------------------------------------------------------------------- forward hooks

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import _compat, ops
+from . import _compat, functional, ops
 from ._util import run_hooked
 from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
@@ -377,12 +377,14 @@ def fold(net: nn.Module) -> nn.Module:
     """Replace every MulFreeChannelwisePSN of ``net`` by a :class:`FoldedMulFreePSN` (in place).
 
     Puts ``net`` in eval mode (folding uses the running statistics; a folded net is for inference)
-    and returns it; a bare neuron returns its folded module. Folded and unfolded eval give the same
-    spikes. Checkpoints: the folded net's ``state_dict`` holds int8 ``shift``/``sign`` and ``bias`` per
-    neuron; load it into ``fold(build_net())``.
+    and returns it, batch norms fused into neurons put back first (``functional.unfuse_batchnorm``); a bare
+    neuron returns its folded module. Folded and unfolded eval give the same spikes. Checkpoints: the
+    folded net's ``state_dict`` holds int8 ``shift``/``sign`` and ``bias`` per neuron; load it into
+    ``fold(build_net())``.
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    functional.unfuse_batchnorm(net)
     return _swap(net, MulFreeChannelwisePSN, FoldedMulFreePSN.from_neuron).eval()
 
 

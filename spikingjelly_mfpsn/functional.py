@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from . import _compat, ops
 from ._util import run_hooked
-from .neuron import MulFreeChannelwisePSN
+from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
 logger = _compat.logger
 
@@ -76,12 +76,14 @@ class ReplaceSummary:
 
     One row per replaced (or re-configured) neuron, in the order the neurons run, and in ``skipped`` the
     neurons it matched but left alone (non-spiking readouts, MF-PSN layers that already have the requested
-    configuration), with the reason.
+    configuration), with the reason; in ``fused`` the ``(batch norm, neuron)`` pairs of
+    ``fuse_bn=True``.
     """
 
     rows: list[Replacement] = field(default_factory=list)
     order: str = "registration"
     skipped: list[Skipped] = field(default_factory=list)
+    fused: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -98,6 +100,9 @@ class ReplaceSummary:
         if self.skipped:
             lines.append(f"left {len(self.skipped)} neuron(s) as they are:")
             lines.extend(f"{s.name or '<net>':<32} {s.old:<20} {s.reason}" for s in self.skipped)
+        if self.fused:
+            lines.append(f"fused {len(self.fused)} batch norm(s) into the neuron after them:")
+            lines.extend(f"{bn:<32} -> {sn}" for bn, sn in self.fused)
         return "\n".join(lines)
 
 
@@ -192,12 +197,15 @@ def _replacement(old: nn.Module, k: int, dilation: int, channels: Optional[int],
     if isinstance(old, MulFreeChannelwisePSN) and old.channels is not None:
         channels = old.channels
     new = MulFreeChannelwisePSN(channels=channels, k=k, dilation=dilation, **kwargs).to(device=device, dtype=dtype)
+    if isinstance(old, MulFreeChannelwisePSN):
+        new.set_input_bn(old.input_bn)  # (a batch norm fused into the old neuron: the new one applies it)
     return new.train(old.training)
 
 
 def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "sawtooth",
                     targets: Union[type, tuple, Callable, None] = None, example_input=None,
-                    include_readouts: bool = False, **neuron_kwargs) -> tuple[nn.Module, ReplaceSummary]:
+                    include_readouts: bool = False, fuse_bn: bool = False,
+                    **neuron_kwargs) -> tuple[nn.Module, ReplaceSummary]:
     """Swap spiking neurons in ``net`` for :class:`MulFreeChannelwisePSN`, in place.
 
     Args:
@@ -213,6 +221,8 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         include_readouts: also replace non-spiking readouts (the ``NonSpiking*`` nodes and ``LIAFNode``),
             which output membrane potentials or analog values and are otherwise left alone and listed in
             ``summary.skipped``; naming a readout class in ``targets`` includes that class
+        fuse_bn: then let each new neuron apply the batch norm in front of it
+            (:func:`fuse_batchnorm`; listed in ``summary.fused``)
         neuron_kwargs: passed to :class:`MulFreeChannelwisePSN` (``threshold``, ``quantize``, ...)
     Returns:
         ``(net, summary)``; each new neuron keeps the old one's ``step_mode``, surrogate function
@@ -252,7 +262,86 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
             if child is not None and id(child) in new_of:
                 setattr(parent, child_name, new_of[id(child)])
     _compat.invalidate_reset_cache(net)
+    if fuse_bn:
+        summary.fused = fuse_batchnorm(net)
     return net, summary
+
+
+def _slots(net: nn.Module) -> dict[int, list]:
+    """Every ``(parent, name)`` slot each module (by id) fills in ``net``."""
+    slots: dict[int, list] = {}
+    for parent in net.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                slots.setdefault(id(child), []).append((parent, name))
+    return slots
+
+
+def _output_bn(m: nn.Module, multi_step: bool) -> Optional[nn.Module]:
+    """The batch norm whose output is ``m``'s output, normalising as the input batch norm of a neuron in
+    that step mode does (a multi-step one over time, samples and features; a single-step one each step
+    over samples and features), or None."""
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        step_mode = getattr(m, "step_mode", None if multi_step else "s")
+        fits = step_mode == ("m" if multi_step else "s") or (step_mode is None and not multi_step)
+        tracked = m.track_running_stats and m.running_mean is not None
+        lazy = any(nn.parameter.is_lazy(t) for t in (m.weight, m.running_mean) if t is not None)
+        return m if fits and tracked and not lazy else None
+    if type(m) is nn.Sequential and len(m):
+        return _output_bn(m[-1], multi_step)
+    if type(m) is _compat.sj_layer("SeqToANNContainer") and len(m) and multi_step:
+        return _output_bn(m[-1], False)  # (its steps flattened into the batch)
+    return None
+
+
+def fuse_batchnorm(net: nn.Module) -> list[tuple[str, str]]:
+    """Let each MF-PSN apply the batch norm in front of it, in place: ``[(batch norm name, neuron name)]``.
+
+    A pair is a batch norm whose output goes only to the neuron: consecutive children of an
+    ``nn.Sequential`` (the batch norm possibly the last layer of a ``Sequential`` or
+    ``SeqToANNContainer`` before the neuron), as SpikingJelly networks are built. The batch norm is
+    replaced by a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` holding the same tensors (the
+    ``state_dict`` keeps its keys) and the neuron normalises its input itself: on ``'triton'`` inside
+    its kernels, reading X instead of writing and reading the normalised copy. Same results, in
+    training and eval. :func:`unfuse_batchnorm` undoes it; ``deploy.fold`` and the exporters undo it on
+    what they fold.
+    """
+    slots, pairs = _slots(net), []
+    for parent in net.modules():
+        if not isinstance(parent, nn.Sequential):
+            continue
+        children = list(parent._modules.items())
+        for (_, before), (_, sn) in zip(children, children[1:]):
+            if not isinstance(sn, MulFreeChannelwisePSN) or sn.input_bn is not None or before is None:
+                continue
+            bn = _output_bn(before, sn.step_mode == "m")
+            if bn is None or len(slots.get(id(bn), ())) != 1 or len(slots.get(id(sn), ())) != 1 or \
+                    (sn.channels is not None and (bn.num_features != sn.channels
+                                                  or bn.running_mean.dtype != sn.weight.dtype)):
+                continue
+            bn_parent, bn_name = slots[id(bn)][0]
+            bn_parent._modules[bn_name] = FusedBatchNorm(bn)
+            sn.set_input_bn(bn_parent._modules[bn_name])
+            pairs.append(sn)
+    names = {id(m): name for name, m in net.named_modules()}
+    _compat.invalidate_reset_cache(net)
+    return [(names[id(sn.input_bn)], names[id(sn)]) for sn in pairs]
+
+
+def unfuse_batchnorm(net: nn.Module) -> nn.Module:
+    """Undo :func:`fuse_batchnorm` in place and return ``net``.
+
+    The batch norm modules go back where they were, with the tensors they hold now; the neurons
+    normalise nothing."""
+    for m in net.modules():
+        if isinstance(m, MulFreeChannelwisePSN):
+            m.set_input_bn(None)
+    for parent in list(net.modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, FusedBatchNorm):
+                parent._modules[name] = child.unfused()
+    _compat.invalidate_reset_cache(net)
+    return net
 
 
 def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Module:

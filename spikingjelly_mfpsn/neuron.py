@@ -22,7 +22,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import ops
 from ._compat import MemoryModule, default_surrogate
-from .ops.core import check_finite, fold_checked
+from .ops.core import check_finite, fold_checked, normalize_input
 from .quantize import STE_MODES, quantize, shift_amounts
 
 THRESHOLDS = ("bn", "param")
@@ -44,6 +44,47 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
     fused kernels.
     """
     return ops.choose(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout, backend)
+
+
+class FusedBatchNorm(nn.Module):
+    """A batch norm whose normalisation the MF-PSN after it applies (``functional.fuse_batchnorm``).
+
+    It holds the batch norm's parameters and buffers under their own names, so the network's
+    ``state_dict`` keys stay what they were, and passes its input through unchanged: the neuron reads
+    the statistics and the affine from here and, on ``'triton'``, normalises X in its own kernels
+    (forward and backward) instead of writing and reading a normalised copy.
+    """
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        super().__init__()
+        self.__dict__["original"] = bn  # (not a submodule: its tensors are registered here)
+        for name in ("weight", "bias"):
+            setattr(self, name, getattr(bn, name))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            self.register_buffer(name, getattr(bn, name))
+        self.eps, self.momentum, self.num_features = bn.eps, bn.momentum, bn.num_features
+        self.train(bn.training)
+
+    def forward(self, x):
+        """``x`` itself: the neuron after this module normalises it."""
+        return x
+
+    def batch_norm(self) -> ops.BatchNorm:
+        """The normalisation as ``ops.mf_psn``'s ``input_bn``."""
+        return ops.BatchNorm(self.weight, self.bias, self.running_mean, self.running_var, self.eps, self.momentum,
+                             self.num_batches_tracked)
+
+    def unfused(self) -> nn.Module:
+        """The batch norm module again, holding this module's current tensors and training mode."""
+        bn = self.original
+        for name in ("weight", "bias"):
+            setattr(bn, name, getattr(self, name))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(bn, name, getattr(self, name))
+        return bn.train(self.training)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.original).__name__}({self.num_features}), applied by the next MulFreeChannelwisePSN"
 
 
 class ChargeNeuronBase(MemoryModule):
@@ -198,11 +239,28 @@ class ChargeNeuronBase(MemoryModule):
         dtype = torch.promote_types(x.dtype, self._compute_dtype())
         return x if x.dtype == dtype else x.to(dtype)
 
+    @property
+    def input_bn(self) -> Optional[FusedBatchNorm]:
+        """The batch norm in front of this neuron that it applies itself (``functional.fuse_batchnorm``), or
+        None. Not a submodule: the batch norm stays where it was in the network."""
+        return self.__dict__.get("_input_bn")
+
+    def set_input_bn(self, bn: Optional[FusedBatchNorm]) -> None:
+        """Apply ``bn`` to the input from now on (None: stop); see :attr:`input_bn`."""
+        if bn is not None and not isinstance(bn, FusedBatchNorm):
+            raise TypeError(f"input_bn must be a FusedBatchNorm or None, got {type(bn).__name__}")
+        self.__dict__["_input_bn"] = bn  # (an attribute assignment would register it as a submodule)
+
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **self._checked_args(x_seq))
+        args = self._checked_args(x_seq)
+        if self.input_bn is not None:
+            args["input_bn"] = self.input_bn.batch_norm()
+        return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **args)
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         args = self._checked_args(x)
+        if self.input_bn is not None:  # one step's batch statistics, as the batch norm in single-step mode
+            x = normalize_input(x, self.input_bn.batch_norm(), "time_last", args["training"])
         queue = self.x_queue
         if queue and queue[-1].shape != x.shape:
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "

@@ -77,6 +77,62 @@ def test_bn_threshold_matches_the_reference_and_torch_batch_norm(layout, trainin
             assert int(bn.num_batches_tracked) == 3 + training
 
 
+def normalized_reference(x, layout, gamma0, beta0, rm0, rv0, training, momentum, eps=1e-5):
+    """X through torch's batch norm over every axis but the channels (running statistics updated in place)."""
+    xc = x.movedim(ops.channel_dim(layout), 1)
+    y = torch.nn.functional.batch_norm(xc, rm0, rv0, gamma0, beta0, training, momentum, eps)
+    return y.movedim(1, ops.channel_dim(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("training", [True, False])
+def test_an_input_batch_norm_is_torch_batch_norm_then_the_neuron(layout, threshold, training):
+    """input_bn: every method gives the reference neuron on torch's batch norm of X: spikes, gradients
+    (the input batch norm's gamma and beta included) and both batch norms' running statistics; without
+    an affine too."""
+    torch.manual_seed(6)
+    x = make_input(6, 4, 3, (2,), layout, torch.float64, False) * 2 + 1.5
+    w = torch.rand(3, 2, dtype=torch.float64) + 0.1
+    gamma, beta, g0, b0 = (torch.rand(3, dtype=torch.float64) + 0.5 for _ in range(4))
+    for method in methods(layout):
+        for affine, momentum in ((True, 0.1), (False, None)):
+            rm0, rv0 = torch.randn(3, dtype=torch.float64) * 0.1, torch.rand(3, dtype=torch.float64) + 0.5
+            (xa, wa, ga, ba, ga0, ba0), ref = leaves(x, w, gamma, beta, g0, b0), leaves(x, w, gamma, beta, g0, b0)
+            tracked = torch.tensor(2)
+            input_bn = ops.BatchNorm(ga0 if affine else None, ba0 if affine else None, rm0.clone(), rv0.clone(), 1e-5,
+                                     momentum, tracked)
+            rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+            args = {"bn": ops.BatchNorm(ga, ba, rm.clone(), rv.clone())} if threshold == "bn" else {"v_threshold": ba}
+            s = ops.mf_psn(xa, wa, input_bn=input_bn, dilation=2, layout=layout, method=method, training=training,
+                           **args)
+            want_rm0, want_rv0 = rm0.clone(), rv0.clone()
+            y = normalized_reference(ref[0], layout, ref[4] if affine else None, ref[5] if affine else None, want_rm0,
+                                     want_rv0, training, momentum if momentum is not None else 1 / 3)
+            h_ref, _ = reference.mfpsn_charge(y, ref[1], 2, layout, threshold, True, ref[2], ref[3],
+                                              v_threshold=ref[3], stats=None if training else (rm, rv))
+            inputs = [xa, wa] + ([ga, ba] if threshold == "bn" else [ba]) + ([ga0, ba0] if affine else [])
+            inputs_ref = ref[:2] + (ref[2:4] if threshold == "bn" else [ref[3]]) + (ref[4:] if affine else [])
+            check_close(s, surrogate.ATan()(h_ref), h_ref, inputs, inputs_ref, atol=1e-5)
+            torch.testing.assert_close(input_bn.running_mean, want_rm0, msg=method)
+            torch.testing.assert_close(input_bn.running_var, want_rv0, msg=method)
+            assert int(tracked) == 2 + training
+
+
+def test_bad_input_batch_norms_are_named():
+    x, w = torch.randn(5, 2, 3), torch.rand(3, 2)
+    bn = ops.BatchNorm(torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3))
+    cases = [
+        (dict(input_bn=bn._replace(gamma=torch.ones(4))), r"input_bn.gamma must be a tensor of shape \(3,\)"),
+        (dict(input_bn=bn._replace(running_var=torch.ones(3, dtype=torch.float64))), "in the weight's dtype"),
+        (dict(input_bn=bn._replace(eps=-1.0)), "input_bn.eps must be a number > 0"),
+        (dict(input_bn=bn._replace(running_mean=None)), "input_bn needs running_mean and running_var"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ops.mf_psn(x, w, bn=bn, **kwargs)
+
+
 @pytest.mark.parametrize("threshold", ["param", "bn"])
 def test_one_step_equals_the_step_of_the_sequence(threshold):
     """mf_psn_step fed the inputs its taps read gives step t of mf_psn on the whole sequence (eval)."""

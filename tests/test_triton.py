@@ -327,7 +327,7 @@ def test_kernels_compile_for_a_gpu():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from spikingjelly_mfpsn.ops import triton_ops as T
-        FLOATS = ("c1_hi", "c1_lo", "c2_hi", "c2_lo", "eps_hi", "eps_lo", "f_hi", "f_lo")
+        FLOATS = ("c1_hi", "c1_lo", "c2_hi", "c2_lo", "eps_hi", "eps_lo", "eps0_hi", "eps0_lo", "f_hi", "f_lo")
         def compile(fn, ptr_types, consts, arch):
             sig = {a: "i32" for a in fn.arg_names}
             sig.update(ptr_types, **{a: "fp32" for a in FLOATS if a in sig})
@@ -341,23 +341,28 @@ def test_kernels_compile_for_a_gpu():
             p = "*" + dt
             w = "*fp64" if dt == "fp64" else "*fp32"
             part = "*fp64" if dt == "fp64" else "*fp32"
-            compile(T._charge_fwd_kernel, dict(X=p, W=p, B=p, H=p, S=p),
-                    dict(HAS_BIAS=True, STORE_H=True, SPIKE=True, ACC=acc, **tile), arch)
+            in_bn = stats  # (with the input batch norm of a fused pair where there are batch statistics)
+            compile(T._charge_fwd_kernel, dict(X=p, W=p, B=p, H=p, S=p, P0=w),
+                    dict(HAS_BIAS=True, STORE_H=True, SPIKE=True, IN_BN=in_bn, ACC=acc, **tile), arch)
             compile(T._charge_bwd_kernel, dict(G=p, B=p, X=p, W=p, GX=p, PW=part, PB=part),
                     dict(SG={"fp16": 1, "bf16": 2, "fp64": 0}[dt], HAS_BIAS=True, NEED_GX=True,
                          NEED_GW=True, NEED_GB=True, ACC=acc, BK=4, **tile), arch)
-            compile(T._bn_moments_kernel, dict(X=p, W=w, PART=part), dict(K=k, ACC=acc, **tile), arch)
-            compile(T._bn_fold_kernel, dict(PART=part, X=p, W=w, GAMMA=w, BETA=w, RM=w, RV=w, MEAN=w, VAR=w,
-                                            WQ=w, B=w, OK="*i8"),
-                    dict(K=k, GIVEN=not stats, RUNNING=stats, QUANT=True, ACC=acc, F64=dt == "fp64", BC=64,
-                         BS=32), arch)
-            compile(T._bn_grad_moments_kernel, dict(G=p, X=p, W=w, WQ=w, B=w, MEAN=w, PART=part),
-                    dict(K=k, BK=4, SG=2 if dt == "bf16" else 1, STATS=stats, ACC=acc, **tile), arch)
-            compile(T._bn_grad_fold_kernel, dict(PART=part, W=w, GAMMA=w, MEAN=w, VAR=w, WQ=w, GW=w, GGAMMA=w,
-                                                 GBETA=w, COEF=part),
-                    dict(K=k, BK=4, ROUND=stats, STATS=stats, F64=dt == "fp64", BC=16, BS=16), arch)
-            compile(T._bn_grad_x_kernel, dict(G=p, X=p, W=w, WQ=w, B=w, MEAN=w, COEF=part, GX=p),
-                    dict(K=k, SG=1, STATS=stats, ACC=acc, **tile), arch)
+            compile(T._bn_moments_kernel, dict(X=p, W=w, P0=w, PART=part), dict(K=k, IN_BN=in_bn, ACC=acc, **tile),
+                    arch)
+            for pre in (False, True):
+                compile(T._bn_fold_kernel, dict(PART=part, X=p, W=w, P0=w, GAMMA=w, BETA=w, RM=w, RV=w, MEAN=w,
+                                                VAR=w, WQ=w, B=w, OK="*i8"),
+                        dict(K=1 if pre else k, GIVEN=not stats, RUNNING=stats, QUANT=not pre, IN_BN=in_bn and not pre,
+                             PRE=pre, ACC=acc, F64=dt == "fp64", BC=64, BS=32), arch)
+            compile(T._bn_grad_moments_kernel, dict(G=p, X=p, W=w, WQ=w, B=w, MEAN=w, P0=w, PART=part),
+                    dict(K=k, BK=4, SG=2 if dt == "bf16" else 1, STATS=stats, IN_BN=in_bn, ROWS=4 + in_bn, ACC=acc,
+                         **tile), arch)
+            compile(T._bn_grad_fold_kernel, dict(PART=part, W=w, GAMMA=w, MEAN=w, VAR=w, WQ=w, P0=w, GW=w, GGAMMA=w,
+                                                 GBETA=w, COEF=part, GPRE=w),
+                    dict(K=k, BK=4, ROUND=stats, STATS=stats, IN_BN=in_bn, STATS0=in_bn, ROWS=4 + in_bn,
+                         F64=dt == "fp64", BC=16, BS=16), arch)
+            compile(T._bn_grad_x_kernel, dict(G=p, X=p, W=w, WQ=w, B=w, MEAN=w, COEF=part, P0=w, GPRE=w, GX=p),
+                    dict(K=k, SG=1, STATS=stats, IN_BN=in_bn, ACC=acc, **tile), arch)
         print("compiled")
     """)
     from triton.backends import backends
@@ -594,3 +599,75 @@ def test_training_step_at_the_memory_floor(threshold, passes, launches):
         # parameter-sized tensors add a few hundredths of a pass
         assert fwd == pytest.approx(passes[0], abs=0.1) and bwd == pytest.approx(passes[1], abs=0.1)
         assert fwd_launches + bwd_launches <= launches
+
+
+# ---------------------------------------------------------------- a batch norm in front, fused
+@pytest.mark.skipif(not triton_ops.INTERPRETED, reason="counted on the CPU, through Triton's interpreter")
+def test_a_fused_input_batch_norm_costs_one_more_read_of_x():
+    """functional.fuse_batchnorm on 'triton': the batch norm in front of the neuron costs its statistics'
+    read of X (forward 4 passes, backward 5 as without it), where the batch norm as a layer writes and
+    reads the normalised copy and reads X and its gradient again (13 passes as counted)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import memory_passes
+    finally:
+        sys.path.pop(0)
+    for layout, shape, k in (("time_first", (8, 4, 16, 64), 2), ("time_last", (4, 16, 64, 8), 3)):
+        fwd, bwd, fwd_launches, bwd_launches = memory_passes.step_passes("triton", layout, "bn", shape, k=k,
+                                                                         input_bn="fused")
+        assert fwd == pytest.approx(4.0, abs=0.1) and bwd == pytest.approx(5.0, abs=0.1)
+        apart = memory_passes.step_passes("triton", layout, "bn", shape, k=k, input_bn="layer")
+        assert apart[0] + apart[1] >= fwd + bwd + 3.9
+        assert fwd_launches + bwd_launches <= 16  # (2 of them the CPU's copies to restore a refused step)
+
+
+def input_bn_step(x, w, bn, input_bn, method, layout):
+    """Spikes and the gradients of x, w, gamma, beta, gamma0, beta0 of one ``ops.mf_psn`` training step."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, bn.gamma, bn.beta, input_bn.gamma, input_bn.beta)]
+    s = ops.mf_psn(leaves[0], leaves[1], bn=bn._replace(gamma=leaves[2], beta=leaves[3]),
+                   input_bn=input_bn._replace(gamma=leaves[4], beta=leaves[5]), dilation=2, layout=layout,
+                   method=method, training=True)
+    g = torch.linspace(-1, 1, s.numel(), dtype=torch.float64).view(s.shape)
+    return s, torch.autograd.grad((s.double() * g).sum(), leaves)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_input_batch_norm_in_low_precision(layout, dtype):
+    """float32 parameters, X in float32 or bfloat16 (read as it is): the spikes where the float64 general
+    path's charge is clear of 0, and the gradients within the precision of X."""
+    torch.manual_seed(8)
+    x = make_input(9, 3, 4, (5,), layout, torch.float32, False).mul(2).add(1).to(dtype)
+    w = torch.rand(4, 3) + 0.1
+    bn = ops.BatchNorm(torch.rand(4) + 0.5, torch.rand(4) - 0.5, torch.zeros(4), torch.ones(4))
+    input_bn = ops.BatchNorm(torch.rand(4) + 0.5, torch.rand(4) - 0.5, torch.zeros(4), torch.ones(4))
+    s, grads = input_bn_step(x, w, bn, input_bn, "triton", layout)
+    d = [t.double() for t in (w, *bn[:4], *input_bn[:4])]
+    bn64, in64 = ops.BatchNorm(*d[1:5]), ops.BatchNorm(*d[5:9])
+    s64, grads64 = input_bn_step(x.double(), d[0], bn64, in64, "shift_add", layout)
+    assert s.dtype == dtype
+    y = torch.nn.functional.batch_norm(x.double().movedim(ops.channel_dim(layout), 1), None, None, d[5], d[6], True)
+    h = reference.mfpsn_charge(y.movedim(1, ops.channel_dim(layout)), d[0], 2, layout, "bn", gamma=d[1], beta=d[2])[0]
+    clear = h.abs() > 1e-3
+    assert torch.equal(s.double()[clear], s64[clear])
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
+    for got, want, what in zip(grads, grads64, ("x", "weight", "gamma", "beta", "gamma0", "beta0")):
+        assert got.dtype == (dtype if what == "x" else torch.float32), what
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"grad {what}: {m}")
+
+
+def test_a_refused_fused_step_leaves_the_error_to_the_general_path():
+    """NaN in the input batch norm's gamma: 'triton' gives the general path's error, with both batch norms'
+    running statistics as that path leaves them."""
+    x, w = torch.randn(6, 2, 3, 4, dtype=torch.float64), torch.rand(3, 2, dtype=torch.float64)
+    outcomes = []
+    for method in ("triton", "shift_add"):
+        stats = [torch.full((3,), float(i % 2), dtype=torch.float64) for i in range(4)]  # means 0, variances 1
+        bn = ops.BatchNorm(torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), *stats[:2])
+        gamma0 = torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64)
+        input_bn = ops.BatchNorm(gamma0, torch.zeros(3, dtype=torch.float64), *stats[2:])
+        with pytest.raises(ValueError) as err:
+            ops.mf_psn(x, w, bn=bn, input_bn=input_bn, method=method, training=True)
+        outcomes.append((str(err.value), torch.stack(stats)))
+    assert outcomes[0][0] == outcomes[1][0]
+    torch.testing.assert_close(outcomes[0][1], outcomes[1][1], equal_nan=True)

@@ -46,7 +46,8 @@ class BatchNorm(NamedTuple):
 def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
            v_threshold: Optional[torch.Tensor] = None, bn: Optional[BatchNorm] = None, dilation: int = 1,
            layout: str = "time_first", method: str = "auto", backend: str = "torch", surrogate_function=None,
-           quantize: Optional[str] = "whole", training: bool = False) -> torch.Tensor:
+           quantize: Optional[str] = "whole", training: bool = False,
+           input_bn: Optional[BatchNorm] = None) -> torch.Tensor:
     """Spikes ``S = Theta(conv(X, Wq) + b)`` of a multi-step MF-PSN layer.
 
     Differentiable w.r.t. every tensor.
@@ -66,6 +67,11 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
             surrogate table are fused into the kernels, any other is applied to the charge
         quantize: ``'whole'`` (``Wq = Q(Wf)`` with the whole straight-through gradient), ``'round'``
             or None (no quantiser)
+        input_bn: a :class:`BatchNorm` of ``x`` itself, applied first, as a SpikingJelly
+            ``layer.BatchNorm`` in front of the neuron would (statistics over every axis but the
+            channels; ``gamma``, ``beta`` may be None: no affine); its tensors in the weight's dtype.
+            Implementations that fuse it (``'triton'``) read X once more instead of writing and reading
+            the normalised input
     Returns:
         0/1 spikes in ``x``'s dtype and shape
 
@@ -75,7 +81,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     """
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, alpha = surrogate.fused(sg)
-    if bn is not None and code and (method != "auto" or backend != "torch"):
+    if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
         impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
         if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) \
                 and not torch.is_autocast_enabled(x.device.type):  # first a step that checks every tensor itself
@@ -83,11 +89,14 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
             if s is not None:
                 return s
     _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, layout)
+    _check_input_bn(input_bn, weight, training)
     impl, xp = _checked(x, weight, bias, dilation, layout, method, backend)
     with _weight_precision(x):
         if bn is not None:
-            s = _bn_spikes(impl, xp, weight, bn, quantize, dilation, layout, code, alpha, training, sg)
+            s = _bn_spikes(impl, xp, weight, bn, quantize, dilation, layout, code, alpha, training, sg, input_bn)
         else:
+            if input_bn is not None:
+                xp = normalize_input(_in_weight_dtype(xp, weight), input_bn, layout, training)
             s = _param_spikes(impl, xp, weight, bias, v_threshold, quantize, dilation, layout, code, alpha, sg)
     return s if s.dtype == x.dtype else s.to(x.dtype)
 
@@ -128,6 +137,33 @@ def _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, 
             name = "v_threshold" if bn is None else "bn." + BatchNorm._fields[i]
             raise ValueError(f"{name} must be a tensor of shape ({c},) (one per channel), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+
+
+def _check_input_bn(bn: Optional[BatchNorm], weight: torch.Tensor, training: bool) -> None:
+    if bn is None:
+        return
+    if not training and (bn.running_mean is None or bn.running_var is None):
+        raise ValueError("input_bn needs running_mean and running_var when training=False")
+    if not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
+        raise ValueError(f"input_bn.eps must be a number > 0, got {bn.eps!r}")
+    c = weight.shape[0]
+    for name, t in zip(BatchNorm._fields, bn[:4]):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (c,) or t.dtype != weight.dtype):
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"input_bn.{name} must be a tensor of shape ({c},) (one per channel) in the weight's "
+                             f"dtype {weight.dtype}, got {got}")
+
+
+def normalize_input(x: torch.Tensor, bn: BatchNorm, layout: str, training: bool) -> torch.Tensor:
+    """``x`` through the batch norm ``bn`` over every axis but the channels, its running statistics (and
+    ``num_batches_tracked``) updated in ``training``, as ``torch.nn.BatchNorm`` does."""
+    track = training and bn.running_mean is not None
+    if track and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    factor = _running_factor(bn, 0) if track else 0.0
+    y = torch.nn.functional.batch_norm(x.flatten(0, 1) if layout == "time_first" else x, bn.running_mean,
+                                       bn.running_var, bn.gamma, bn.beta, training, factor, bn.eps)
+    return y.reshape(x.shape)
 
 
 # Runs an empty input (no samples, features or steps) for every method: each of its ops takes empty
@@ -173,26 +209,45 @@ def _running_factor(bn: BatchNorm, uncounted: int) -> float:
     return 1.0 / (tracked + uncounted)
 
 
-def _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training) -> Optional[torch.Tensor]:
+def _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training,
+              input_bn: Optional[BatchNorm] = None) -> Optional[torch.Tensor]:
     """The implementation's fused BN step (``bn_fire``), or None where it has none for this call."""
-    if impl.bn_fire is None or not code:
+    if impl.bn_fire is None or not code or (input_bn is not None and not impl.fuses_input_bn):
         return None
-    gamma, beta, mean, var, eps = bn[:5]
-    running = (mean, var, _running_factor(bn, 1)) if training and mean is not None else None
-    out = impl.bn_fire(x, weight, gamma, beta, eps, quantize, dilation, layout, code, alpha, running,
-                       None if training else (mean, var))
+    extra = {} if input_bn is None else {"input_bn": _fused_input_bn(input_bn, weight, training)}
+    out = impl.bn_fire(x, weight, bn.gamma, bn.beta, bn.eps, quantize, dilation, layout, code, alpha,
+                       _running(bn, training), None if training else (bn.running_mean, bn.running_var), **extra)
     if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
         return None
-    if training and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
+    for b in (bn, input_bn):
+        if b is not None and training and b.num_batches_tracked is not None and b.running_mean is not None:
+            b.num_batches_tracked.add_(1)
     return out[0]
 
 
-def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, sg) -> torch.Tensor:
+def _running(bn: BatchNorm, training: bool) -> Optional[tuple]:
+    """``(running_mean, running_var, factor)`` a training step blends its statistics into, or None."""
+    return (bn.running_mean, bn.running_var, _running_factor(bn, 1)) if training and bn.running_mean is not None \
+        else None
+
+
+def _fused_input_bn(bn: BatchNorm, weight: torch.Tensor, training: bool) -> tuple:
+    """``input_bn`` of a ``bn_fire`` call: ``(gamma0, beta0, eps0, running0, given0)``, no affine as ones and
+    zeros."""
+    gamma = bn.gamma if bn.gamma is not None else torch.ones_like(weight[:, 0])
+    beta = bn.beta if bn.beta is not None else torch.zeros_like(weight[:, 0])
+    return gamma, beta, bn.eps, _running(bn, training), None if training else (bn.running_mean, bn.running_var)
+
+
+def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, sg,
+               input_bn: Optional[BatchNorm] = None) -> torch.Tensor:
     if x.numel():
-        s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
+        s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, input_bn)
         if s is not None:
             return s
+    if input_bn is not None:  # not fused: normalise X first
+        x = normalize_input(_in_weight_dtype(x, weight), input_bn, layout, training)
+        return _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, sg)
     if training:
         mean, var = _stats(impl, x, weight, dilation, layout)
         w, b = fold_checked(weight, bn, mean, var, batch=True)  # (checked before the running ones take it in)

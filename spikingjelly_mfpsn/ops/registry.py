@@ -106,7 +106,9 @@ class Implementation:
     * ``fire(x, weight, bias, dilation, layout, code, alpha)``: the spikes of the charge;
     * ``stats(x, weight, dilation, layout)``: ``(mean, biased var)`` of the bias-free charge, not written;
     * ``bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running, given)``: a
-      BN-threshold step, see :func:`.core.mf_psn`; ``checks_inputs``: it checks every tensor itself,
+      BN-threshold step, see :func:`.core.mf_psn`; with ``fuses_input_bn``, also given
+      ``input_bn=(gamma0, beta0, eps0, running0, given0)``, a batch norm of X in front of the neuron;
+      ``checks_inputs``: it checks every tensor itself,
       so it is tried before any check in Python (a small layer's step spends as long in those as in
       its kernels);
     * ``param_fire(x, weight, v_threshold, ste, dilation, layout, code, alpha)``: a parameter-threshold step;
@@ -129,6 +131,7 @@ class Implementation:
     reads_lower_precision: bool = True
     priority: Callable[[str, int, int], float] = field(default=_no_priority, compare=False)
     checks_inputs: bool = False
+    fuses_input_bn: bool = False
     autoselect: bool = True  # False: never a candidate of an autoselect pass (e.g. an emulated backend)
     compiles: bool = True  # False: torch.compile cannot trace it (it runs eagerly, between graphs), so
     # method='auto' under torch.compile takes a traceable implementation instead, which the compiler can fuse

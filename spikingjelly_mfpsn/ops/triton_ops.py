@@ -22,6 +22,10 @@ A program owns a ``(BR, BC, BT)`` tile: rows ``r = n * M + m``, channels ``c``, 
   folded and quantised) and the spike kernel; backward :func:`_bn_grad_moments_kernel`,
   :func:`_bn_grad_fold_kernel` (the closed-form gradients of the folding and the statistics) and
   :func:`_bn_grad_x_kernel`. Only X is kept for the backward.
+* A batch norm of X in front of the neuron (``input_bn``, IN_BN) fused into that step: its statistics
+  by the moments and fold kernels run on X with a weight of ones (two more launches forward), X
+  normalised where every kernel reads it, and its gradients among K5's closed forms (K4 adds per-tap
+  sums over the steps a tap reaches); X is read once more forward, nothing more backward.
 
 Kernels that reduce run on tiles and program counts chosen from the shape and device alone, and their
 partial sums are added in a fixed order: every run and every process gives the same bits.
@@ -78,13 +82,53 @@ def _surrogate_grad(h, c1, c2, SG: tl.constexpr):
 
 
 @triton.jit
-def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
+def _input_bn(P0, c, cmask, C, ACC: tl.constexpr):
+    """Per channel (BC,): the input batch norm of a fused pair, ``Y = (X - mean0) * a0 + beta0``, as rows
+    0, 1, 2 of the dense (5, C) P0 (``a0 = gamma0 / sqrt(var0 + eps0)``)."""
+    mu = tl.load(P0 + c, mask=cmask, other=0.0).to(ACC)
+    a = tl.load(P0 + C + c, mask=cmask, other=0.0).to(ACC)
+    return mu, a, tl.load(P0 + 2 * C + c, mask=cmask, other=0.0).to(ACC)
+
+
+@triton.jit
+def _normalised(xv, mask, mu, a, b, IN_BN: tl.constexpr):
+    """X as the charge reads it: through the input batch norm with IN_BN (zero outside ``mask``, the
+    causal padding of Y), else as it is."""
+    if IN_BN:
+        xv = tl.where(mask, (xv - mu) * a + b, 0.0)
+    return xv
+
+
+@triton.jit
+def _pre1(P0, c, cmask, C, IN_BN: tl.constexpr, ACC: tl.constexpr):
+    """:func:`_input_bn` (placeholders without IN_BN)."""
+    if IN_BN:
+        out = _input_bn(P0, c, cmask, C, ACC)
+    else:
+        out = (0.0, 1.0, 0.0)
+    return out
+
+
+@triton.jit
+def _pre3(P0, c, cmask, C, IN_BN: tl.constexpr, ACC: tl.constexpr):
+    """:func:`_input_bn` shaped (1, BC, 1) for :func:`_charges` (placeholders without IN_BN)."""
+    if IN_BN:
+        mu, a, b = _input_bn(P0, c, cmask, C, ACC)
+        out = (mu[None, :, None], a[None, :, None], b[None, :, None])
+    else:
+        out = (0.0, 1.0, 0.0)
+    return out
+
+
+@triton.jit
+def _charge_fwd_kernel(X, W, B, H, S, P0, R, C, T, M, K, dilation,
                        sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb,
-                       HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, SPIKE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, SPIKE: tl.constexpr, IN_BN: tl.constexpr,
                        ACC: tl.constexpr, EXACT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                        BT: tl.constexpr):
     """H (and/or S) for one (BR, BC, BT) tile; X strided, H and S dense of the same logical shape.
-    EXACT (a float32 accumulator): spikes of non-finite charges from float64 (_exact_if_overflowed)."""
+    EXACT (a float32 accumulator): spikes of non-finite charges from float64 (_exact_if_overflowed).
+    IN_BN: X read through the input batch norm P0 (:func:`_input_bn`)."""
     pid = tl.program_id(0)
     n_tb = tl.cdiv(T, BT)
     n_cb = tl.cdiv(C, BC)
@@ -96,14 +140,16 @@ def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
     t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
     rc_mask = (r < R)[:, None, None] & (c < C)[None, :, None]
     x_rc = _tile_offsets(r, c, M, sx_n, sx_c, sx_m)
+    pre = _pre3(P0, c, c < C, C, IN_BN, ACC)
     acc = tl.zeros((BR, BC, BT), dtype=ACC)
     for i in range(K):
         # Tap i reads (k-1-i)*d steps back; steps before 0 are the causal zero padding.
         src = t - (K - 1 - i) * dilation
         mask = rc_mask & ((src >= 0) & (t < T))[None, None, :]
-        xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0)
+        xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0).to(ACC)
+        xv = _normalised(xv, mask, pre[0], pre[1], pre[2], IN_BN)
         wv = tl.load(W + c * sw_c + i * sw_k, mask=c < C, other=0.0)
-        acc += wv.to(ACC)[None, :, None] * xv.to(ACC)
+        acc += wv.to(ACC)[None, :, None] * xv
     if HAS_BIAS:
         acc += tl.load(B + c * sb, mask=c < C, other=0.0).to(ACC)[None, :, None]
     out = _tile_offsets(r, c, M, so_n, so_c, so_m) + (t * so_t)[None, None, :]
@@ -114,27 +160,30 @@ def _charge_fwd_kernel(X, W, B, H, S, R, C, T, M, K, dilation,
         acc = h.to(ACC)  # the Heaviside of the stored (rounded) H, exactly what the surrogate module would see
     if SPIKE:
         if EXACT:  # a charge beyond float32's range: the sign of the float64 one (see _exact_if_overflowed)
-            acc = _exact_if_overflowed(acc, X, x_rc, rc_mask, t, T, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb,
-                                       HAS_BIAS, BR, BC, BT)
+            acc = _exact_if_overflowed(acc, X, x_rc, rc_mask, t, T, W, B, P0, c, C, K, dilation, sx_t, sw_c, sw_k,
+                                       sb, HAS_BIAS, IN_BN, BR, BC, BT)
         # (compared widened: the interpreter cannot compare bfloat16)
         tl.store(S + out, tl.where(acc >= 0, 1.0, 0.0).to(S.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _exact_if_overflowed(acc, X, x_rc, rc_mask, t, T, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb,
-                         HAS_BIAS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+def _exact_if_overflowed(acc, X, x_rc, rc_mask, t, T, W, B, P0, c, C, K, dilation, sx_t, sw_c, sw_k, sb,
+                         HAS_BIAS: tl.constexpr, IN_BN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                         BT: tl.constexpr):
     """``acc`` where it is finite; elsewhere (a sum that overflowed float32 on the way, or a NaN or inf
     input) the charge recomputed in float64 from the same taps and bias, in the same order. Only tiles
     with such an element run the recomputation (a branch on the tile)."""
     bad = (acc - acc) != 0  # (NaN where acc is not finite)
     if tl.sum(bad.to(tl.int32), axis=None) > 0:
         exact = tl.zeros((BR, BC, BT), dtype=tl.float64)
+        pre = _pre3(P0, c, c < C, C, IN_BN, tl.float64)
         for i in range(K):
             src = t - (K - 1 - i) * dilation
             mask = rc_mask & ((src >= 0) & (t < T))[None, None, :]
-            xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0)
+            xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0).to(tl.float64)
+            xv = _normalised(xv, mask, pre[0], pre[1], pre[2], IN_BN)
             wv = tl.load(W + c * sw_c + i * sw_k, mask=c < C, other=0.0)
-            exact += wv.to(tl.float64)[None, :, None] * xv.to(tl.float64)
+            exact += wv.to(tl.float64)[None, :, None] * xv
         if HAS_BIAS:
             exact += tl.load(B + c * sb, mask=c < C, other=0.0).to(tl.float64)[None, :, None]
         acc = tl.where(bad, exact.to(acc.dtype), acc)
@@ -233,17 +282,19 @@ def _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR: tl.constexpr, BT:
 
 
 @triton.jit
-def _charges(X, x_rc, rc_mask, t, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, sw_k, K: tl.constexpr,
-             FOLDED: tl.constexpr, RAW: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-             BT: tl.constexpr):
-    """On one tile, zero outside the tensor: ``(conv(X, WQ) + B if FOLDED, conv(X, W) if RAW)`` (zeros
-    where not asked for). WQ is a dense (C, K) tensor and B a dense (C,); W is addressed through strides."""
+def _charges(X, x_rc, rc_mask, t, W, WQ, B, pre, c, cmask, T, dilation, sx_t, sw_c, sw_k, K: tl.constexpr,
+             FOLDED: tl.constexpr, RAW: tl.constexpr, IN_BN: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr,
+             BC: tl.constexpr, BT: tl.constexpr):
+    """On one tile, zero outside the tensor: ``(conv(Y, WQ) + B if FOLDED, conv(Y, W) if RAW)`` (zeros
+    where not asked for), Y = X or, with IN_BN, X through the input batch norm ``pre`` (mean0, a0, beta0),
+    each (1, BC, 1). WQ is a dense (C, K) tensor and B a dense (C,); W is addressed through strides."""
     hq = tl.zeros((BR, BC, BT), dtype=ACC)
     h = tl.zeros((BR, BC, BT), dtype=ACC)
     for i in tl.static_range(K):
         src = t - (K - 1 - i) * dilation
         mask = rc_mask & ((src >= 0) & (src < T) & (t < T))[None, None, :]
         xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0).to(ACC)
+        xv = _normalised(xv, mask, pre[0], pre[1], pre[2], IN_BN)
         if FOLDED:
             hq += tl.load(WQ + c * K + i, mask=cmask, other=0.0).to(ACC)[None, :, None] * xv
         if RAW:
@@ -254,35 +305,39 @@ def _charges(X, x_rc, rc_mask, t, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, s
 
 
 @triton.jit
-def _shift(X, W, c, cmask, T, dilation, sx_c, sx_t, sw_c, sw_k, K: tl.constexpr, ACC: tl.constexpr,
-           BC: tl.constexpr):
+def _shift(X, W, P0, c, cmask, C, T, dilation, sx_c, sx_t, sw_c, sw_k, K: tl.constexpr, IN_BN: tl.constexpr,
+           ACC: tl.constexpr, BC: tl.constexpr):
     """Per channel, the charge of the first row at the last step: the point the moments are taken about,
     so that a charge that hardly varies (|mean| >> std) does not cancel in ``E[H^2] - E[H]^2``."""
     h = tl.zeros((BC,), dtype=ACC)
+    pre = _pre1(P0, c, cmask, C, IN_BN, ACC)
     for i in tl.static_range(K):
         src = tl.full((BC,), 0, tl.int64) + (T - 1 - (K - 1 - i) * dilation)
         xv = tl.load(X + c * sx_c + src * sx_t, mask=cmask & (src >= 0), other=0.0).to(ACC)
+        xv = _normalised(xv, cmask & (src >= 0), pre[0], pre[1], pre[2], IN_BN)
         h += tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0).to(ACC) * xv
     return h
 
 
 @triton.jit
-def _bn_moments_kernel(X, W, PART, R, C, T, M, dilation, sx_n, sx_c, sx_m, sx_t, sw_c, sw_k,
-                       K: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+def _bn_moments_kernel(X, W, P0, PART, R, C, T, M, dilation, sx_n, sx_c, sx_m, sx_t, sw_c, sw_k,
+                       K: tl.constexpr, IN_BN: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                       BT: tl.constexpr):
     """K1: this split's ``sum (H - shift)`` and ``sum (H - shift)^2`` per channel into PART (S, C, 2),
-    ``H = conv(X, W)`` recomputed in registers (nothing X-sized written)."""
+    ``H = conv(Y, W)`` recomputed in registers (nothing X-sized written; Y: see :func:`_charges`)."""
     cb = tl.program_id(0)
     split = tl.program_id(1)
     c = (cb * BC + tl.arange(0, BC)).to(tl.int64)
     cmask = c < C
-    shift = _shift(X, W, c, cmask, T, dilation, sx_c, sx_t, sw_c, sw_k, K, ACC, BC)[None, :, None]
+    shift = _shift(X, W, P0, c, cmask, C, T, dilation, sx_c, sx_t, sw_c, sw_k, K, IN_BN, ACC, BC)[None, :, None]
+    pre = _pre3(P0, c, cmask, C, IN_BN, ACC)
     n_tb = tl.cdiv(T, BT)
     s1 = tl.zeros((BR, BC, BT), dtype=ACC)
     s2 = tl.zeros((BR, BC, BT), dtype=ACC)
     for tile in range(split, tl.cdiv(R, BR) * n_tb, tl.num_programs(1)):
         r, t, rc_mask, x_rc = _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR, BT)
-        _, h = _charges(X, x_rc, rc_mask, t, W, W, W, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, False, True,
-                        ACC, BR, BC, BT)
+        _, h = _charges(X, x_rc, rc_mask, t, W, W, W, pre, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, False, True,
+                        IN_BN, ACC, BR, BC, BT)
         d = tl.where(rc_mask & (t < T)[None, None, :], h - shift, 0.0)
         s1 += d
         s2 += d * d
@@ -353,15 +408,18 @@ def _lerp(a, b, f):
 
 
 @triton.jit
-def _bn_fold_kernel(PART, n_split, X, W, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, OK, C, T, count, dilation,
+def _bn_fold_kernel(PART, n_split, X, W, P0, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, OK, C, T, count, dilation,
                     sx_c, sx_t, sw_c, sw_k, s_g, s_b, s_rm, s_rv, s_mean, s_var, eps_hi, eps_lo, f_hi, f_lo,
                     K: tl.constexpr, GIVEN: tl.constexpr, RUNNING: tl.constexpr, QUANT: tl.constexpr,
-                    ACC: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+                    IN_BN: tl.constexpr, PRE: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr,
+                    BS: tl.constexpr):
     """K2, per channel: the batch statistics from K1's partials, added in a fixed order in float64 (or
     the given ones), the running statistics blended (only where the folding is finite), the BN folded
     into ``WQ = Q(gamma / sqrt(var + eps) * W)`` and ``B = beta - mean * gamma / sqrt(var + eps)`` (in
     the parameters' dtype P, as the general path computes them), and OK = whether that folding is finite
-    (weight, gamma, beta, mean, var and ``var + eps > 0``)."""
+    (weight, gamma, beta, mean, var and ``var + eps > 0``). IN_BN: the charge's X through the input batch norm
+    P0, whose OK row joins this one. PRE (the input batch norm's own fold, W = 1): B = beta, so that
+    ``Y = (X - mean) * WQ + B``."""
     P = W.dtype.element_ty
     c = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
     cmask = c < C
@@ -381,7 +439,8 @@ def _bn_fold_kernel(PART, n_split, X, W, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, 
             s2 += tl.load(PART + off + 1, mask=m, other=0.0).to(tl.float64)
         m1 = tl.sum(s1, axis=0) / n
         var64 = tl.maximum(tl.sum(s2, axis=0) / n - m1 * m1, 0.0)
-        mean = (_shift(X, W, c, cmask, T, dilation, sx_c, sx_t, sw_c, sw_k, K, ACC, BC).to(tl.float64) + m1).to(P)
+        shift = _shift(X, W, P0, c, cmask, C, T, dilation, sx_c, sx_t, sw_c, sw_k, K, IN_BN, ACC, BC)
+        mean = (shift.to(tl.float64) + m1).to(P)
         var = var64.to(P)
         tl.store(MEAN + c, mean, mask=cmask)
         tl.store(VAR + c, var, mask=cmask)
@@ -389,6 +448,8 @@ def _bn_fold_kernel(PART, n_split, X, W, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, 
     gamma = tl.load(GAMMA + c * s_g, mask=cmask, other=1.0)
     beta = tl.load(BETA + c * s_b, mask=cmask, other=0.0)
     ok = _finite(gamma) & _finite(beta) & _finite(mean) & _finite(var) & (var.to(tl.float64) + eps.to(tl.float64) > 0)
+    if IN_BN:  # and the input batch norm's folding (P0 row 4)
+        ok = ok & (tl.load(P0 + 4 * C + c, mask=cmask, other=1.0) != 0)
     for i in tl.static_range(K):
         ok = ok & _finite(tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0))
     if RUNNING:
@@ -405,19 +466,21 @@ def _bn_fold_kernel(PART, n_split, X, W, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, 
         if QUANT:
             wf = _pow2(wf, F64)
         tl.store(WQ + c * K + i, wf, mask=cmask)
-    tl.store(B + c, beta - mean * scale, mask=cmask)
+    tl.store(B + c, beta if PRE else beta - mean * scale, mask=cmask)
     tl.store(OK + c, ok.to(OK.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, PART, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
+def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, P0, PART, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
                             sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
                             K: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr,
-                            ACC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
-    """K4: this split's per-channel sums into PART (S, C, 4, BK), with ``g = dL/dS * surrogate'(H')`` and
-    ``H' = conv(X, WQ) + B`` recomputed: row 0 ``sum g X_i`` (X_i: X as tap i reads it), row 3
-    ``sum g``; with STATS (batch statistics) row 1 ``sum X_i`` and row 2 ``sum (H - mean) X_i``,
-    ``H = conv(X, W)``."""
+                            IN_BN: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr,
+                            BC: tl.constexpr, BT: tl.constexpr):
+    """K4: this split's per-channel sums into PART (S, C, ROWS, BK), with ``g = dL/dS * surrogate'(H')`` and
+    ``H' = conv(Y, WQ) + B`` recomputed (Y: see :func:`_charges`): row 0 ``sum g Z_i`` (Z = X - mean0 with
+    IN_BN, else X; Z_i as tap i reads it), row 3 ``sum g`` over the steps tap i reaches; with STATS (batch
+    statistics) row 1 ``sum Z_i`` and row 2 ``sum (H - mean) Z_i``, ``H = conv(Y, W)``; with IN_BN and
+    STATS, row 4 ``sum (H - mean)`` over the steps tap i reaches."""
     cb = tl.program_id(0)
     split = tl.program_id(1)
     c = (cb * BC + tl.arange(0, BC)).to(tl.int64)
@@ -426,97 +489,158 @@ def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, PART, R, C, T, M, dilation, c1
     c1 = _constant(c1_hi, c1_lo, ACC)
     c2 = _constant(c2_hi, c2_lo, ACC)
     mean = tl.load(MEAN + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    pre = _pre3(P0, c, cmask, C, IN_BN, ACC)
     n_tb = tl.cdiv(T, BT)
     g_x = tl.zeros((BC, BK), dtype=ACC)
     s_x = tl.zeros((BC, BK), dtype=ACC)
     q_x = tl.zeros((BC, BK), dtype=ACC)
-    g_0 = tl.zeros((BC,), dtype=ACC)
+    g_m = tl.zeros((BC, BK), dtype=ACC)
+    h_m = tl.zeros((BC, BK), dtype=ACC)
     for tile in range(split, tl.cdiv(R, BR) * n_tb, tl.num_programs(1)):
         r, t, rc_mask, x_rc = _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR, BT)
-        hq, h = _charges(X, x_rc, rc_mask, t, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True, STATS,
-                         ACC, BR, BC, BT)
+        hq, h = _charges(X, x_rc, rc_mask, t, W, WQ, B, pre, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True,
+                         STATS, IN_BN, ACC, BR, BC, BT)
         o_mask = rc_mask & (t < T)[None, None, :]
         g = tl.load(G + _tile_offsets(r, c, M, so_n, so_c, so_m) + (t * so_t)[None, None, :], mask=o_mask,
                     other=0.0).to(ACC) * _surrogate_grad(hq, c1, c2, SG)
-        g_0 += tl.sum(tl.sum(g, axis=2), axis=0)
         hc = tl.where(o_mask, h - mean, 0.0)
         for i in tl.static_range(K):
             src = t - (K - 1 - i) * dilation
-            mask = rc_mask & ((src >= 0) & (t < T))[None, None, :]
+            reach = ((src >= 0) & (t < T))[None, None, :]
+            mask = rc_mask & reach
             xv = tl.load(X + x_rc + (src * sx_t)[None, None, :], mask=mask, other=0.0).to(ACC)
+            if IN_BN:
+                xv = tl.where(mask, xv - pre[0], 0.0)
             g_x += tl.where(kk[None, :] == i, tl.sum(tl.sum(g * xv, axis=2), axis=0)[:, None], 0.0)
+            g_m += tl.where(kk[None, :] == i, tl.sum(tl.sum(tl.where(reach, g, 0.0), axis=2), axis=0)[:, None], 0.0)
             if STATS:
                 s_x += tl.where(kk[None, :] == i, tl.sum(tl.sum(xv, axis=2), axis=0)[:, None], 0.0)
                 q_x += tl.where(kk[None, :] == i, tl.sum(tl.sum(hc * xv, axis=2), axis=0)[:, None], 0.0)
-    out = ((split.to(tl.int64) * C + c) * 4)[:, None] * BK + kk[None, :]
+                if IN_BN:
+                    h_m += tl.where(kk[None, :] == i, tl.sum(tl.sum(tl.where(reach, hc, 0.0), axis=2), axis=0)[:, None],
+                                    0.0)
+    out = ((split.to(tl.int64) * C + c) * ROWS)[:, None] * BK + kk[None, :]
     tl.store(PART + out, g_x, mask=cmask[:, None])
     tl.store(PART + out + BK, s_x, mask=cmask[:, None])
     tl.store(PART + out + 2 * BK, q_x, mask=cmask[:, None])
-    tl.store(PART + out + 3 * BK, tl.where(kk[None, :] == 0, g_0[:, None], 0.0), mask=cmask[:, None])
+    tl.store(PART + out + 3 * BK, g_m, mask=cmask[:, None])
+    if ROWS > 4:
+        tl.store(PART + out + 4 * BK, h_m, mask=cmask[:, None])
 
 
 @triton.jit
-def _bn_grad_fold_kernel(PART, n_split, W, GAMMA, MEAN, VAR, WQ, GW, GGAMMA, GBETA, COEF, C, count, eps_hi, eps_lo,
-                         sw_c, sw_k, s_g, s_mean, s_var, K: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
-                         STATS: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+def _split_sum(PART, n_split, c, cmask, C, row: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+               BS: tl.constexpr):
+    """(BC, BK): row ``row`` of K4's partials (S, C, ROWS, BK), added over the splits in a fixed order in
+    float64."""
+    kk = tl.arange(0, BK)
+    ss = tl.arange(0, BS)
+    acc = tl.zeros((BS, BC, BK), dtype=tl.float64)
+    for s0 in range(0, n_split, BS):
+        rows = (s0 + ss).to(tl.int64)
+        off = ((rows[:, None] * C + c[None, :]) * ROWS + row)[:, :, None] * BK + kk[None, None, :]
+        m = ((rows < n_split)[:, None] & cmask[None, :])[:, :, None]
+        acc += tl.load(PART + off, mask=m, other=0.0).to(tl.float64)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _bn_grad_fold_kernel(PART, n_split, W, GAMMA, MEAN, VAR, WQ, P0, GW, GGAMMA, GBETA, COEF, GPRE, C, T, count,
+                         dilation, eps_hi, eps_lo, eps0_hi, eps0_lo, sw_c, sw_k, s_g, s_mean, s_var, K: tl.constexpr,
+                         BK: tl.constexpr, ROUND: tl.constexpr, STATS: tl.constexpr, IN_BN: tl.constexpr,
+                         STATS0: tl.constexpr, ROWS: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr,
+                         BS: tl.constexpr):
     """K5, per channel: K4's partials added in a fixed order in float64, then the closed-form gradients
     of the folding ``WQ = Q(a W)``, ``B = beta - mean a``, ``a = gamma / sqrt(var + eps)``: dL/dW,
     dL/dgamma, dL/dbeta; with STATS, also through the batch statistics, whose gradient w.r.t. the charge
-    ``H`` is ``A + Bh (H - mean)`` per channel: (A, Bh) into COEF for K6, and their part of dL/dW."""
+    ``H`` is ``A + Bh (H - mean)`` per channel: (A, Bh) into COEF for K6, and their part of dL/dW. With
+    IN_BN, the input batch norm's too (:func:`_input_bn_grads`)."""
     P = W.dtype.element_ty
     c = (tl.program_id(0) * BC + tl.arange(0, BC)).to(tl.int64)
     cmask = c < C
     kk = tl.arange(0, BK)
-    ss = tl.arange(0, BS)
-    acc = tl.zeros((BS, BC, BK), dtype=tl.float64)
-    acc_s = tl.zeros((BS, BC, BK), dtype=tl.float64)
-    acc_q = tl.zeros((BS, BC, BK), dtype=tl.float64)
-    acc_0 = tl.zeros((BS, BC, BK), dtype=tl.float64)
-    for s0 in range(0, n_split, BS):
-        rows = (s0 + ss).to(tl.int64)
-        off = ((rows[:, None] * C + c[None, :]) * 4)[:, :, None] * BK + kk[None, None, :]
-        m = ((rows < n_split)[:, None] & cmask[None, :])[:, :, None]
-        acc += tl.load(PART + off, mask=m, other=0.0).to(tl.float64)
-        acc_0 += tl.load(PART + off + 3 * BK, mask=m, other=0.0).to(tl.float64)
-        if STATS:
-            acc_s += tl.load(PART + off + BK, mask=m, other=0.0).to(tl.float64)
-            acc_q += tl.load(PART + off + 2 * BK, mask=m, other=0.0).to(tl.float64)
-    g_x = tl.sum(acc, axis=0)  # (BC, BK): dL/dWQ
-    g_0 = tl.sum(tl.sum(acc_0, axis=0), axis=1)  # (BC,): dL/dB
+    g_z = _split_sum(PART, n_split, c, cmask, C, 0, ROWS, BK, BC, BS)
+    g_m = _split_sum(PART, n_split, c, cmask, C, 3, ROWS, BK, BC, BS)
+    g_0 = tl.sum(tl.where(kk[None, :] == K - 1, g_m, 0.0), axis=1)  # (BC,): dL/dB (the lag-0 tap reaches every step)
     wmask = cmask[:, None] & (kk[None, :] < K)
     w = tl.load(W + c[:, None] * sw_c + kk[None, :] * sw_k, mask=wmask, other=0.0)
+    wq = tl.load(WQ + c[:, None] * K + kk[None, :], mask=wmask, other=0.0)
     gamma = tl.load(GAMMA + c * s_g, mask=cmask, other=1.0)
     mean = tl.load(MEAN + c * s_mean, mask=cmask, other=0.0)
     var = tl.load(VAR + c * s_var, mask=cmask, other=1.0)
     inv = _inv_std(var, _constant(eps_hi, eps_lo, P), F64)
     a = gamma * inv  # (as K2 computes it)
+    n = count.to(tl.float64)
+    reach = (count // T).to(tl.float64) * tl.maximum(T - (K - 1 - kk) * dilation, 0).to(tl.float64)[None, :]
+    mu0, a0, b0 = _pre1(P0, c, cmask, C, IN_BN, tl.float64)
+    g_x = _through_input_bn(g_z, g_m, a0, b0, IN_BN)  # dL/dWQ
     if ROUND:  # dQ/dw = |Q(w)| / |w| (0 at w = 0)
-        wf = w * a[:, None]
-        wq = tl.load(WQ + c[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-        g_x = _round_ste(g_x, wf, wq)
+        g_x = _round_ste(g_x, w * a[:, None], wq)
     a64 = a.to(tl.float64)
     inv64 = inv.to(tl.float64)
     g_w = a64[:, None] * g_x
     g_a = tl.sum(w.to(tl.float64) * g_x, axis=1) - mean.to(tl.float64) * g_0
+    coef_a = tl.zeros((BC,), dtype=tl.float64)
+    coef_b = tl.zeros((BC,), dtype=tl.float64)
+    s_z = tl.zeros((BC, BK), dtype=tl.float64)
+    q_z = s_z
+    h_m = s_z
     if STATS:
-        n = count.to(tl.float64)
+        s_z = _split_sum(PART, n_split, c, cmask, C, 1, ROWS, BK, BC, BS)
+        q_z = _split_sum(PART, n_split, c, cmask, C, 2, ROWS, BK, BC, BS)
+        if IN_BN:
+            h_m = _split_sum(PART, n_split, c, cmask, C, 4, ROWS, BK, BC, BS)
         coef_a = -a64 * g_0 / n
         coef_b = -g_a * gamma.to(tl.float64) * inv64 * inv64 * inv64 / n
-        g_w += coef_a[:, None] * tl.sum(acc_s, axis=0) + coef_b[:, None] * tl.sum(acc_q, axis=0)
+        g_w += coef_a[:, None] * _through_input_bn(s_z, reach, a0, b0, IN_BN) + \
+            coef_b[:, None] * _through_input_bn(q_z, h_m, a0, b0, IN_BN)
         tl.store(COEF + c * 2, coef_a.to(COEF.dtype.element_ty), mask=cmask)
         tl.store(COEF + c * 2 + 1, coef_b.to(COEF.dtype.element_ty), mask=cmask)
     tl.store(GW + c[:, None] * K + kk[None, :], g_w.to(P), mask=wmask)
     tl.store(GGAMMA + c, (g_a * inv64).to(P), mask=cmask)
     tl.store(GBETA + c, g_0.to(P), mask=cmask)
+    if IN_BN:
+        dl_dy = (tl.sum(wq.to(tl.float64) * g_m + w.to(tl.float64) * (coef_a[:, None] * reach + coef_b[:, None] * h_m),
+                        axis=1),
+                 tl.sum(wq.to(tl.float64) * g_z + w.to(tl.float64) * (coef_a[:, None] * s_z + coef_b[:, None] * q_z),
+                        axis=1))
+        _input_bn_grads(P0, GPRE, c, cmask, C, n, dl_dy, a0, _constant(eps0_hi, eps0_lo, P), STATS0, F64, BC)
 
 
 @triton.jit
-def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, GX, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
+def _through_input_bn(s_z, s_1, a0, b0, IN_BN: tl.constexpr):
+    """A per-tap sum over Y from the same sum over Z = X - mean0 and over the tap's reach (``Y = a0 Z + b0``
+    there), or ``s_z`` itself without IN_BN."""
+    if IN_BN:
+        s_z = a0[:, None] * s_z + b0[:, None] * s_1
+    return s_z
+
+
+@triton.jit
+def _input_bn_grads(P0, GPRE, c, cmask, C, n, dl_dy, a0, eps0, STATS0: tl.constexpr, F64: tl.constexpr,
+                    BC: tl.constexpr):
+    """The input batch norm's part of K5, from ``dl_dy = (S1, SZ)``, ``S1 = sum dL/dY`` and ``SZ = sum dL/dY Z``
+    (``dL/dY[t] = sum_i WQ_i g[t + lag_i] + W_i (A + Bh (H[t + lag_i] - mean))``, Z = X - mean0), into GPRE
+    (4, C): dL/dgamma0 ``= s0 SZ``, dL/dbeta0 ``= S1`` and, for K6's ``dL/dX = a0 dL/dY + off + slope Z``,
+    ``off`` and ``slope`` (the batch statistics' part: zero with STATS0 false, running statistics)."""
+    s1, sz = dl_dy
+    s0 = _inv_std(tl.load(P0 + 3 * C + c, mask=cmask, other=1.0), eps0, F64).to(tl.float64)
+    P = GPRE.dtype.element_ty
+    tl.store(GPRE + c, (s0 * sz).to(P), mask=cmask)
+    tl.store(GPRE + C + c, s1.to(P), mask=cmask)
+    zero = tl.zeros((BC,), dtype=tl.float64)
+    tl.store(GPRE + 2 * C + c, (-a0 * s1 / n if STATS0 else zero).to(P), mask=cmask)
+    tl.store(GPRE + 3 * C + c, (-a0 * s0 * s0 * sz / n if STATS0 else zero).to(P), mask=cmask)
+
+
+@triton.jit
+def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, P0, GPRE, GX, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
-                      K: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr, ACC: tl.constexpr,
+                      K: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr, IN_BN: tl.constexpr, ACC: tl.constexpr,
                       BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
-    """K6: ``dL/dX[t] = sum_i WQ_i g[t + lag_i] + W_i (A + Bh (H[t + lag_i] - mean))`` for one tile
-    (the second term with STATS), g and the charges at each ``t + lag_i`` recomputed from X."""
+    """K6: ``dL/dY[t] = sum_i WQ_i g[t + lag_i] + W_i (A + Bh (H[t + lag_i] - mean))`` for one tile
+    (the second term with STATS), g and the charges at each ``t + lag_i`` recomputed from X; dL/dX is
+    dL/dY, or with IN_BN ``a0 dL/dY + off + slope (X - mean0)`` (GPRE rows 2, 3)."""
     pid = tl.program_id(0)
     n_tb = tl.cdiv(T, BT)
     n_cb = tl.cdiv(C, BC)
@@ -530,11 +654,12 @@ def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, GX, R, C, T, M, dilation, c1_h
     mean = tl.load(MEAN + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
     coef_a = tl.load(COEF + c * 2, mask=cmask, other=0.0).to(ACC)[None, :, None]
     coef_b = tl.load(COEF + c * 2 + 1, mask=cmask, other=0.0).to(ACC)[None, :, None]
+    pre = _pre3(P0, c, cmask, C, IN_BN, ACC)
     gx = tl.zeros((BR, BC, BT), dtype=ACC)
     for i in tl.static_range(K):
         dst = t + (K - 1 - i) * dilation  # X[t] reached H[dst] through tap i
-        hq, h = _charges(X, x_rc, rc_mask, dst, W, WQ, B, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True,
-                         STATS, ACC, BR, BC, BT)
+        hq, h = _charges(X, x_rc, rc_mask, dst, W, WQ, B, pre, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True,
+                         STATS, IN_BN, ACC, BR, BC, BT)
         d_mask = rc_mask & (dst < T)[None, None, :]
         g = tl.load(G + o_rc + (dst * so_t)[None, None, :], mask=d_mask, other=0.0).to(ACC)
         gx += tl.load(WQ + c * K + i, mask=cmask, other=0.0).to(ACC)[None, :, None] * g * \
@@ -542,7 +667,14 @@ def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, GX, R, C, T, M, dilation, c1_h
         if STATS:
             wv = tl.load(W + c * sw_c + i * sw_k, mask=cmask, other=0.0).to(ACC)[None, :, None]
             gx += wv * tl.where(d_mask, coef_a + coef_b * (h - mean), 0.0)
-    tl.store(GX + o_rc + (t * so_t)[None, None, :], gx.to(GX.dtype.element_ty), mask=rc_mask & (t < T)[None, None, :])
+    in_mask = rc_mask & (t < T)[None, None, :]
+    if IN_BN:
+        z = tl.where(in_mask, tl.load(X + x_rc + (t * sx_t)[None, None, :], mask=in_mask, other=0.0).to(ACC) - pre[0],
+                     0.0)
+        off = tl.load(GPRE + 2 * C + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
+        slope = tl.load(GPRE + 3 * C + c, mask=cmask, other=0.0).to(ACC)[None, :, None]
+        gx = pre[1] * gx + off + slope * z
+    tl.store(GX + o_rc + (t * so_t)[None, None, :], gx.to(GX.dtype.element_ty), mask=in_mask)
 
 
 # ---------------------------------------------------------------- parameter-threshold step
@@ -598,15 +730,16 @@ def _param_grad_fold_kernel(PW, PB, n_split, W, WQ, GW, GV, C, sw_c, sw_k, K: tl
 # loads of it a tile makes (they hit the cache); X is not listed where a kernel samples k values of it
 # per channel (the moments' shift).
 TRAFFIC = {
-    "_charge_fwd_kernel": (("X", "W", "B if HAS_BIAS"), ("H if STORE_H", "S if SPIKE")),
+    "_charge_fwd_kernel": (("X", "W", "B if HAS_BIAS", "P0 if IN_BN"), ("H if STORE_H", "S if SPIKE")),
     "_charge_bwd_kernel": (("G", "X", "W", "B if HAS_BIAS"), ("GX if NEED_GX", "PW", "PB")),
-    "_bn_moments_kernel": (("X", "W"), ("PART",)),
+    "_bn_moments_kernel": (("X", "W", "P0 if IN_BN"), ("PART",)),
     "_bn_fold_kernel": (("PART if not GIVEN", "W", "GAMMA", "BETA", "RM if RUNNING", "RV if RUNNING",
-                         "MEAN if GIVEN", "VAR if GIVEN"),
+                         "MEAN if GIVEN", "VAR if GIVEN", "P0 if IN_BN"),
                         ("RM if RUNNING", "RV if RUNNING", "MEAN if not GIVEN", "VAR if not GIVEN", "WQ", "B", "OK")),
-    "_bn_grad_moments_kernel": (("G", "X", "W", "WQ", "B", "MEAN"), ("PART",)),
-    "_bn_grad_fold_kernel": (("PART", "W", "GAMMA", "MEAN", "VAR", "WQ"), ("GW", "GGAMMA", "GBETA", "COEF")),
-    "_bn_grad_x_kernel": (("G", "X", "W", "WQ", "B", "MEAN", "COEF"), ("GX",)),
+    "_bn_grad_moments_kernel": (("G", "X", "W", "WQ", "B", "MEAN", "P0 if IN_BN"), ("PART",)),
+    "_bn_grad_fold_kernel": (("PART", "W", "GAMMA", "MEAN", "VAR", "WQ", "P0 if IN_BN"),
+                             ("GW", "GGAMMA", "GBETA", "COEF", "GPRE if IN_BN")),
+    "_bn_grad_x_kernel": (("G", "X", "W", "WQ", "B", "MEAN", "COEF", "P0 if IN_BN", "GPRE if IN_BN"), ("GX",)),
     "_param_fold_kernel": (("W", "VTH"), ("WQ", "B", "OK")),
     "_param_grad_fold_kernel": (("PW", "PB", "W if ROUND", "WQ if ROUND"), ("GW", "GV")),
 }
@@ -737,9 +870,10 @@ def _on_device_of(position: int):
 
 
 @_on_device_of(0)
-def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True, out_dtype=None):
+def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True, out_dtype=None, pre=None):
     """Run the forward kernel: returns (H or None, S or None), dense in ``x``'s shape, of ``out_dtype``
-    (default: ``x``'s and ``weight``'s promoted)."""
+    (default: ``x``'s and ``weight``'s promoted); ``pre``: X read through this input batch norm
+    (:func:`_input_bn`)."""
     out_dtype = out_dtype or torch.result_type(x, weight)
     h = torch.empty(x.shape, dtype=out_dtype, device=x.device) if store_h else None
     s = torch.empty(x.shape, dtype=out_dtype, device=x.device) if spike_kind else None
@@ -750,9 +884,9 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True
     _, os_, _, _ = _view4(out, layout)
     grid = functools.partial(_forward_grid, r=r, c=c, t=t)
     _FWD[layout][grid](x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
-                       r, c, t, m, weight.shape[1], dilation, *xs, *os_, *weight.stride(),
-                       bias.stride(0) if bias is not None else 0,
-                       HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind),
+                       pre if pre is not None else weight, r, c, t, m, weight.shape[1], dilation, *xs, *os_,
+                       *weight.stride(), bias.stride(0) if bias is not None else 0,
+                       HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind), IN_BN=pre is not None,
                        ACC=_acc_dtype(x, weight, bias), EXACT=_acc_dtype(x, weight, bias) != tl.float64)
     return h, s
 
@@ -847,15 +981,63 @@ def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     return bc, min(tiles.pow2_ceil(n_split), max(2048 // (bc * per_channel), 1))
 
 
+@functools.lru_cache(maxsize=16)
+def _ones(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (C, 1) weight of ones: the input batch norm's statistics are the moments of its charge."""
+    return torch.ones((c, 1), dtype=dtype, device=device)
+
+
+def _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved) -> torch.Tensor:
+    """The input batch norm's fold: P0 (5, C) = (mean0, a0, beta0, var0, OK), from its batch statistics
+    (two kernels, the running ones updated) or from the given running ones; raises :class:`_Refused`."""
+    xs, m, (r, c, t), tile, n_cb, n_split = geometry
+    eps0, running0, given0 = pre_cfg
+    p0 = torch.empty((5, c), dtype=dtype, device=x4.device)
+    ones = _ones(c, dtype, x4.device)
+    if given0 is None:
+        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
+                           device=x4.device)
+        _bn_moments_kernel[(n_cb, n_split)](x4, ones, ones, part, r, c, t, m, 1, *xs, *ones.stride(), K=1, IN_BN=False,
+                                            ACC=acc, **_tile_args(tile))
+        mean0, var0 = p0[0], p0[3]
+    else:
+        (mean0, var0), part, n_split = given0, ones, 0
+    rm, rv, factor = running0 if running0 is not None else (mean0, var0, 0.0)
+    if running0 is not None and saved is not None:
+        saved.append(((rm, rv), (rm.clone(), rv.clone())))
+    bc, bs = _fold_blocks(c, n_split, 2)
+    _bn_fold_kernel[(tiles.cdiv(c, bc),)](
+        part, n_split, x4, ones, ones, gamma0, beta0, rm, rv, mean0, var0, p0[1], p0[2], p0[4], c, t, r * t, 1, xs[1],
+        xs[3], *ones.stride(), gamma0.stride(0), beta0.stride(0), rm.stride(0), rv.stride(0), mean0.stride(0),
+        var0.stride(0), *_hi_lo(eps0), *_hi_lo(factor), K=1, GIVEN=given0 is not None, RUNNING=running0 is not None,
+        QUANT=False, IN_BN=False, PRE=True, ACC=acc, F64=dtype == torch.float64, BC=bc, BS=bs)
+    if given0 is not None:
+        p0[0].copy_(mean0)
+        p0[3].copy_(var0)
+    return p0
+
+
+def _restored(saved):
+    """``restore`` of :func:`_refuse_unless_finite`: the running statistics a refused step put back."""
+    if not saved:
+        return None
+    return tuple(t for ts, _ in saved for t in ts), tuple(c for _, cs in saved for c in cs)
+
+
 @_on_device_of(0)
-def _bn_forward(x, weight, gamma, beta, cfg):
-    """K1 (moments), K2 (fold), K3 (spikes): ``(spikes, mean, var, Wq, b)``; raises :class:`_Refused`."""
-    eps, ste, dilation, layout, kind, _, running, given = cfg
+def _bn_forward(x, weight, gamma, beta, cfg, gamma0=None, beta0=None):
+    """K1 (moments), K2 (fold), K3 (spikes), after the input batch norm's two (``cfg[8]``, P0):
+    ``(spikes, mean, var, Wq, b, P0 or None)``; raises :class:`_Refused`."""
+    eps, ste, dilation, layout, kind, _, running, given, pre_cfg = cfg
     k, dtype, device = weight.shape[1], weight.dtype, x.device
     x4, xs, m, (r, c, t) = _view4(x, layout)
     acc = _acc_dtype(x, weight)
     tile = _reduction_tile(layout, c, t, m)
     n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
+    saved = None if x.is_cuda else []
+    p0 = None
+    if pre_cfg is not None:
+        p0 = _input_norm(x4, (xs, m, (r, c, t), tile, n_cb, n_split), gamma0, beta0, pre_cfg, dtype, acc, saved)
     # Every per-channel output in one allocation: Wq (C, k), b, OK (1.0 where the folding is finite), and
     # the batch mean and variance.
     folded = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, c, c))
@@ -864,76 +1046,87 @@ def _bn_forward(x, weight, gamma, beta, cfg):
         mean, var = folded[3], folded[4]
         part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
                            device=device)
-        _bn_moments_kernel[(n_cb, n_split)](x4, weight, part, r, c, t, m, dilation, *xs, *weight.stride(),
-                                            K=k, ACC=acc, **_tile_args(tile))
+        _bn_moments_kernel[(n_cb, n_split)](x4, weight, p0 if p0 is not None else weight, part, r, c, t, m, dilation,
+                                            *xs, *weight.stride(), K=k, IN_BN=p0 is not None, ACC=acc,
+                                            **_tile_args(tile))
     else:
         (mean, var), part, n_split = given, weight, 0
     rm, rv, factor = running if running is not None else (mean, var, 0.0)
-    saved = (rm.clone(), rv.clone()) if running is not None and not x.is_cuda else None
+    if running is not None and saved is not None:
+        saved.append(((rm, rv), (rm.clone(), rv.clone())))
     bc, bs = _fold_blocks(c, n_split, 2)
     _bn_fold_kernel[(tiles.cdiv(c, bc),)](
-        part, n_split, x4, weight, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1], xs[3],
-        *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
-        var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
-        QUANT=ste is not None, ACC=acc, F64=dtype == torch.float64, BC=bc, BS=bs)
+        part, n_split, x4, weight, p0 if p0 is not None else weight, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t,
+        r * t, dilation, xs[1], xs[3], *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0),
+        mean.stride(0), var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None,
+        RUNNING=running is not None, QUANT=ste is not None, IN_BN=p0 is not None, PRE=False, ACC=acc,
+        F64=dtype == torch.float64, BC=bc, BS=bs)
     _refuse_unless_finite(ok, x, "its weight, gamma, beta or batch statistics (NaN or inf in its input?), or "
-                                 "var + eps <= 0", restore=None if saved is None else ((rm, rv), saved))
-    if running is not None:  # written by a kernel: let autograd know, as an in-place op would
-        increment_version(rm)
-        increment_version(rv)
-    _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
-    return s, mean, var, wq, b
+                                 "var + eps <= 0" + (", or in its input batch norm's" if p0 is not None else ""),
+                          restore=_restored(saved))
+    written = ((rm, rv) if running is not None else ()) + \
+        (tuple(pre_cfg[1][:2]) if pre_cfg is not None and pre_cfg[1] is not None else ())
+    for v in written:
+        increment_version(v)  # written by a kernel: let autograd know, as an in-place op would
+    _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq),
+                          pre=p0)
+    return s, mean, var, wq, b, p0
 
 
 @_on_device_of(1)
-def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, cfg, need_gx):
-    """K4 (per-split sums), K5 (per-channel closed form), K6 (dL/dX): ``(dL/dX or None, dL/dW,
-    dL/dgamma, dL/dbeta)``."""
-    eps, ste, dilation, layout, kind, alpha, stats = cfg
+def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
+    """K4 (per-split sums), K5 (per-channel closed form), K6 (dL/dX): ``(dL/dX or None, dL/dW, dL/dgamma,
+    dL/dbeta, dL/dgamma0 and dL/dbeta0 (input batch norm P0) or None)``."""
+    eps, ste, dilation, layout, kind, alpha, stats, pre = cfg
     k, dtype, device = weight.shape[1], weight.dtype, x.device
     x4, xs, m, (r, c, t) = _view4(x, layout)
     grad = grad.contiguous()  # dense like the spikes (read in its dtype, summed in ACC)
     _, gs, _, _ = _view4(grad, layout)
     acc = _acc_dtype(x, weight)
-    acc_dtype = torch.float64 if acc == tl.float64 else torch.float32
     tile = _reduction_tile(layout, c, t, m)
     n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
-    bk = tiles.pow2_ceil(k)
+    bk, rows, in_bn = tiles.pow2_ceil(k), 4 if p0 is None else 5, p0 is not None
     consts = surrogate_constants(kind, alpha)  # (COEF is stored in the parameters' dtype)
-    mean = mean.contiguous()
-    part = torch.empty((n_split, c, 4, bk), dtype=acc_dtype, device=device)
-    _bn_grad_moments_kernel[(n_cb, n_split)](grad, x4, weight, wq, b, mean, part, r, c, t, m, dilation, *consts,
-                                             *xs, *gs, *weight.stride(), K=k, BK=bk, SG=kind, STATS=stats, ACC=acc,
-                                             **_tile_args(tile))
-    # dL/dW, dL/dgamma, dL/dbeta and the statistics' coefficients for K6 in one allocation
-    g_weight, g_gamma, g_beta, coef = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, 2 * c))
+    mean, p0 = mean.contiguous(), p0 if in_bn else weight
+    part = torch.empty((n_split, c, rows, bk), dtype=torch.float64 if acc == tl.float64 else torch.float32,
+                       device=device)
+    _bn_grad_moments_kernel[(n_cb, n_split)](grad, x4, weight, wq, b, mean, p0, part, r, c, t, m, dilation, *consts,
+                                             *xs, *gs, *weight.stride(), K=k, BK=bk, SG=kind, STATS=stats,
+                                             IN_BN=in_bn, ROWS=rows, ACC=acc, **_tile_args(tile))
+    # dL/dW, dL/dgamma, dL/dbeta, the statistics' coefficients for K6 and the input batch norm's (dL/dgamma0,
+    # dL/dbeta0 and K6's two) in one allocation
+    g_weight, g_gamma, g_beta, coef, g_pre = torch.empty(c * (k + 4 + 4 * in_bn), dtype=dtype, device=device) \
+        .split_with_sizes((c * k, c, c, 2 * c, 4 * c * in_bn))
     g_weight = g_weight.view(c, k)
-    bc, bs = _fold_blocks(c, n_split, 4 * bk)
+    eps0, stats0 = pre if in_bn else (1.0, False)
+    bc, bs = _fold_blocks(c, n_split, rows * bk)
     _bn_grad_fold_kernel[(tiles.cdiv(c, bc),)](
-        part, n_split, weight, gamma, mean, var, wq, g_weight, g_gamma, g_beta, coef, c, r * t, *_hi_lo(eps),
-        *weight.stride(), gamma.stride(0), mean.stride(0), var.stride(0), K=k, BK=bk, ROUND=ste == "round",
-        STATS=stats, F64=dtype == torch.float64, BC=bc, BS=bs)
+        part, n_split, weight, gamma, mean, var, wq, p0, g_weight, g_gamma, g_beta, coef, g_pre if in_bn else coef,
+        c, t, r * t, dilation, *_hi_lo(eps), *_hi_lo(eps0), *weight.stride(), gamma.stride(0), mean.stride(0),
+        var.stride(0), K=k, BK=bk, ROUND=ste == "round", STATS=stats, IN_BN=in_bn, STATS0=stats0, ROWS=rows,
+        F64=dtype == torch.float64, BC=bc, BS=bs)
     gx = None
     if need_gx:
         gx = torch.empty(x.shape, dtype=x.dtype, device=device)
         _bn_grad_x_kernel[_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
-            grad, x4, weight, wq, b, mean, coef, gx, r, c, t, m, dilation, *consts, *xs, *gs, *weight.stride(),
-            K=k, SG=kind, STATS=stats, ACC=acc, **_tile_args(tile))
-    return gx, g_weight, g_gamma, g_beta
+            grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx, r, c, t, m, dilation, *consts,
+            *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, **_tile_args(tile))
+    return gx, g_weight, g_gamma, g_beta, *((g_pre[:c], g_pre[c:2 * c]) if in_bn else (None, None))
 
 
 class _TritonBNFire(torch.autograd.Function):
     """A BN-threshold neuron's step as one autograd node: three kernels forward, three backward, nothing
-    X-sized kept but X (the charge is recomputed from it). ``cfg``: ``(eps, ste, dilation, layout, kind,
-    alpha, running, given)``. Returns ``(spikes, mean, var)``, or the spikes alone with ``given``
+    X-sized kept but X (the charge is recomputed from it); with an input batch norm (``gamma0``, ``beta0``)
+    fused in front, two more forward. ``cfg``: ``(eps, ste, dilation, layout, kind, alpha, running, given,
+    (eps0, running0, given0) or None)``. Returns ``(spikes, mean, var)``, or the spikes alone with ``given``
     statistics (constants: no gradient through them)."""
 
     @staticmethod
-    def forward(ctx, x, weight, gamma, beta, cfg):
-        s, mean, var, wq, b = _bn_forward(x, weight, gamma, beta, cfg)
+    def forward(ctx, x, weight, gamma, beta, gamma0, beta0, cfg):
+        s, mean, var, wq, b, p0 = _bn_forward(x, weight, gamma, beta, cfg, gamma0, beta0)
         ctx.save_for_backward(x, weight, gamma, mean, var)
-        ctx.folded = (wq, b)
-        ctx.cfg = (*cfg[:6], cfg[7] is None)
+        ctx.folded = (wq, b, p0)
+        ctx.cfg = (*cfg[:6], cfg[7] is None, None if cfg[8] is None else (cfg[8][0], cfg[8][2] is None))
         if cfg[7] is not None:
             return s
         ctx.mark_non_differentiable(mean, var)
@@ -944,11 +1137,9 @@ class _TritonBNFire(torch.autograd.Function):
     def backward(ctx, grad, *_stats_grads):
         first_order_only("triton")
         if grad is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None, None
         x, weight, gamma, mean, var = ctx.saved_tensors
-        gx, g_weight, g_gamma, g_beta = _bn_backward(grad, x, weight, gamma, mean, var, *ctx.folded, ctx.cfg,
-                                                     ctx.needs_input_grad[0])
-        return gx, g_weight, g_gamma, g_beta, None
+        return (*_bn_backward(grad, x, weight, gamma, mean, var, *ctx.folded, ctx.cfg, ctx.needs_input_grad[0]), None)
 
 
 # ---------------------------------------------------------------- the parameter-threshold step
@@ -1018,24 +1209,34 @@ def fire(x, weight, bias, dilation, layout, code, alpha) -> torch.Tensor:
     return _TritonCharge.apply(x, weight, bias, dilation, layout, code, alpha)
 
 
-def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running=None, given=None):
+def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running=None, given=None,
+            input_bn=None):
     """Registry contract: ``(spikes, mean, var)`` from the three forward kernels (one autograd node, three
     kernels backward), or None for an empty batch, parameters or statistics of another dtype or device
     than the weight, a folding with NaN or inf (on the CPU; on CUDA an asynchronous error stops the
-    stream), or under torch.compile."""
+    stream), or under torch.compile. ``input_bn``: ``(gamma0, beta0, eps0, running0, given0)`` of a batch
+    norm of X fused in front (its statistics in two more kernels; None for a batch of one value per
+    channel, which a batch norm refuses in training)."""
     if not x.numel() or torch.compiler.is_compiling():
         return None
     dtype, device = weight.dtype, x.device
     vectors = (gamma, beta) + (() if running is None else tuple(running[:2])) + (() if given is None else tuple(given))
+    if input_bn is not None:
+        gamma0, beta0, eps0, running0, given0 = input_bn
+        vectors += (gamma0, beta0) + tuple(running0[:2] if running0 is not None else ()) + tuple(given0 or ())
+        if given0 is None and x.numel() <= weight.shape[0]:
+            return None
     if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
             or any(v.dtype != dtype or v.device != device or v.dim() != 1 for v in vectors):
         return None
-    cfg = (float(eps), ste, dilation, layout, code, alpha, running, given)
+    pre = None if input_bn is None else (float(eps0), running0, given0)
+    cfg = (float(eps), ste, dilation, layout, code, alpha, running, given, pre)
+    gamma0, beta0 = (None, None) if input_bn is None else input_bn[:2]
     try:
-        if needs_grad(x, weight, gamma, beta):
-            out = _TritonBNFire.apply(x, weight, gamma, beta, cfg)
+        if needs_grad(x, weight, gamma, beta, gamma0, beta0):
+            out = _TritonBNFire.apply(x, weight, gamma, beta, gamma0, beta0, cfg)
         else:
-            s, mean, var, _, _ = _bn_forward(x, weight, gamma, beta, cfg)
+            s, mean, var, *_ = _bn_forward(x, weight, gamma, beta, cfg, gamma0, beta0)
             out = s if given is not None else (s, mean, var)
     except _Refused:
         return None
@@ -1074,5 +1275,5 @@ register(Implementation(
     "fused, and the BN- and parameter-threshold steps in three and two kernels each way",
     requirements=requirements, dtypes=DTYPES,
     priority=lambda device, k, t: 20 if device == "cuda" else -1,
-    fire=fire, bn_fire=bn_fire, param_fire=param_fire, compiles=False,
+    fire=fire, bn_fire=bn_fire, param_fire=param_fire, fuses_input_bn=True, compiles=False,
     autoselect=not INTERPRETED and torch.cuda.is_available()))  # a candidate where its kernels run compiled

@@ -1,0 +1,188 @@
+"""functional.fuse_batchnorm: a batch norm applied by the MF-PSN after it, with the same results as the two
+layers apart (every method, both step modes, training and eval), the same state_dict, and undone by
+unfuse_batchnorm, deploy.fold and the layout conversions."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from spikingjelly.activation_based import functional, layer, neuron
+
+import spikingjelly_mfpsn
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, fuse_batchnorm, ops, replace_neurons, unfuse_batchnorm
+
+
+def conv_net(method="auto", threshold="bn", seed=0):
+    """Both places a batch norm comes in front of a neuron in SpikingJelly networks: a multi-step
+    ``layer.BatchNorm2d``, and the last layer of a ``SeqToANNContainer``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        layer.Conv2d(3, 6, 3, padding=1, step_mode="m"), layer.BatchNorm2d(6, step_mode="m"),
+        MulFreeChannelwisePSN(6, k=2, step_mode="m", method=method, threshold=threshold),
+        layer.SeqToANNContainer(nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=None)),
+        MulFreeChannelwisePSN(6, k=3, dilation=2, step_mode="m", method=method, threshold=threshold),
+    )
+
+
+def cpu_methods():
+    return [m for m in ops.names(layout="time_first") if ops.get(m).supports(
+        torch.zeros(2, 2, 3), torch.zeros(3, 2), 1, "time_first")]
+
+
+def train_steps(net, x, steps=2):
+    """Spikes, every gradient, and the state after each of ``steps`` training steps."""
+    out = []
+    for i in range(steps):
+        xi = (x + i).requires_grad_()
+        s = net(xi)
+        (s * torch.linspace(-1, 1, s.numel()).view(s.shape)).sum().backward()
+        out.append((s.detach(), xi.grad, [p.grad.clone() for p in net.parameters()],
+                    {k: v.clone() for k, v in net.state_dict().items()}))
+        net.zero_grad()
+        functional.reset_net(net)
+    return out
+
+
+def assert_same_steps(got, want, tol):
+    for (s, gx, grads, state), (s2, gx2, grads2, state2) in zip(got, want):
+        assert torch.equal(s, s2)
+        torch.testing.assert_close(gx, gx2, **tol)
+        for a, b in zip(grads, grads2):
+            torch.testing.assert_close(a, b, **tol)
+        assert list(state) == list(state2)
+        for k in state:
+            torch.testing.assert_close(state[k], state2[k], **tol, msg=k)
+
+
+@pytest.mark.parametrize("method", cpu_methods())
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_a_fused_network_trains_and_infers_as_the_layers_apart(method, threshold):
+    apart, fused = conv_net(method, threshold), conv_net(method, threshold)
+    assert fuse_batchnorm(fused) == [("1", "2"), ("3.1", "4")]
+    x = torch.randn(5, 2, 3, 4, 4)
+    tol = dict(rtol=1e-4, atol=1e-4) if method == "triton" else dict(rtol=1e-5, atol=1e-6)
+    assert_same_steps(train_steps(fused, x), train_steps(apart, x), tol)
+    apart.eval(), fused.eval()
+    with torch.no_grad():
+        assert torch.equal(fused(x), apart(x))
+
+
+def test_state_dicts_load_across_fused_and_apart():
+    apart, fused = conv_net(seed=1), conv_net(seed=2)
+    fuse_batchnorm(fused)
+    assert list(fused.state_dict()) == list(apart.state_dict())
+    train_steps(apart, torch.randn(3, 2, 3, 4, 4), steps=1)
+    fused.load_state_dict(apart.state_dict())
+    apart.eval(), fused.eval()
+    x = torch.randn(4, 2, 3, 4, 4)
+    assert torch.equal(fused(x), apart(x))
+    again = conv_net(seed=3)
+    again.load_state_dict(fused.state_dict())
+    assert torch.equal(again.eval()(x), apart(x))
+
+
+def test_single_step_normalises_each_step_as_the_batch_norm_does():
+    apart, fused = conv_net()[:3], conv_net()[:3]
+    fuse_batchnorm(fused)
+    for net in (apart, fused):
+        functional.set_step_mode(net, "s")
+    x = torch.randn(4, 2, 3, 4, 4)
+    for net in (apart, fused):
+        functional.reset_net(net)
+    for t in range(4):
+        assert torch.equal(fused(x[t]), apart(x[t]))
+    assert torch.equal(fused.state_dict()["1.running_mean"], apart.state_dict()["1.running_mean"])
+
+
+def test_copies_keep_the_pairing_and_unfusing_restores_the_layers():
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    twin = copy.deepcopy(fused)
+    assert twin[2].input_bn is twin[1] and twin[2].input_bn is not fused[1]
+    x = torch.randn(3, 2, 3, 4, 4)
+    train_steps(twin, x, steps=1)
+    train_steps(apart, x, steps=1)
+    unfuse_batchnorm(twin)
+    assert type(twin[1]) is layer.BatchNorm2d and type(twin[3][1]) is nn.BatchNorm2d
+    assert twin[2].input_bn is None and twin[4].input_bn is None
+    twin.eval(), apart.eval()
+    assert torch.equal(twin(x), apart(x))
+
+
+def test_only_a_batch_norm_whose_output_only_the_neuron_reads_is_fused():
+    shared = layer.BatchNorm2d(6, step_mode="m")
+    sn = lambda: MulFreeChannelwisePSN(6, step_mode="m")  # noqa: E731
+    nets = {
+        "used twice": nn.Sequential(shared, sn(), shared, sn()),
+        "single-step batch norm before a multi-step neuron": nn.Sequential(layer.BatchNorm2d(6), sn()),
+        "other channels": nn.Sequential(layer.BatchNorm2d(4, step_mode="m"), sn()),
+        "no running statistics": nn.Sequential(layer.BatchNorm2d(6, step_mode="m", track_running_stats=False), sn()),
+        "a layer in between": nn.Sequential(layer.BatchNorm2d(6, step_mode="m"), layer.Dropout(0.5), sn()),
+        "another neuron": nn.Sequential(layer.BatchNorm2d(6, step_mode="m"), neuron.LIFNode(step_mode="m")),
+    }
+    for what, net in nets.items():
+        assert fuse_batchnorm(net) == [], what
+
+
+def test_replace_neurons_fuses_when_asked():
+    def lif_net():
+        torch.manual_seed(0)
+        return nn.Sequential(layer.Conv2d(3, 6, 3, padding=1, step_mode="m"), layer.BatchNorm2d(6, step_mode="m"),
+                             neuron.LIFNode(step_mode="m"))
+    apart, _ = replace_neurons(lif_net(), k=2)
+    fused, summary = replace_neurons(lif_net(), k=2, fuse_bn=True)
+    assert summary.fused == [("1", "2")] and "fused 1 batch norm" in str(summary)
+    x = torch.randn(4, 2, 3, 4, 4)
+    assert_same_steps(train_steps(fused, x), train_steps(apart, x), dict(rtol=1e-5, atol=1e-6))
+
+
+def test_folding_and_layout_conversion_see_the_batch_norm():
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    x = torch.randn(4, 2, 3, 4, 4)
+    train_steps(apart, x, steps=1)
+    train_steps(fused, x, steps=1)
+    for net in (apart, fused):
+        net.eval()
+    want = apart(x)
+    last = spikingjelly_mfpsn.to_time_last(copy.deepcopy(fused))
+    assert last[2].layout == "time_last" and torch.equal(last(x), want)  # (time-first at its boundary)
+    assert torch.equal(deploy.fold(copy.deepcopy(fused))(x), deploy.fold(copy.deepcopy(apart))(x))
+
+
+def test_reconfiguring_a_fused_neuron_keeps_its_batch_norm(recwarn):
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    replace_neurons(apart, k=3, dilation=1)
+    replace_neurons(fused, k=3, dilation=1)
+    assert fused[2].input_bn is fused[1] and fused[4].input_bn is fused[3][1]
+    x = torch.randn(4, 2, 3, 4, 4)
+    assert torch.equal(fused(x), apart(x))
+
+
+def test_compiled_fused_network_gives_the_eager_spikes():
+    fused = conv_net()
+    fuse_batchnorm(fused)
+    twin = copy.deepcopy(fused)
+    x = torch.randn(4, 2, 3, 4, 4)
+    compiled = torch.compile(twin, backend="aot_eager")
+    assert torch.equal(compiled(x), fused(x))
+    torch.testing.assert_close(twin.state_dict()["1.running_mean"], fused.state_dict()["1.running_mean"])
+
+
+def test_nir_export_of_a_fused_network_is_that_of_the_layers_apart():
+    pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
+    from spikingjelly_mfpsn.nir import export_to_nir
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    x = torch.randn(4, 2, 3, 4, 4)
+    train_steps(apart, x, steps=1)
+    train_steps(fused, x, steps=1)
+    graphs = [export_to_nir(net, x) for net in (apart, fused)]
+    assert list(graphs[0].nodes) == list(graphs[1].nodes) and graphs[0].edges == graphs[1].edges
+    for name, node in graphs[0].nodes.items():
+        other = graphs[1].nodes[name]
+        for key, value in vars(node).items():
+            if hasattr(value, "shape"):
+                assert abs(value - vars(other)[key]).max() < 1e-5, (name, key)
+    assert isinstance(fused[1], spikingjelly_mfpsn.neuron.FusedBatchNorm)  # (the network itself left as it is)

@@ -41,7 +41,7 @@ import reference  # noqa: E402  (tests/reference.py: plain loops, no package cod
 from spikingjelly.activation_based import functional, layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 SECTIONS = ("correctness", "determinism", "neuron", "network", "host")
@@ -191,11 +191,14 @@ def _lif(device):
 
 
 def neuron_candidates(T, c, device, dims=4):
-    cands = {"MF-PSN (auto)": MulFreeChannelwisePSN(c, k=2, step_mode="m")}
+    batch_norm = lambda: (layer.BatchNorm1d if dims == 4 else layer.BatchNorm2d)(c, step_mode="m")  # noqa: E731
+    cands = {"MF-PSN (auto)": MulFreeChannelwisePSN(c, k=2, step_mode="m"),
+             "BatchNorm + MF-PSN": nn.Sequential(batch_norm(), MulFreeChannelwisePSN(c, k=2, step_mode="m"))}
+    cands["BatchNorm + MF-PSN, fused"] = nn.Sequential(batch_norm(), MulFreeChannelwisePSN(c, k=2, step_mode="m"))
+    fuse_batchnorm(cands["BatchNorm + MF-PSN, fused"])
     psn = _psn(T)
     if psn is not None:
-        bn = (layer.BatchNorm1d if dims == 4 else layer.BatchNorm2d)(c, step_mode="m")
-        cands["BatchNorm + PSN"] = nn.Sequential(bn, Flat(psn))
+        cands["BatchNorm + PSN"] = nn.Sequential(batch_norm(), Flat(psn))
         cands["PSN"] = Flat(_psn(T))
     cands["LIF"] = _lif(device)
     return {k: v.to(device) for k, v in cands.items()}
@@ -281,9 +284,10 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
              (T, N, 3, size, size)) for T in Ts]
     nets.append(("sequential CIFAR", size, lambda kind: models.sequential_image_net(
         3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), (size, N, 3, size)))
-    kinds = ["mfpsn"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
+    kinds = ["mfpsn", "mfpsn, fused BN"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
     jobs = [(net, kinds, False) for net in nets]
-    jobs += [(net, [k for k in kinds if k != "lif"], True) for net in nets if compile_ts is None or net[1] in compile_ts]
+    compiled_kinds = [k for k in kinds if k not in ("lif", "mfpsn, fused BN")]
+    jobs += [(net, compiled_kinds, True) for net in nets if compile_ts is None or net[1] in compile_ts]
     rows = []
     for (label, T, build, shape), job_kinds, compiled in jobs:
         torch.manual_seed(0)
@@ -291,10 +295,12 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
         fns = {}
         for kind in job_kinds:
             torch.manual_seed(0)
-            net = build(kind).to(device)
+            net = build(kind.split(",")[0]).to(device)
+            if kind.endswith("fused BN"):  # each batch norm applied by the neuron after it
+                fuse_batchnorm(net)
             name = kind + (", compiled" if compiled else "")
             fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
-        host = {} if compiled else {"mfpsn": _host_and_launches(fns["mfpsn"], device)}
+        host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in ("mfpsn", "mfpsn, fused BN")}
         times = interleaved(fns, repeats=repeats, warmup=3, device=device)
         base = "psn, compiled" if compiled else "psn" if "psn" in times else "lif"
         base = base if base in times else next(iter(times))

@@ -25,7 +25,7 @@ from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio
 from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 
@@ -52,6 +52,10 @@ def candidates(T: int, c: int) -> dict[str, nn.Module]:
         out["MF-PSN triton, bn (kernels stubbed)"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton")
         out["MF-PSN triton, param (kernels stubbed)"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton",
                                                                               threshold="param")
+        pair = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), MulFreeChannelwisePSN(c, k=2, step_mode="m",
+                                                                                          method="triton"))
+        fuse_batchnorm(pair)
+        out["BatchNorm + MF-PSN triton, fused (kernels stubbed)"] = pair
     if "cpp" in ops.names():
         out["MF-PSN cpp, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="cpp")
     out["MF-PSN shift_add, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="shift_add")

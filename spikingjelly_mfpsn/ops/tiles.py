@@ -27,6 +27,18 @@ def pow2_ceil(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def pow2_floor(n: int) -> int:
+    """The greatest power of two that is at most ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(n.bit_length() - 1, 0)
+
+
+def fold_blocks(c: int, n_split: int, per_channel: int, budget: int = 2048, max_bc: int = 64) -> tuple[int, int]:
+    """``(channel block, split block)`` of a per-channel kernel that adds ``per_channel`` values of each
+    of ``n_split`` splits: about ``budget`` values a step, both powers of two (``tl.arange`` sizes)."""
+    bc = min(pow2_ceil(c), pow2_floor(max(budget // per_channel, 1)), max_bc)
+    return bc, min(pow2_ceil(n_split), pow2_floor(max(budget // (bc * per_channel), 1)))
+
+
 def num_warps(tile: tuple) -> int:
     """Warps per program: 4 for tiles of at most 1024 elements, else 8."""
     return 4 if math.prod(tile) <= 1024 else 8

@@ -975,10 +975,7 @@ def _refuse_unless_finite(ok: torch.Tensor, x: torch.Tensor, what: str, restore=
 
 def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     """(channel block, split block) of the per-channel kernels K2 and K5, about 2048 values a step."""
-    if INTERPRETED:
-        return 4, 8
-    bc = min(tiles.pow2_ceil(c), max(2048 // per_channel, 1), 64)
-    return bc, min(tiles.pow2_ceil(n_split), max(2048 // (bc * per_channel), 1))
+    return (4, 8) if INTERPRETED else tiles.fold_blocks(c, n_split, per_channel)
 
 
 @functools.lru_cache(maxsize=16)

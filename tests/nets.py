@@ -63,6 +63,38 @@ class Residual(nn.Module):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def assert_compiled_trains_as_eager(net: nn.Module, x: torch.Tensor, steps: int = 2, **compile_kwargs) -> None:
+    """``net`` and ``torch.compile`` of a copy of it (``compile_kwargs``), trained side by side on
+    ``x + i`` for ``steps`` steps: the same spikes, dL/dX, parameter gradients and state (to rounding),
+    then the same eval output."""
+    import copy
+    from spikingjelly.activation_based import functional
+    twin = copy.deepcopy(net)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, **compile_kwargs)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    try:
+        for i in range(steps):
+            xe, xc = (x + i).requires_grad_(), (x + i).requires_grad_()
+            se, sc = net(xe), compiled(xc)
+            assert torch.equal(sc, se)
+            g = torch.linspace(-1, 1, se.numel(), device=se.device).view(se.shape)
+            (se * g).sum().backward()
+            (sc * g).sum().backward()
+            torch.testing.assert_close(xc.grad, xe.grad, **tol)
+            for (name, pe), pc in zip(net.named_parameters(), twin.parameters()):
+                torch.testing.assert_close(pc.grad, pe.grad, **tol, msg=name)
+                pe.grad = pc.grad = None
+            for (name, be), bc in zip(net.state_dict().items(), twin.state_dict().values()):
+                torch.testing.assert_close(bc, be, **tol, msg=name)
+            functional.reset_net(net)
+            functional.reset_net(twin)
+        net.eval(), twin.eval()
+        assert torch.equal(compiled(x), net(x))
+    finally:
+        torch._dynamo.reset()
+
+
 def export_error_without(package: str, module: str, call: str) -> str:
     """What ``spikingjelly_mfpsn.<module>.<call>`` of a one-neuron network raises as ImportError in a
     process where ``package`` cannot be imported (its output; the traceback's end if it raised nothing)."""

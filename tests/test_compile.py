@@ -9,6 +9,8 @@ from spikingjelly.activation_based import functional, layer
 
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
 
+from nets import assert_compiled_trains_as_eager
+
 
 def small_net():
     torch.manual_seed(0)
@@ -19,8 +21,9 @@ def small_net():
     return net
 
 
-# 'cpp' (where a compiler exists) runs its kernels as custom ops under torch.compile.
-@pytest.mark.parametrize("method", ["auto", "conv1d", "vmap_mm"] + (["cpp"] if "cpp" in ops.names() else []))
+# 'cpp' (where a compiler exists) and 'triton' (here through its interpreter) run their kernels as custom ops
+# under torch.compile.
+@pytest.mark.parametrize("method", ["auto", "conv1d", "vmap_mm"] + [m for m in ("cpp", "triton") if m in ops.names()])
 @pytest.mark.parametrize("layout", ["time_first", "time_last"])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
@@ -38,7 +41,7 @@ def test_no_graph_break_inside_the_neuron(method, layout, training, grad):
 
 
 def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
-    """An implementation torch.compile cannot trace (``compiles=False``, as Triton's and CuPy's launches)
+    """An implementation torch.compile cannot trace (``compiles=False``, as CuPy's launches)
     is what ``method='auto'`` runs eagerly, but not inside a compiled graph, where a traceable one gives
     the same spikes."""
     calls = []
@@ -66,23 +69,17 @@ def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
 
 @pytest.mark.skipif("triton" not in ops.names(), reason="triton is not installed")
 @pytest.mark.parametrize("threshold", ["bn", "param"])
-def test_method_triton_under_compile_runs_its_kernels_between_graphs(threshold):
-    """An explicit method='triton' under torch.compile gives the eager step's spikes and gradients."""
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_method_triton_compiles_to_its_fused_kernels(threshold, layout, backend):
+    """method='triton' under torch.compile runs the fused kernels as operators inside the graph: the
+    eager step's spikes and gradients over two training steps, the running statistics within rounding
+    (blended in by the graph rather than by the kernel), and eval after them."""
     torch.manual_seed(3)
-    sn = MulFreeChannelwisePSN(8, k=2, step_mode="m", method="triton", threshold=threshold, exp_init=False)
-    twin = copy.deepcopy(sn)
-    x = torch.randn(6, 4, 8, 5)
-    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-    g = torch.randn_like(x)
-    se = sn(xe)
-    se.backward(g)
-    torch._dynamo.reset()
-    sc = torch.compile(twin, backend="aot_eager")(xc)
-    sc.backward(g)
-    assert torch.equal(sc, se)
-    torch.testing.assert_close(xc.grad, xe.grad)
-    for (name, pe), pc in zip(sn.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(pc.grad, pe.grad, msg=name)
+    sn = MulFreeChannelwisePSN(8, k=2, step_mode="m", method="triton", threshold=threshold, exp_init=False,
+                               layout=layout)
+    x = (torch.randn(6, 4, 8, 5) if layout == "time_first" else torch.randn(4, 8, 5, 6)) * 2 + 0.5
+    assert_compiled_trains_as_eager(sn, x, backend=backend)
 
 
 def test_compiled_training_matches_eager():

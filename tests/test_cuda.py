@@ -7,11 +7,14 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 import spikingjelly_mfpsn  # noqa: F401
-from spikingjelly.activation_based import neuron
+from spikingjelly.activation_based import layer, neuron
+from spikingjelly_mfpsn import fuse_batchnorm
 
 import reference
+from nets import assert_compiled_trains_as_eager
 
 pytestmark = pytest.mark.cuda
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +59,51 @@ def test_auto_picks_triton_and_matches_the_reference():
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4)
 
 
+def fused_pair(**kwargs):
+    """A SpikingJelly BatchNorm1d and an MF-PSN after it, the batch norm fused into the neuron."""
+    pair = nn.Sequential(layer.BatchNorm1d(16, step_mode="m"), bn_neuron(**kwargs))
+    with torch.no_grad():
+        pair[0].weight.uniform_(0.5, 1.5)
+        pair[0].bias.uniform_(-0.5, 0.5)
+    fuse_batchnorm(pair)
+    return pair
+
+
+@needs_triton
+def test_a_fused_batch_norm_matches_the_reference():
+    """BatchNorm + MF-PSN fused on the compiled kernels: the spikes and every gradient (X, the neuron's
+    weight, gamma and beta, the batch norm's weight and bias) against the plain reference in float64."""
+    pair = fused_pair().cuda()
+    x = (torch.randn(12, 8, 16, 10, device="cuda") * 2 + 1).requires_grad_()
+    s = pair(x)
+    bn, sn = pair[0], pair[1]
+    x64 = x.detach().double().cpu().requires_grad_()
+    leaves = [p.detach().double().cpu().requires_grad_() for p in (sn.weight, sn.gamma, sn.beta, bn.weight, bn.bias)]
+    y = torch.nn.functional.batch_norm(x64.movedim(2, 1), None, None, leaves[3], leaves[4], True).movedim(1, 2)
+    h, _ = reference.mfpsn_charge(y, leaves[0], 2, "time_first", "bn", gamma=leaves[1], beta=leaves[2])
+    clear = h.detach().abs() > 1e-4
+    assert torch.equal(s.double().cpu()[clear], (h.detach() >= 0).double()[clear])
+    g = torch.randn(s.shape, dtype=torch.float64)
+    s.backward(g.cuda().float())
+    sn.surrogate_function(h).backward(g)
+    got = (x.grad, sn.weight.grad, sn.gamma.grad, sn.beta.grad, bn.weight.grad, bn.bias.grad)
+    names = ("x", "w", "gamma", "beta", "gamma0", "beta0")
+    for got, want, what in zip(got, (x64.grad, *(t.grad for t in leaves)), names):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+@needs_triton
+def test_compiled_with_cuda_graphs_the_fused_kernels_train_as_eager():
+    """torch.compile(mode="reduce-overhead"), method 'triton': the fused Triton steps run as operators inside
+    the CUDA graphs (no graph break) and three training steps give the eager spikes and gradients."""
+    pair = fused_pair(method="triton").cuda()
+    x = torch.randn(8, 4, 16, 6, device="cuda") * 2 + 1
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(copy.deepcopy(pair))(x.clone().requires_grad_())
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+    assert_compiled_trains_as_eager(pair, x, steps=3, mode="reduce-overhead")
+
+
 @needs_triton
 def test_gradients_are_the_same_bits_in_another_process():
     code = ("import torch, hashlib, spikingjelly_mfpsn; from spikingjelly.activation_based import neuron\n"
@@ -71,11 +119,11 @@ def test_gradients_are_the_same_bits_in_another_process():
 
 
 @needs_triton
-@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("threshold", ["bn", "param", "bn, fused batch norm"])
 def test_a_training_step_replays_as_a_cuda_graph(threshold):
     """No host synchronisation or data-dependent Python in the neuron: a whole training step captures as a
     CUDA graph, and its replay gives the eager step's results."""
-    sn = bn_neuron(threshold=threshold, method="triton").cuda()
+    sn = (fused_pair() if threshold.endswith("norm") else bn_neuron(threshold=threshold, method="triton")).cuda()
     eager = copy.deepcopy(sn)
     x = torch.randn(8, 4, 16, 6, device="cuda")
     g = torch.randn_like(x)

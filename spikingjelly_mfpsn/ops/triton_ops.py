@@ -965,12 +965,13 @@ def _refuse_unless_finite(ok: torch.Tensor, x: torch.Tensor, what: str, restore=
     """After a fold kernel: where ``ok`` (per channel) is not all true, on CUDA an asynchronous device
     assert naming ``what`` (no host synchronisation, so a step can be captured as a CUDA graph); on the
     CPU the tensors of ``restore = (tensors, copies)`` are put back and :class:`_Refused` is raised."""
+    message = f"MulFreeChannelwisePSN (triton): NaN/inf in {what}"
     if x.is_cuda:
-        torch._assert_async(ok.all(), f"MulFreeChannelwisePSN (triton): NaN/inf in {what}")
+        torch._assert_async(ok.all(), message)
     elif not bool(ok.all()):
         for t, copy in zip(*restore) if restore is not None else ():
             t.copy_(copy)
-        raise _Refused()
+        raise _Refused(message)
 
 
 def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
@@ -1024,7 +1025,8 @@ def _restored(saved):
 @_on_device_of(0)
 def _bn_forward(x, weight, gamma, beta, cfg, gamma0=None, beta0=None):
     """K1 (moments), K2 (fold), K3 (spikes), after the input batch norm's two (``cfg[8]``, P0):
-    ``(spikes, mean, var, Wq, b, P0 or None)``; raises :class:`_Refused`."""
+    ``(spikes, mean, var, Wq, b, P0 or None, folded)``, ``folded`` the allocation that holds Wq, b and
+    the batch statistics (:func:`_unfolded`); raises :class:`_Refused`."""
     eps, ste, dilation, layout, kind, _, running, given, pre_cfg = cfg
     k, dtype, device = weight.shape[1], weight.dtype, x.device
     x4, xs, m, (r, c, t) = _view4(x, layout)
@@ -1037,10 +1039,9 @@ def _bn_forward(x, weight, gamma, beta, cfg, gamma0=None, beta0=None):
         p0 = _input_norm(x4, (xs, m, (r, c, t), tile, n_cb, n_split), gamma0, beta0, pre_cfg, dtype, acc, saved)
     # Every per-channel output in one allocation: Wq (C, k), b, OK (1.0 where the folding is finite), and
     # the batch mean and variance.
-    folded = torch.empty(c * (k + 4), dtype=dtype, device=device).split_with_sizes((c * k, c, c, c, c))
-    wq, b, ok = folded[0].view(c, k), folded[1], folded[2]
+    flat = torch.empty(c * (k + 4), dtype=dtype, device=device)
+    wq, b, ok, mean, var = _unfolded(flat, c, k)
     if given is None:
-        mean, var = folded[3], folded[4]
         part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
                            device=device)
         _bn_moments_kernel[(n_cb, n_split)](x4, weight, p0 if p0 is not None else weight, part, r, c, t, m, dilation,
@@ -1067,7 +1068,13 @@ def _bn_forward(x, weight, gamma, beta, cfg, gamma0=None, beta0=None):
         increment_version(v)  # written by a kernel: let autograd know, as an in-place op would
     _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq),
                           pre=p0)
-    return s, mean, var, wq, b, p0
+    return s, mean, var, wq, b, p0, flat
+
+
+def _unfolded(flat, c, k):
+    """Views of the fold's allocation: Wq (C, k), b, OK, and the batch mean and variance."""
+    wq, b, ok, mean, var = flat.split_with_sizes((c * k, c, c, c, c))
+    return wq.view(c, k), b, ok, mean, var
 
 
 @_on_device_of(1)
@@ -1120,7 +1127,7 @@ class _TritonBNFire(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, gamma, beta, gamma0, beta0, cfg):
-        s, mean, var, wq, b, p0 = _bn_forward(x, weight, gamma, beta, cfg, gamma0, beta0)
+        s, mean, var, wq, b, p0, _ = _bn_forward(x, weight, gamma, beta, cfg, gamma0, beta0)
         ctx.save_for_backward(x, weight, gamma, mean, var)
         ctx.folded = (wq, b, p0)
         ctx.cfg = (*cfg[:6], cfg[7] is None, None if cfg[8] is None else (cfg[8][0], cfg[8][2] is None))
@@ -1142,10 +1149,12 @@ class _TritonBNFire(torch.autograd.Function):
 # ---------------------------------------------------------------- the parameter-threshold step
 @_on_device_of(0)
 def _param_forward(x, weight, v_threshold, cfg):
-    """The fold kernel, then the spike kernel: ``(spikes, Wq, b)``; raises :class:`_Refused`."""
+    """The fold kernel, then the spike kernel: ``(spikes, Wq, b, folded)``, ``folded`` the allocation that
+    holds Wq and b; raises :class:`_Refused`."""
     ste, dilation, layout, kind, _ = cfg
     c, k = weight.shape
-    wq, b, ok = torch.empty(c * (k + 2), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c, c))
+    flat = torch.empty(c * (k + 2), dtype=weight.dtype, device=x.device)
+    wq, b, ok = flat.split_with_sizes((c * k, c, c))
     wq = wq.view(c, k)
     bc = 4 if INTERPRETED else min(tiles.pow2_ceil(c), 256)
     _param_fold_kernel[(tiles.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
@@ -1153,7 +1162,7 @@ def _param_forward(x, weight, v_threshold, cfg):
                                               F64=weight.dtype == torch.float64, BC=bc)
     _refuse_unless_finite(ok, x, "its weight or v_threshold")
     _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
-    return s, wq, b
+    return s, wq, b, flat
 
 
 class _TritonParamFire(torch.autograd.Function):
@@ -1163,7 +1172,7 @@ class _TritonParamFire(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, v_threshold, cfg):
-        s, wq, b = _param_forward(x, weight, v_threshold, cfg)
+        s, wq, b, _ = _param_forward(x, weight, v_threshold, cfg)
         ctx.save_for_backward(x, weight)
         ctx.folded = (wq, b)
         ctx.cfg = cfg
@@ -1193,16 +1202,164 @@ def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
     return gx, g_weight, g_vth
 
 
+# ---------------------------------------------------------------- under torch.compile: custom operators
+# Eagerly the autograd Functions above run. Under torch.compile the same launchers run as opaque operators
+# (``torch.ops.spikingjelly_mfpsn.triton_*``; fake kernels give shapes, dtypes and strides), so a compiled
+# graph holds the kernels without a break and mode="reduce-overhead" captures them in its CUDA graphs.
+# (``compiles=False`` below: method='auto' under compile still prefers what inductor can fuse.)
+# Each returns fresh, dense tensors (views of one allocation are returned as that allocation).
+Tensor = torch.Tensor
+_STE = {"none": None, "whole": "whole", "round": "round"}
+
+
+def _refusing(fn, *args):
+    """``fn(*args)``, a refused folding (on the CPU) raised as the ValueError an operator can give."""
+    try:
+        return fn(*args)
+    except _Refused as e:
+        raise ValueError(str(e)) from None
+
+
+def _none_if_empty(t: Tensor) -> Optional[Tensor]:
+    return t if t.numel() else None
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::triton_charge", mutates_args=())
+def _charge_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: int, layout: str, kind: int,
+               alpha: float) -> Tensor:
+    h, s = charge_forward(x, weight, bias, dilation, layout, kind, store_h=not kind)
+    return s if kind else h
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::triton_charge_backward", mutates_args=())
+def _charge_backward_op(grad: Tensor, bias: Optional[Tensor], x: Tensor, weight: Tensor, dilation: int, layout: str,
+                        kind: int, alpha: float, need_gx: bool, need_gw: bool,
+                        need_gb: bool) -> tuple[Tensor, Tensor, Tensor]:
+    gx, gw, gb = charge_backward(grad, bias, x, weight, dilation, layout, kind, alpha, (need_gx, need_gw, need_gb))
+    return (x.new_empty(0) if gx is None else gx, x.new_empty(0) if gw is None else gw.contiguous(),
+            x.new_empty(0) if gb is None else gb.to(weight.dtype))
+
+
+def _charge_setup(ctx, inputs, output):
+    x, weight, bias, dilation, layout, kind, alpha = inputs
+    ctx.save_for_backward(x, weight, bias if kind else None)
+    ctx.args = (dilation, layout, kind, alpha, None if bias is None else bias.dtype)
+
+
+def _charge_grad(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    dilation, layout, kind, alpha, bias_dtype = ctx.args
+    need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias_dtype is not None and ctx.needs_input_grad[2])
+    gx, gw, gb = _charge_backward_op(grad, bias, x, weight, dilation, layout, kind, alpha, *need)
+    return gx if need[0] else None, gw if need[1] else None, gb.to(bias_dtype) if need[2] else None, None, None, \
+        None, None
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::triton_bn_step", mutates_args=())
+def _bn_step_op(x: Tensor, weight: Tensor, gamma: Tensor, beta: Tensor, gamma0: Optional[Tensor],
+                beta0: Optional[Tensor], eps: float, eps0: float, ste: str, dilation: int, layout: str, kind: int,
+                alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(spikes, folded (Wq, b, OK, mean, var), P0 or empty)`` of a BN training step with batch statistics
+    (an operator mutates nothing: the caller blends them into the running ones)."""
+    cfg = (eps, _STE[ste], dilation, layout, kind, alpha, None, None, None if gamma0 is None else (eps0, None, None))
+    s, *_, p0, flat = _refusing(_bn_forward, x, weight, gamma, beta, cfg, gamma0, beta0)
+    return s, flat, weight.new_empty(0) if p0 is None else p0
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::triton_bn_step_backward", mutates_args=())
+def _bn_step_backward_op(grad: Tensor, x: Tensor, weight: Tensor, gamma: Tensor, flat: Tensor, p0: Tensor,
+                         eps: float, eps0: float, ste: str, dilation: int, layout: str, kind: int, alpha: float,
+                         need_gx: bool) -> tuple[Tensor, Tensor]:
+    """``(dL/dX or empty, (dL/dW, dL/dgamma, dL/dbeta, dL/dgamma0, dL/dbeta0) in one tensor)``."""
+    c, k = weight.shape
+    wq, b, _, mean, var = _unfolded(flat, c, k)
+    p0 = _none_if_empty(p0)
+    cfg = (eps, _STE[ste], dilation, layout, kind, alpha, True, None if p0 is None else (eps0, True))
+    gx, *grads = _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx)
+    return x.new_empty(0) if gx is None else gx, torch.cat([g.reshape(-1) for g in grads if g is not None])
+
+
+def _bn_setup(ctx, inputs, output):
+    x, weight, gamma, beta, gamma0 = inputs[:5]
+    ctx.save_for_backward(x, weight, gamma, output[1], output[2])
+    eps, eps0, ste, dilation, layout, kind, alpha = inputs[6:]
+    ctx.cfg, ctx.in_bn = (eps, eps0, ste, dilation, layout, kind, alpha), gamma0 is not None
+
+
+def _bn_grad(ctx, grad, *_):
+    x, weight, gamma, flat, p0 = ctx.saved_tensors
+    c, k = weight.shape
+    gx, grads = _bn_step_backward_op(grad, x, weight, gamma, flat, p0, *ctx.cfg, ctx.needs_input_grad[0])
+    g_w, g_gamma, g_beta, *g_pre = grads.split_with_sizes((c * k, c, c) + (c, c) * ctx.in_bn)
+    return (_none_if_empty(gx), g_w.view(c, k), g_gamma, g_beta, *(g_pre or (None, None))) + (None,) * 7
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::triton_param_step", mutates_args=())
+def _param_step_op(x: Tensor, weight: Tensor, v_threshold: Tensor, ste: str, dilation: int, layout: str, kind: int,
+                   alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(spikes, folded (Wq, b, OK)]`` of a parameter-threshold step."""
+    s, *_, flat = _refusing(_param_forward, x, weight, v_threshold, (_STE[ste], dilation, layout, kind, alpha))
+    return s, flat
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::triton_param_step_backward", mutates_args=())
+def _param_step_backward_op(grad: Tensor, x: Tensor, weight: Tensor, flat: Tensor, ste: str, dilation: int,
+                            layout: str, kind: int, alpha: float, need_gx: bool) -> tuple[Tensor, Tensor]:
+    """``(dL/dX or empty, (dL/dW, dL/dV_th) in one tensor)``."""
+    c, k = weight.shape
+    wq, b = flat[:c * k].view(c, k), flat[c * k:c * (k + 1)]
+    gx, g_w, g_vth = _param_backward(grad, x, weight, wq, b, (_STE[ste], dilation, layout, kind, alpha), need_gx)
+    return x.new_empty(0) if gx is None else gx, torch.cat((g_w.reshape(-1), g_vth))
+
+
+def _param_setup(ctx, inputs, output):
+    x, weight, _, *cfg = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.cfg = cfg
+
+
+def _param_grad(ctx, grad, _):
+    x, weight, flat = ctx.saved_tensors
+    c, k = weight.shape
+    gx, grads = _param_step_backward_op(grad, x, weight, flat, *ctx.cfg, ctx.needs_input_grad[0])
+    return (_none_if_empty(gx), grads[:c * k].view(c, k), grads[c * k:]) + (None,) * 5
+
+
+def _register_fakes_and_grads():
+    """Shapes, dtypes and strides of the operators' outputs (dense, as the kernels write them)."""
+    dense = lambda x, dtype=None: x.new_empty(x.shape, dtype=dtype)  # noqa: E731
+    _charge_op.register_fake(lambda x, weight, *_: dense(x, torch.result_type(x, weight)))
+    _charge_backward_op.register_fake(lambda grad, bias, x, weight, *args: (
+        dense(x) if args[-3] else x.new_empty(0), weight.new_empty(weight.shape) if args[-2] else x.new_empty(0),
+        weight.new_empty(weight.shape[0]) if args[-1] else x.new_empty(0)))
+    _bn_step_op.register_fake(lambda x, weight, gamma, beta, gamma0, *_: (
+        dense(x, _spike_dtype(x, weight)), weight.new_empty(weight.shape[0] * (weight.shape[1] + 4)),
+        weight.new_empty(0 if gamma0 is None else (5, weight.shape[0]))))
+    _bn_step_backward_op.register_fake(lambda grad, x, weight, gamma, flat, p0, *args: (
+        dense(x) if args[-1] else x.new_empty(0),
+        weight.new_empty(weight.shape[0] * (weight.shape[1] + 2 + 2 * (p0.numel() > 0)))))
+    _param_step_op.register_fake(lambda x, weight, *_: (
+        dense(x, _spike_dtype(x, weight)), weight.new_empty(weight.shape[0] * (weight.shape[1] + 2))))
+    _param_step_backward_op.register_fake(lambda grad, x, weight, flat, *args: (
+        dense(x) if args[-1] else x.new_empty(0), weight.new_empty(weight.shape[0] * (weight.shape[1] + 1))))
+    _charge_op.register_autograd(_charge_grad, setup_context=_charge_setup)
+    _bn_step_op.register_autograd(_bn_grad, setup_context=_bn_setup)
+    _param_step_op.register_autograd(_param_grad, setup_context=_param_setup)
+
+
+_register_fakes_and_grads()
+
+
 # ---------------------------------------------------------------- registry entries
-@torch.compiler.disable  # (torch.compile cannot trace the autotuned launch: it runs eagerly between graphs)
 def charge(x, weight, bias, dilation, layout):
     """Registry contract: H, dense, differentiable w.r.t. x, weight and bias."""
-    return _TritonCharge.apply(x, weight, bias, dilation, layout, 0, 0.0)
+    return fire(x, weight, bias, dilation, layout, 0, 0.0)
 
 
-@torch.compiler.disable
 def fire(x, weight, bias, dilation, layout, code, alpha) -> torch.Tensor:
     """Registry contract: fused charge + Heaviside + the gradient of surrogate ``code``."""
+    if torch.compiler.is_compiling():
+        return _charge_op(x, weight, bias, dilation, layout, code, float(alpha))
     return _TritonCharge.apply(x, weight, bias, dilation, layout, code, alpha)
 
 
@@ -1211,10 +1368,11 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     """Registry contract: ``(spikes, mean, var)`` from the three forward kernels (one autograd node, three
     kernels backward), or None for an empty batch, parameters or statistics of another dtype or device
     than the weight, a folding with NaN or inf (on the CPU; on CUDA an asynchronous error stops the
-    stream), or under torch.compile. ``input_bn``: ``(gamma0, beta0, eps0, running0, given0)`` of a batch
-    norm of X fused in front (its statistics in two more kernels; None for a batch of one value per
-    channel, which a batch norm refuses in training)."""
-    if not x.numel() or torch.compiler.is_compiling():
+    stream), or under torch.compile with given statistics (where the general path's kernel is as fast).
+    ``input_bn``: ``(gamma0, beta0, eps0, running0, given0)`` of a batch norm of X fused in front (its
+    statistics in two more kernels; None for a batch of one value per channel, which a batch norm refuses
+    in training)."""
+    if not x.numel():
         return None
     dtype, device = weight.dtype, x.device
     vectors = (gamma, beta) + (() if running is None else tuple(running[:2])) + (() if given is None else tuple(given))
@@ -1229,6 +1387,9 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     pre = None if input_bn is None else (float(eps0), running0, given0)
     cfg = (float(eps), ste, dilation, layout, code, alpha, running, given, pre)
     gamma0, beta0 = (None, None) if input_bn is None else input_bn[:2]
+    if torch.compiler.is_compiling():
+        return None if given is not None or (pre is not None and pre[2] is not None) else \
+            _compiled_bn_fire(x, weight, gamma, beta, gamma0, beta0, cfg)
     try:
         if needs_grad(x, weight, gamma, beta, gamma0, beta0):
             out = _TritonBNFire.apply(x, weight, gamma, beta, gamma0, beta0, cfg)
@@ -1240,16 +1401,36 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     return out if given is None else (out, *given)
 
 
+def _compiled_bn_fire(x, weight, gamma, beta, gamma0, beta0, cfg):
+    """``bn_fire`` under torch.compile, as the operator, then the running statistics blended in as
+    K2 does: ``(spikes, mean, var)``."""
+    eps, ste, dilation, layout, code, alpha, running, _, pre = cfg
+    eps0, running0, _ = pre if pre is not None else (1.0, None, None)
+    s, flat, p0 = _bn_step_op(x, weight, gamma, beta, gamma0, beta0, eps, eps0, ste or "none", dilation, layout,
+                              code, float(alpha))
+    _, _, _, mean, var = _unfolded(flat.detach(), *weight.shape)
+    n = x.numel() // weight.shape[0]
+    with torch.no_grad():
+        for stats, row in ((running, None), (running0, 0)):
+            if stats is not None:
+                m, v = (mean, var) if row is None else (p0[0], p0[3])
+                stats[0].lerp_(m, stats[2])
+                stats[1].lerp_(v * (n / max(n - 1, 1)), stats[2])
+    return s, mean, var
+
+
 def param_fire(x, weight, v_threshold, ste, dilation, layout, code, alpha) -> Optional[torch.Tensor]:
     """Registry contract: the spikes from two kernels each way, or None for an empty batch, a threshold
     of another dtype or device than the weight, NaN or inf in the weight or threshold (on the CPU; on
-    CUDA an asynchronous error), or under torch.compile."""
-    if not x.numel() or torch.compiler.is_compiling():
+    CUDA an asynchronous error; under torch.compile an error)."""
+    if not x.numel():
         return None
     if weight.dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != x.device \
             or v_threshold.dtype != weight.dtype or v_threshold.device != x.device or v_threshold.dim() != 1:
         return None
     cfg = (ste, dilation, layout, code, alpha)
+    if torch.compiler.is_compiling():
+        return _param_step_op(x, weight, v_threshold, ste or "none", dilation, layout, code, float(alpha))[0]
     try:
         if needs_grad(x, weight, v_threshold):
             return _TritonParamFire.apply(x, weight, v_threshold, cfg)

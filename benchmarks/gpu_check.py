@@ -12,8 +12,9 @@ step timed against SpikingJelly's PSN, LIF and BatchNorm + PSN, side by side in 
     against BatchNorm + PSN, PSN and LIF; the paper's Table 10 network (static images repeated T times)
     and the sequential-CIFAR network against the same network with PSN and LIF, eager and compiled with
     mode="reduce-overhead"; with each MF-PSN step's kernel launches and host time;
-(d) host: torch.profiler's CPU time per operator of one BN layer's step, next to BatchNorm + PSN's, to
-    show where a host-bound step spends its time;
+(d) host: torch.profiler's CPU time per operator and cProfile's Python functions of one BN layer's step
+    (alone and fused with its batch norm), next to BatchNorm + PSN's, to show where a host-bound step
+    spends its time;
 (e) writes DIR/gpu_check.json and DIR/gpu_check.md (DIR: --out, else $OUT, else benchmarks/results/gpu).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ import reference  # noqa: E402  (tests/reference.py: plain loops, no package cod
 from spikingjelly.activation_based import functional, layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops  # noqa: E402
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops, set_method  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 SECTIONS = ("correctness", "determinism", "neuron", "network", "host")
@@ -286,7 +287,8 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
         3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), (size, N, 3, size)))
     kinds = ["mfpsn", "mfpsn, fused BN"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
     jobs = [(net, kinds, False) for net in nets]
-    compiled_kinds = [k for k in kinds if k not in ("lif", "mfpsn, fused BN")]
+    # compiled, method 'auto' takes what inductor fuses; the Triton operators inside the graph, for comparison
+    compiled_kinds = [k for k in kinds if k != "lif"] + ["mfpsn, fused BN, triton"]
     jobs += [(net, compiled_kinds, True) for net in nets if compile_ts is None or net[1] in compile_ts]
     rows = []
     for (label, T, build, shape), job_kinds, compiled in jobs:
@@ -296,8 +298,10 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
         for kind in job_kinds:
             torch.manual_seed(0)
             net = build(kind.split(",")[0]).to(device)
-            if kind.endswith("fused BN"):  # each batch norm applied by the neuron after it
+            if "fused BN" in kind:  # each batch norm applied by the neuron after it
                 fuse_batchnorm(net)
+            if kind.endswith("triton"):
+                set_method(net, "triton")
             name = kind + (", compiled" if compiled else "")
             fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
         host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in ("mfpsn", "mfpsn, fused BN")}
@@ -315,13 +319,15 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
 
 
 def host_profile(device, dry_run, rows=15):
-    """Where one BN neuron layer's training step spends host time: torch.profiler's CPU time per
-    operator and Python function, largest self time first, next to BatchNorm + PSN's total."""
+    """Where a BN neuron layer's training step spends host time: torch.profiler's CPU time per operator,
+    largest self time first, and cProfile's Python functions (self time), for MF-PSN alone, the fused
+    BatchNorm + MF-PSN pair and BatchNorm + PSN."""
     from torch.profiler import ProfilerActivity, profile
     shape = (4, 2, 8, 4) if dry_run else (8, 128, 128, 32)
     x, grad = torch.randn(shape, device=device), torch.randn(shape, device=device)
     out = {"shape": list(shape)}
-    for name, m in list(neuron_candidates(shape[0], shape[2], device).items())[:2]:
+    names = ("MF-PSN (auto)", "BatchNorm + MF-PSN, fused", "BatchNorm + PSN")
+    for name, m in ((n, m) for n, m in neuron_candidates(shape[0], shape[2], device).items() if n in names):
         step = layer_step(m, x, grad)
         for _ in range(3):
             step()
@@ -333,8 +339,27 @@ def host_profile(device, dry_run, rows=15):
         events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         out[name] = {"total_us_per_step": sum(e.self_cpu_time_total for e in events) / 10,
                      "top": [{"op": e.key, "self_us_per_step": e.self_cpu_time_total / 10, "calls_per_step": e.count / 10}
-                             for e in events[:rows]]}
+                             for e in events[:rows]],
+                     "python": _python_profile(step, device, 20, rows * 2)}
     return out
+
+
+def _python_profile(step, device, n, rows):
+    """cProfile of ``n`` steps: the functions with the most self time, per step (us), with calls per step."""
+    import cProfile
+    import pstats
+    _timing.sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(lambda: [step() for _ in range(n)])
+    wall = (time.perf_counter() - t0) / n * 1e6
+    _timing.sync(device)
+    stats = pstats.Stats(prof).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]
+    return {"wall_us_per_step_profiled": wall,
+            "top": [{"fn": f"{os.path.basename(f)}:{line}:{fn}", "calls_per_step": nc / n,
+                     "self_us_per_step": tt / n * 1e6, "cum_us_per_step": ct / n * 1e6}
+                    for (f, line, fn), (_, nc, tt, ct, _) in top]}
 
 
 # ---------------------------------------------------------------------------------------- (d)
@@ -377,6 +402,8 @@ def markdown(result) -> str:
             if name != "shape":
                 lines += [f"- {name}: {r['total_us_per_step']:.0f} us a step; most: " + ", ".join(
                     f"{t['op']} {t['self_us_per_step']:.0f}" for t in r["top"][:8])]
+                lines += ["  Python (cProfile, self us a step): " + ", ".join(
+                    f"{t['fn']} {t['self_us_per_step']:.0f}" for t in r["python"]["top"][:12])]
     if "network" in result:
         lines += ["", "## (c) networks, training step", ""]
         lines.append(markdown_table(

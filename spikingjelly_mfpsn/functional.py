@@ -13,7 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from . import _compat, ops
+from . import _compat, ops, tracing
 from ._util import run_hooked
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
@@ -263,7 +263,7 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
                 setattr(parent, child_name, new_of[id(child)])
     _compat.invalidate_reset_cache(net)
     if fuse_bn:
-        summary.fused = fuse_batchnorm(net)
+        summary.fused = fuse_batchnorm(net, example_input)
     return net, summary
 
 
@@ -294,38 +294,62 @@ def _output_bn(m: nn.Module, multi_step: bool) -> Optional[nn.Module]:
     return None
 
 
-def fuse_batchnorm(net: nn.Module) -> list[tuple[str, str]]:
+def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     """Let each MF-PSN apply the batch norm in front of it, in place: ``[(batch norm name, neuron name)]``.
 
     A pair is a batch norm whose output goes only to the neuron: consecutive children of an
     ``nn.Sequential`` (the batch norm possibly the last layer of a ``Sequential`` or
-    ``SeqToANNContainer`` before the neuron), as SpikingJelly networks are built. The batch norm is
-    replaced by a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` holding the same tensors (the
-    ``state_dict`` keeps its keys) and the neuron normalises its input itself: on ``'triton'`` inside
-    its kernels, reading X instead of writing and reading the normalised copy. Same results, in
+    ``SeqToANNContainer`` before the neuron), as SpikingJelly networks are built, or, in a forward
+    written by hand (``self.sn1(self.bn1(self.conv1(x)))``, SpikingJelly's model zoo), the neuron's
+    only input in a ``torch.fx`` trace of it (concrete tracing with ``example_input`` where the forward
+    branches on its input; a forward that does not trace keeps its batch norms as layers). The batch
+    norm is replaced by a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` holding the same tensors
+    (the ``state_dict`` keeps its keys) and the neuron normalises its input itself: on ``'triton'``
+    inside its kernels, reading X instead of writing and reading the normalised copy. Same results, in
     training and eval. :func:`unfuse_batchnorm` undoes it; ``deploy.fold`` and the exporters undo it on
     what they fold.
     """
     slots, pairs = _slots(net), []
-    for parent in net.modules():
-        if not isinstance(parent, nn.Sequential):
+    for before, sn in _sequential_pairs(net) + _traced_pairs(net, example_input):
+        if not isinstance(sn, MulFreeChannelwisePSN) or sn.input_bn is not None or before is None:
             continue
-        children = list(parent._modules.items())
-        for (_, before), (_, sn) in zip(children, children[1:]):
-            if not isinstance(sn, MulFreeChannelwisePSN) or sn.input_bn is not None or before is None:
-                continue
-            bn = _output_bn(before, sn.step_mode == "m")
-            if bn is None or len(slots.get(id(bn), ())) != 1 or len(slots.get(id(sn), ())) != 1 or \
-                    (sn.channels is not None and (bn.num_features != sn.channels
-                                                  or bn.running_mean.dtype != sn.weight.dtype)):
-                continue
-            bn_parent, bn_name = slots[id(bn)][0]
-            bn_parent._modules[bn_name] = FusedBatchNorm(bn)
-            sn.set_input_bn(bn_parent._modules[bn_name])
-            pairs.append(sn)
+        bn = _output_bn(before, sn.step_mode == "m")
+        if bn is None or len(slots.get(id(bn), ())) != 1 or len(slots.get(id(sn), ())) != 1 or \
+                (sn.channels is not None and (bn.num_features != sn.channels
+                                              or bn.running_mean.dtype != sn.weight.dtype)):
+            continue
+        bn_parent, bn_name = slots[id(bn)][0]
+        bn_parent._modules[bn_name] = FusedBatchNorm(bn)
+        sn.set_input_bn(bn_parent._modules[bn_name])
+        pairs.append(sn)
     names = {id(m): name for name, m in net.named_modules()}
     _compat.invalidate_reset_cache(net)
     return [(names[id(sn.input_bn)], names[id(sn)]) for sn in pairs]
+
+
+def _sequential_pairs(net: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """Consecutive children ``(before, neuron)`` of every ``nn.Sequential`` in ``net``."""
+    pairs = []
+    for parent in net.modules():
+        if isinstance(parent, nn.Sequential):
+            children = list(parent._modules.values())
+            pairs += [(a, b) for a, b in zip(children, children[1:]) if isinstance(b, MulFreeChannelwisePSN)]
+    return pairs
+
+
+def _traced_pairs(net: nn.Module, example_input) -> list[tuple[nn.Module, nn.Module]]:
+    """``(before, neuron)`` where, in the fx trace of ``net``'s forward, the module call ``before`` (called
+    once) feeds only the neuron's call (called once), as its one argument; none if the forward does not
+    trace."""
+    try:
+        graph, _, _ = tracing.trace(net, example_input)
+    except tracing.TraceFailure:
+        return []
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    once = {n.target for n in calls if sum(m.target == n.target for m in calls) == 1}
+    return [(net.get_submodule(n.args[0].target), net.get_submodule(n.target)) for n in calls
+            if n.target in once and len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0].op == "call_module" and n.args[0].target in once and len(n.args[0].users) == 1]
 
 
 def unfuse_batchnorm(net: nn.Module) -> nn.Module:

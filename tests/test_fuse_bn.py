@@ -61,7 +61,10 @@ def assert_same_steps(got, want, tol):
 def test_a_fused_network_trains_and_infers_as_the_layers_apart(method, threshold):
     apart, fused = conv_net(method, threshold), conv_net(method, threshold)
     assert fuse_batchnorm(fused) == [("1", "2"), ("3.1", "4")]
-    x = torch.randn(5, 2, 3, 4, 4)
+    assert_trains_and_infers_alike(fused, apart, torch.randn(5, 2, 3, 4, 4), method)
+
+
+def assert_trains_and_infers_alike(fused, apart, x, method):
     tol = dict(rtol=1e-4, atol=1e-4) if method == "triton" else dict(rtol=1e-5, atol=1e-6)
     assert_same_steps(train_steps(fused, x), train_steps(apart, x), tol)
     apart.eval(), fused.eval()
@@ -124,6 +127,45 @@ def test_only_a_batch_norm_whose_output_only_the_neuron_reads_is_fused():
     }
     for what, net in nets.items():
         assert fuse_batchnorm(net) == [], what
+
+
+class HandWritten(nn.Module):
+    """A forward written by hand, as in SpikingJelly's model zoo: bn1's output goes only to sn1, bn2's to
+    sn2 and to the residual sum; ``branch``: the forward branches on the input's rank (no symbolic trace)."""
+
+    def __init__(self, method="auto", branch=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.branch = branch
+        self.conv1 = layer.Conv2d(3, 6, 3, padding=1, step_mode="m")
+        self.bn1 = layer.BatchNorm2d(6, step_mode="m")
+        self.sn1 = MulFreeChannelwisePSN(6, k=2, step_mode="m", method=method)
+        self.conv2 = layer.Conv2d(6, 6, 3, padding=1, step_mode="m")
+        self.bn2 = layer.BatchNorm2d(6, step_mode="m")
+        self.sn2 = MulFreeChannelwisePSN(6, k=3, dilation=2, step_mode="m", method=method)
+
+    def forward(self, x):
+        if self.branch and x.dim() == 4:
+            x = x.unsqueeze(0)
+        y = self.sn1(self.bn1(self.conv1(x)))
+        z = self.bn2(self.conv2(y))
+        return self.sn2(z) + z
+
+
+@pytest.mark.parametrize("method", cpu_methods())
+def test_a_forward_written_by_hand_fuses_what_only_the_neuron_reads(method):
+    apart, fused = HandWritten(method), HandWritten(method)
+    assert fuse_batchnorm(fused) == [("bn1", "sn1")]
+    assert isinstance(fused.bn1, spikingjelly_mfpsn.neuron.FusedBatchNorm) and type(fused.bn2) is layer.BatchNorm2d
+    assert_trains_and_infers_alike(fused, apart, torch.randn(4, 2, 3, 4, 4), method)
+
+
+def test_a_forward_that_branches_on_its_input_needs_the_example():
+    x = torch.randn(4, 2, 3, 4, 4)
+    assert fuse_batchnorm(HandWritten(branch=True)) == []  # (no trace without it: the batch norms stay)
+    net = HandWritten(branch=True)
+    assert fuse_batchnorm(net, example_input=x) == [("bn1", "sn1")]
+    assert_same_steps(train_steps(net, x), train_steps(HandWritten(branch=True), x), dict(rtol=1e-5, atol=1e-6))
 
 
 def test_replace_neurons_fuses_when_asked():

@@ -60,3 +60,31 @@ def test_autoselect_times_zoo_net_in_both_layouts(zoo_name):
                            measure_fn=lambda module, args, m: 1e-3)
     assert set(report.layouts) == {"time_first", "time_last"} and not report.skipped, report.skipped
     torch.testing.assert_close(eval_out(net, x), before, rtol=1e-4, atol=1e-5)
+
+
+def test_zoo_net_fuses_its_batch_norms(zoo_name):
+    """``fuse_batchnorm`` on the zoo's hand-written forwards (fx-traced from the example input): a training
+    step (dropout seeded alike) and eval give the layers apart's outputs, gradients and state."""
+    net, x = zoo.ZOO[zoo_name]()
+    net, _ = mf.replace_neurons(net, k=2, example_input=x)
+    net, x = net.double(), x.double()
+    apart = copy.deepcopy(net)
+    keys = list(net.state_dict())
+    pairs = mf.fuse_batchnorm(net, example_input=x)
+    if zoo_name.startswith(("spiking_resnet", "sew_resnet")):
+        assert ("layer1.0.bn1", "layer1.0.sn1") in pairs  # in a block's own forward
+    assert list(net.state_dict()) == keys
+    outs = []
+    for model in (net, apart):
+        torch.manual_seed(0)
+        out = model(x)
+        out.sum().backward()
+        outs.append((out, {k: p.grad for k, p in model.named_parameters()}, model.state_dict()))
+        functional.reset_net(model)
+    (out, grads, state), (out2, grads2, state2) = outs
+    torch.testing.assert_close(out, out2, **TOL)
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads2[k], **TOL, msg=k)
+    for k in state:
+        torch.testing.assert_close(state[k], state2[k], **TOL, msg=k)
+    torch.testing.assert_close(eval_out(net, x), eval_out(apart, x), **TOL)

@@ -127,31 +127,39 @@ def _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, 
         raise ValueError(f"quantize must be one of {QUANTIZERS}, got {quantize!r}")
     if sum(a is not None for a in (bias, v_threshold, bn)) > 1:
         raise ValueError("give at most one of bias, v_threshold and bn")
-    if bn is not None and not training and (bn.running_mean is None or bn.running_var is None):
-        raise ValueError("bn needs running_mean and running_var when training=False")
-    if bn is not None and not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
-        raise ValueError(f"bn.eps must be a number > 0, got {bn.eps!r}")
     c = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-    for i, t in enumerate((v_threshold,) if bn is None else bn[:4]):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != c):
-            name = "v_threshold" if bn is None else "bn." + BatchNorm._fields[i]
-            raise ValueError(f"{name} must be a tensor of shape ({c},) (one per channel), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if bn is not None:
+        _check_bn(bn, "bn", c, training)
+    elif v_threshold is not None and not _per_channel(v_threshold, c):
+        raise ValueError(f"v_threshold must be a tensor of shape ({c},) (one per channel), "
+                         f"got {_described(v_threshold)}")
 
 
 def _check_input_bn(bn: Optional[BatchNorm], weight: torch.Tensor, training: bool) -> None:
-    if bn is None:
-        return
+    if bn is not None:
+        _check_bn(bn, "input_bn", weight.shape[0], training, weight.dtype)
+
+
+def _check_bn(bn: BatchNorm, what: str, c: Optional[int], training: bool, dtype=None) -> None:
+    """``bn`` (named ``what`` in the errors): running statistics where not training, eps > 0, and a
+    tensor of one value per channel (in ``dtype`` where given) in each of its first four fields."""
     if not training and (bn.running_mean is None or bn.running_var is None):
-        raise ValueError("input_bn needs running_mean and running_var when training=False")
+        raise ValueError(f"{what} needs running_mean and running_var when training=False")
     if not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
-        raise ValueError(f"input_bn.eps must be a number > 0, got {bn.eps!r}")
-    c = weight.shape[0]
+        raise ValueError(f"{what}.eps must be a number > 0, got {bn.eps!r}")
     for name, t in zip(BatchNorm._fields, bn[:4]):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (c,) or t.dtype != weight.dtype):
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"input_bn.{name} must be a tensor of shape ({c},) (one per channel) in the weight's "
-                             f"dtype {weight.dtype}, got {got}")
+        if t is not None and not (_per_channel(t, c) and (dtype is None or t.dtype == dtype)):
+            in_dtype = "" if dtype is None else f" in the weight's dtype {dtype}"
+            got = _described(t) + (f" {t.dtype}" if dtype is not None and isinstance(t, torch.Tensor) else "")
+            raise ValueError(f"{what}.{name} must be a tensor of shape ({c},) (one per channel){in_dtype}, got {got}")
+
+
+def _per_channel(t, c: Optional[int]) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == c
+
+
+def _described(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def normalize_input(x: torch.Tensor, bn: BatchNorm, layout: str, training: bool) -> torch.Tensor:

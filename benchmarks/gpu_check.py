@@ -289,7 +289,8 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
     jobs = [(net, kinds, False) for net in nets]
     # compiled, method 'auto' takes what inductor fuses; the Triton operators inside the graph, for comparison
     compiled_kinds = [k for k in kinds if k != "lif"] + ["mfpsn, fused BN, triton"]
-    jobs += [(net, compiled_kinds, True) for net in nets if compile_ts is None or net[1] in compile_ts]
+    compiled = [(net, compiled_kinds, True) for net in nets if compile_ts is None or net[1] in compile_ts]
+    jobs += sorted(compiled, key=lambda job: job[0][0] != "sequential CIFAR")  # the short one first
     rows = []
     for (label, T, build, shape), job_kinds, compiled in jobs:
         torch.manual_seed(0)

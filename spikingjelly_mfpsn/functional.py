@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -346,7 +347,7 @@ def _traced_pairs(net: nn.Module, example_input) -> list[tuple[nn.Module, nn.Mod
     except tracing.TraceFailure:
         return []
     calls = [n for n in graph.nodes if n.op == "call_module"]
-    once = {n.target for n in calls if sum(m.target == n.target for m in calls) == 1}
+    once = {target for target, count in Counter(n.target for n in calls).items() if count == 1}
     return [(net.get_submodule(n.args[0].target), net.get_submodule(n.target)) for n in calls
             if n.target in once and len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], torch.fx.Node)
             and n.args[0].op == "call_module" and n.args[0].target in once and len(n.args[0].users) == 1]

@@ -988,31 +988,45 @@ def _ones(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved) -> torch.Tensor:
     """The input batch norm's fold: P0 (5, C) = (mean0, a0, beta0, var0, OK), from its batch statistics
     (two kernels, the running ones updated) or from the given running ones; raises :class:`_Refused`."""
-    xs, m, (r, c, t), tile, n_cb, n_split = geometry
     eps0, running0, given0 = pre_cfg
+    c = geometry[2][1]
     p0 = torch.empty((5, c), dtype=dtype, device=x4.device)
-    ones = _ones(c, dtype, x4.device)
-    if given0 is None:
-        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
-                           device=x4.device)
-        _bn_moments_kernel[(n_cb, n_split)](x4, ones, ones, part, r, c, t, m, 1, *xs, *ones.stride(), K=1, IN_BN=False,
-                                            ACC=acc, **_tile_args(tile))
-        mean0, var0 = p0[0], p0[3]
-    else:
-        (mean0, var0), part, n_split = given0, ones, 0
-    rm, rv, factor = running0 if running0 is not None else (mean0, var0, 0.0)
-    if running0 is not None and saved is not None:
-        saved.append(((rm, rv), (rm.clone(), rv.clone())))
-    bc, bs = _fold_blocks(c, n_split, 2)
-    _bn_fold_kernel[(tiles.cdiv(c, bc),)](
-        part, n_split, x4, ones, ones, gamma0, beta0, rm, rv, mean0, var0, p0[1], p0[2], p0[4], c, t, r * t, 1, xs[1],
-        xs[3], *ones.stride(), gamma0.stride(0), beta0.stride(0), rm.stride(0), rv.stride(0), mean0.stride(0),
-        var0.stride(0), *_hi_lo(eps0), *_hi_lo(factor), K=1, GIVEN=given0 is not None, RUNNING=running0 is not None,
-        QUANT=False, IN_BN=False, PRE=True, ACC=acc, F64=dtype == torch.float64, BC=bc, BS=bs)
+    mean0, var0 = _stats_and_fold(x4, geometry, _ones(c, dtype, x4.device), gamma0, beta0,
+                                  (p0[1], p0[2], p0[4], p0[0], p0[3]), (eps0, False, 1, running0, given0, acc),
+                                  pre=True, saved=saved)
     if given0 is not None:
         p0[0].copy_(mean0)
         p0[3].copy_(var0)
     return p0
+
+
+def _stats_and_fold(x4, geometry, weight, gamma, beta, outs, fold_cfg, p0=None, pre=False, saved=None):
+    """K1 (the batch moments of ``conv(X, weight)``, X through the input batch norm ``p0`` where given;
+    none with given statistics) and K2 (statistics, running ones blended, the folding) into ``outs = (WQ,
+    B, OK, mean, var)``; ``pre``: the input batch norm's own fold (``weight`` ones). ``fold_cfg``: ``(eps,
+    quantise, dilation, running, given, acc)``. Returns the statistics folded ``(mean, var)``."""
+    xs, m, (r, c, t), tile, n_cb, n_split = geometry
+    eps, quant, dilation, running, given, acc = fold_cfg
+    wq, b, ok, mean, var = outs
+    k, in_bn = weight.shape[1], p0 is not None
+    p0 = p0 if in_bn else weight
+    if given is None:
+        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
+                           device=x4.device)
+        _bn_moments_kernel[(n_cb, n_split)](x4, weight, p0, part, r, c, t, m, dilation, *xs, *weight.stride(), K=k,
+                                            IN_BN=in_bn, ACC=acc, **_tile_args(tile))
+    else:
+        (mean, var), part, n_split = given, weight, 0
+    rm, rv, factor = running if running is not None else (mean, var, 0.0)
+    if running is not None and saved is not None:
+        saved.append(((rm, rv), (rm.clone(), rv.clone())))
+    bc, bs = _fold_blocks(c, n_split, 2)
+    _bn_fold_kernel[(tiles.cdiv(c, bc),)](
+        part, n_split, x4, weight, p0, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1],
+        xs[3], *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
+        var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
+        QUANT=quant, IN_BN=in_bn, PRE=pre, ACC=acc, F64=weight.dtype == torch.float64, BC=bc, BS=bs)
+    return mean, var
 
 
 def _restored(saved):
@@ -1034,35 +1048,18 @@ def _bn_forward(x, weight, gamma, beta, cfg, gamma0=None, beta0=None):
     tile = _reduction_tile(layout, c, t, m)
     n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
     saved = None if x.is_cuda else []
-    p0 = None
-    if pre_cfg is not None:
-        p0 = _input_norm(x4, (xs, m, (r, c, t), tile, n_cb, n_split), gamma0, beta0, pre_cfg, dtype, acc, saved)
+    geometry = (xs, m, (r, c, t), tile, n_cb, n_split)
+    p0 = None if pre_cfg is None else _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved)
     # Every per-channel output in one allocation: Wq (C, k), b, OK (1.0 where the folding is finite), and
     # the batch mean and variance.
     flat = torch.empty(c * (k + 4), dtype=dtype, device=device)
     wq, b, ok, mean, var = _unfolded(flat, c, k)
-    if given is None:
-        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
-                           device=device)
-        _bn_moments_kernel[(n_cb, n_split)](x4, weight, p0 if p0 is not None else weight, part, r, c, t, m, dilation,
-                                            *xs, *weight.stride(), K=k, IN_BN=p0 is not None, ACC=acc,
-                                            **_tile_args(tile))
-    else:
-        (mean, var), part, n_split = given, weight, 0
-    rm, rv, factor = running if running is not None else (mean, var, 0.0)
-    if running is not None and saved is not None:
-        saved.append(((rm, rv), (rm.clone(), rv.clone())))
-    bc, bs = _fold_blocks(c, n_split, 2)
-    _bn_fold_kernel[(tiles.cdiv(c, bc),)](
-        part, n_split, x4, weight, p0 if p0 is not None else weight, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t,
-        r * t, dilation, xs[1], xs[3], *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0),
-        mean.stride(0), var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None,
-        RUNNING=running is not None, QUANT=ste is not None, IN_BN=p0 is not None, PRE=False, ACC=acc,
-        F64=dtype == torch.float64, BC=bc, BS=bs)
+    mean, var = _stats_and_fold(x4, geometry, weight, gamma, beta, (wq, b, ok, mean, var),
+                                (eps, ste is not None, dilation, running, given, acc), p0=p0, saved=saved)
     _refuse_unless_finite(ok, x, "its weight, gamma, beta or batch statistics (NaN or inf in its input?), or "
                                  "var + eps <= 0" + (", or in its input batch norm's" if p0 is not None else ""),
                           restore=_restored(saved))
-    written = ((rm, rv) if running is not None else ()) + \
+    written = (tuple(running[:2]) if running is not None else ()) + \
         (tuple(pre_cfg[1][:2]) if pre_cfg is not None and pre_cfg[1] is not None else ())
     for v in written:
         increment_version(v)  # written by a kernel: let autograd know, as an in-place op would

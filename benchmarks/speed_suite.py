@@ -6,8 +6,9 @@
              at the sequential-CIFAR conv shape (N x 128 x 32 per step) and an FC shape (N x 256): speed-up
              over the vanilla time-first reshape+Conv1d, and time over a memory floor (an out-of-place
              per-channel scale of the same tensor, forward+backward). Plus torch.compile'd neurons.
-2. network   one training step of the paper's sequential-CIFAR network: MF-PSN autoselected, MF-PSN
-             vanilla, SpikingJelly's PSN / SlidingPSN / LIF on the same network, eager and compiled.
+2. network   one training step of the paper's sequential-CIFAR network: MF-PSN autoselected (batch
+             norms apart and fused into the neurons), MF-PSN vanilla, SpikingJelly's PSN / SlidingPSN /
+             LIF on the same network, eager and compiled.
 3. overhead  autoselect (cold cache and warm cache) as a percent of one epoch of the digits example.
 4. inference single-step inference of the sequential network: state memory and time per step, MF-PSN
              (k=4) against SlidingPSN (k=32), paper Table 3.
@@ -177,7 +178,12 @@ def part_network(args, out):
         t0 = time.perf_counter()
         report = mf.autoselect(auto, x, cache=os.path.join(d, "c.json"), progress=False)
         select_s = time.perf_counter() - t0
+    fused = copy.deepcopy(mfn)
+    mf.fuse_batchnorm(fused)  # each batch norm applied by the neuron after it
+    with tempfile.TemporaryDirectory() as d:
+        mf.autoselect(fused, x, cache=os.path.join(d, "c.json"), progress=False)
     configs["MF-PSN autoselected"] = auto
+    configs["MF-PSN autoselected, fused BN"] = fused
     configs["MF-PSN vanilla"] = vanilla
     for kind, label in (("psn", "PSN"), ("sliding_psn", "SlidingPSN (k=32)"), ("lif", "LIF")):
         net = _seq_net(kind, T, channels)

@@ -251,16 +251,27 @@ class ChargeNeuronBase(MemoryModule):
             raise TypeError(f"input_bn must be a FusedBatchNorm or None, got {type(bn).__name__}")
         self.__dict__["_input_bn"] = bn  # (an attribute assignment would register it as a submodule)
 
+    def _normalised(self, x: torch.Tensor, args: dict, multi_step: bool) -> torch.Tensor:
+        """``x`` through the fused input batch norm in that batch norm's own mode (one frozen in eval while
+        the neuron trains, or the reverse, normalises as the layer would); a multi-step call in the
+        neuron's mode leaves it to ``ops.mf_psn`` (``args['input_bn']``), which may fuse it."""
+        bn = self.input_bn
+        if bn is None:
+            return x
+        if multi_step and bn.training == args["training"]:
+            args["input_bn"] = bn.batch_norm()
+            return x
+        layout = self._layout if multi_step else "time_last"  # (one step: that step's batch statistics)
+        return normalize_input(self._promoted(x), bn.batch_norm(), layout, bn.training)
+
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         args = self._checked_args(x_seq)
-        if self.input_bn is not None:
-            args["input_bn"] = self.input_bn.batch_norm()
+        x_seq = self._normalised(x_seq, args, True)
         return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **args)
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         args = self._checked_args(x)
-        if self.input_bn is not None:  # one step's batch statistics, as the batch norm in single-step mode
-            x = normalize_input(x, self.input_bn.batch_norm(), "time_last", args["training"])
+        x = self._normalised(x, args, False)
         queue = self.x_queue
         if queue and queue[-1].shape != x.shape:
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "

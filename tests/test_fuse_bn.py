@@ -72,6 +72,21 @@ def assert_trains_and_infers_alike(fused, apart, x, method):
         assert torch.equal(fused(x), apart(x))
 
 
+@pytest.mark.parametrize("method", cpu_methods())
+@pytest.mark.parametrize("net_training", [True, False])
+def test_a_batch_norm_in_another_mode_than_the_network_normalises_in_its_own(method, net_training):
+    """A batch norm frozen in eval while the network trains (fine-tuning), or training in an eval network."""
+    apart, fused = conv_net(method), conv_net(method)
+    fuse_batchnorm(fused)
+    for net in (apart, fused):
+        net.train(net_training)
+        for m in (net[1], net[3][1]):
+            m.train(not net_training)
+    x = torch.randn(5, 2, 3, 4, 4)
+    tol = dict(rtol=1e-4, atol=1e-4) if method == "triton" else dict(rtol=1e-5, atol=1e-6)
+    assert_same_steps(train_steps(fused, x), train_steps(apart, x), tol)
+
+
 def test_state_dicts_load_across_fused_and_apart():
     apart, fused = conv_net(seed=1), conv_net(seed=2)
     fuse_batchnorm(fused)
@@ -86,11 +101,13 @@ def test_state_dicts_load_across_fused_and_apart():
     assert torch.equal(again.eval()(x), apart(x))
 
 
-def test_single_step_normalises_each_step_as_the_batch_norm_does():
+@pytest.mark.parametrize("bn_training", [True, False])
+def test_single_step_normalises_each_step_as_the_batch_norm_does(bn_training):
     apart, fused = conv_net()[:3], conv_net()[:3]
     fuse_batchnorm(fused)
     for net in (apart, fused):
         functional.set_step_mode(net, "s")
+        net[1].train(bn_training)
     x = torch.randn(4, 2, 3, 4, 4)
     for net in (apart, fused):
         functional.reset_net(net)

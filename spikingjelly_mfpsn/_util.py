@@ -29,6 +29,15 @@ def run_hooked(net: nn.Module, x, hooks: list) -> None:
         _compat.functional.reset_net(net)
 
 
+def module_slots(net: nn.Module) -> list:
+    """Every ``(parent, name, child)`` place in ``net`` that holds a module.
+
+    A module used at several places is listed at each; the list is made first, so the caller may
+    replace children while walking it."""
+    return [(parent, name, child) for parent in net.modules()
+            for name, child in parent._modules.items() if child is not None]
+
+
 def tensors(x) -> list:
     """The tensors of a network's input or output: ``x`` itself, or those inside tuples, lists and dicts
     (a batch given as a dict included)."""

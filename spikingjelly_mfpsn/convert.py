@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, layer, rewrite, tracing
-from ._util import agree, as_args
+from ._util import agree, as_args, module_slots
 from .neuron import ChargeNeuronBase, FusedBatchNorm
 from .rewrite import GraphForward
 
@@ -416,10 +416,9 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
     _raise_errors(conv)
     for action in conv.actions:
         action()
-    for parent in list(net.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is not None and id(child) in swaps:
-                parent._modules[name] = swaps[id(child)]
+    for parent, name, child in module_slots(net):
+        if id(child) in swaps:
+            parent._modules[name] = swaps[id(child)]
     net.__dict__["forward"] = rewrite.GraphForward(checked, net, True, rewriter.time_first_calls, how)
     _invalidate(net)
     _check(net, inputs[1], reference, "its forward rewritten")

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, functional, ops
-from ._util import run_hooked
+from ._util import module_slots, run_hooked
 from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
 
@@ -363,12 +363,11 @@ def _swap(net: nn.Module, kind: type, convert) -> nn.Module:
     if isinstance(net, kind):
         return convert(net)
     done = {}  # a module used at several places gets one replacement
-    for parent in list(net.modules()):
-        for name, child in list(parent._modules.items()):  # (every place, not once per module)
-            if isinstance(child, kind):
-                if id(child) not in done:
-                    done[id(child)] = convert(child)
-                setattr(parent, name, done[id(child)])
+    for parent, name, child in module_slots(net):  # (every place, not once per module)
+        if isinstance(child, kind):
+            if id(child) not in done:
+                done[id(child)] = convert(child)
+            setattr(parent, name, done[id(child)])
     _compat.invalidate_reset_cache(net)
     return net
 

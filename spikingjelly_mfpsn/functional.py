@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, ops, tracing
-from ._util import run_hooked
+from ._util import module_slots, run_hooked
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
 logger = _compat.logger
@@ -234,12 +234,7 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
     found, skipped = _find(net, targets, include_readouts)
-    channels, order = {}, "registration"
-    if example_input is not None and found:
-        channels = _run_order(net, [m for _, m in found], example_input)
-        ranked = {mid: i for i, mid in enumerate(channels)}
-        found.sort(key=lambda nm: ranked.get(id(nm[1]), len(ranked)))
-        order = "forward"
+    channels, order = _order(net, found, example_input)
     dilations = sawtooth(len(found)) if dilation == "sawtooth" else [dilation] * len(found)
 
     summary = ReplaceSummary(order=order, skipped=skipped)
@@ -258,23 +253,31 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
 
     if id(net) in new_of:
         return new_of[id(net)], summary
-    for parent in net.modules():
-        for child_name, child in list(parent._modules.items()):
-            if child is not None and id(child) in new_of:
-                setattr(parent, child_name, new_of[id(child)])
+    for parent, child_name, child in module_slots(net):
+        if id(child) in new_of:
+            setattr(parent, child_name, new_of[id(child)])
     _compat.invalidate_reset_cache(net)
     if fuse_bn:
         summary.fused = fuse_batchnorm(net, example_input)
     return net, summary
 
 
+def _order(net: nn.Module, found: list, example_input) -> tuple[dict, str]:
+    """Sort ``found`` in place in the order its neurons run on ``example_input`` (when given):
+    ``({id(neuron): channels}, 'forward')``, else ``({}, 'registration')``."""
+    if example_input is None or not found:
+        return {}, "registration"
+    channels = _run_order(net, [m for _, m in found], example_input)
+    ranked = {mid: i for i, mid in enumerate(channels)}
+    found.sort(key=lambda nm: ranked.get(id(nm[1]), len(ranked)))
+    return channels, "forward"
+
+
 def _slots(net: nn.Module) -> dict[int, list]:
     """Every ``(parent, name)`` slot each module (by id) fills in ``net``."""
     slots: dict[int, list] = {}
-    for parent in net.modules():
-        for name, child in parent._modules.items():
-            if child is not None:
-                slots.setdefault(id(child), []).append((parent, name))
+    for parent, name, child in module_slots(net):
+        slots.setdefault(id(child), []).append((parent, name))
     return slots
 
 
@@ -361,10 +364,9 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
     for m in net.modules():
         if isinstance(m, MulFreeChannelwisePSN):
             m.set_input_bn(None)
-    for parent in list(net.modules()):
-        for name, child in list(parent._modules.items()):
-            if isinstance(child, FusedBatchNorm):
-                parent._modules[name] = child.unfused()
+    for parent, name, child in module_slots(net):
+        if isinstance(child, FusedBatchNorm):
+            parent._modules[name] = child.unfused()
     _compat.invalidate_reset_cache(net)
     return net
 

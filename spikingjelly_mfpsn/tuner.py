@@ -415,6 +415,15 @@ def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallb
                              f"shapes training runs, so give it a batch of real samples and steps")
 
 
+def _prebuild(x_example) -> None:
+    """Build the C++ kernels for a CPU input (20-60 s, once) before autoselect's clock starts."""
+    if "cpp" in ops.names() and device_type(tensors(x_example)) == "cpu":
+        try:
+            ops.cpp_ops.load()
+        except ops.cpp_ops.BuildError:
+            pass  # timing skips the 'cpp' candidates that cannot run
+
+
 def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = ("time_first", "time_last"),
                cache=True, measure_fn: Optional[Callable] = None, progress: Optional[bool] = None,
                verbose: bool = False, compile: Union[bool, str] = False,
@@ -451,11 +460,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     """
     _check_args(net, x_example, m, layouts, fallback)
     backend = ("inductor" if compile is True else compile) or None
-    if "cpp" in ops.names() and device_type(tensors(x_example)) == "cpu":
-        try:  # a first build of the C++ kernels (20-60 s, once) happens here, before the clock starts
-            ops.cpp_ops.load()
-        except ops.cpp_ops.BuildError:
-            pass  # timing skips the 'cpp' candidates that cannot run, as before
+    _prebuild(x_example)
     t0 = time.perf_counter()
     path = default_cache_path() if cache is True else (cache or None)
     _uncompile(net)  # a previous pass may have compiled it; every configuration is timed eager first

@@ -30,6 +30,14 @@ def charge(x, weight, bias, dilation, layout):
     return charge_time_first(x.movedim(-1, 0), weight, bias, dilation).movedim(0, -1)
 
 
+def batch_stats(h, channel_dim):
+    """Per-channel mean and biased variance of ``h`` over every other axis, two passes."""
+    dims = [d for d in range(h.dim()) if d != channel_dim]
+    mean = h.mean(dims)
+    shape = [-1 if d == channel_dim else 1 for d in range(h.dim())]
+    return mean, ((h - mean.reshape(shape)) ** 2).mean(dims)
+
+
 def pow2(w, max_exponent=1023):
     """Q(w) = sign(w) * 2**round(log2|w|), element by element in float64, the rounding decided exactly
     with rationals: |w| = m * 2**e (m in [1/2, 1)) rounds up to 2**e iff m**2 >= 1/2. Exponents above

@@ -5,6 +5,7 @@ machine with a GPU the same tests run the compiled kernels on CUDA tensors).
 """
 import contextlib
 import copy
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -398,12 +399,23 @@ def bn_neuron(layout, k, dilation, dtype, ste="whole", sg=None, channels=6, **kw
     return sn
 
 
-def no_general_path(monkeypatch):
-    """Make the neuron's general path (batch statistics, then the charge) fail: only a fused step runs."""
+FUSED_ONLY = "triton_fused_only"
+
+
+@pytest.fixture(autouse=True)
+def unregister_fused_only():
+    yield
+    ops.unregister(FUSED_ONLY)
+
+
+def no_general_path(sn):
+    """Run ``sn`` on 'triton' registered once more with its general path's entries (the charge, its
+    spikes and its statistics) failing, as 'triton_fused_only': only a fused step can run."""
     def refuse(*args, **kwargs):
         raise AssertionError("the general path ran")
-    monkeypatch.setattr(ops, "batch_stats", refuse)
-    monkeypatch.setattr(ops, "fire", refuse)
+    ops.register(dataclasses.replace(ops.get("triton"), name=FUSED_ONLY, charge=refuse, fire=refuse, stats=refuse,
+                                     autoselect=False))
+    sn.method = FUSED_ONLY
 
 
 def bn_step_against_reference(sn, x, ste, sg, tol, margin):
@@ -446,13 +458,13 @@ F32_BN_TOL = dict(rtol=2e-4, atol=2e-4)  # order 1: a weight gradient that is th
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("k,dilation", [(1, 1), (2, 1), (3, 2), (5, 3)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_bn_step_matches_reference(layout, k, dilation, dtype, monkeypatch):
+def test_fused_bn_step_matches_reference(layout, k, dilation, dtype):
     """BN-threshold training on 'triton' runs the fused step (batch statistics, folding, quantiser and
     spikes in three kernels; three backward) and equals the plain reference: spikes, every gradient and
     the running statistics, over two steps."""
     torch.manual_seed(k * 10 + dilation)
     sn = bn_neuron(layout, k, dilation, dtype)
-    no_general_path(monkeypatch)
+    no_general_path(sn)
     tol = TOL[torch.float64] if dtype == torch.float64 else F32_BN_TOL
     for _ in range(2):
         x = torch.randn(bn_shape(layout), dtype=dtype, device=DEVICE) * 2
@@ -463,17 +475,17 @@ def test_fused_bn_step_matches_reference(layout, k, dilation, dtype, monkeypatch
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("ste", ["round", None])
 @pytest.mark.parametrize("sg", [surrogate.ATan(alpha=3.5), surrogate.Sigmoid(alpha=1.5)], ids=repr)
-def test_fused_bn_step_quantiser_and_surrogates(layout, ste, sg, monkeypatch):
+def test_fused_bn_step_quantiser_and_surrogates(layout, ste, sg):
     torch.manual_seed(2)
     sn = bn_neuron(layout, 3, 2, torch.float64, ste=ste, sg=sg)
-    no_general_path(monkeypatch)
+    no_general_path(sn)
     x = torch.randn(bn_shape(layout, t=9, m=5), dtype=torch.float64, device=DEVICE) * 2
     bn_step_against_reference(sn, x, ste, sg, TOL[torch.float64], 1e-8)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("no_grad", [False, True])
-def test_fused_bn_eval_and_no_grad(layout, no_grad, monkeypatch):
+def test_fused_bn_eval_and_no_grad(layout, no_grad):
     """Eval folds the running statistics (constants: gradients through the folding only); training
     under torch.no_grad() still updates the running statistics."""
     torch.manual_seed(4)
@@ -481,7 +493,7 @@ def test_fused_bn_eval_and_no_grad(layout, no_grad, monkeypatch):
     with torch.no_grad():
         sn.running_mean.uniform_(-1, 1)
         sn.running_var.uniform_(0.5, 2)
-    no_general_path(monkeypatch)
+    no_general_path(sn)
     x = torch.randn(bn_shape(layout, t=9, m=5), dtype=torch.float64, device=DEVICE).requires_grad_(not no_grad)
     xr, w, gamma, beta = [t.detach().double().requires_grad_() for t in (x, sn.weight, sn.gamma, sn.beta)]
     stats = (sn.running_mean.clone(), sn.running_var.clone())
@@ -525,18 +537,17 @@ def test_fused_bn_constant_channel(layout, eps):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("autocast", [False, True])
-def test_fused_bn_input_dtypes(layout, autocast, monkeypatch):
+def test_fused_bn_input_dtypes(layout, autocast):
     """float16 and bfloat16 inputs to a float32 neuron, also under autocast: the fused step runs, reading
     them as they are, and gives spikes in the input's dtype, computed in float32."""
     torch.manual_seed(6)
     for dtype in (torch.float16, torch.bfloat16):
         sn = bn_neuron(layout, 2, 1, torch.float32)
         ref = copy.deepcopy(sn)
-        no_general_path(monkeypatch)
+        no_general_path(sn)
         x = torch.randn(bn_shape(layout, t=9, m=5), device=DEVICE).to(dtype)
         with torch.autocast(DEVICE, dtype=dtype) if autocast else contextlib.nullcontext():
             s = sn(x)
-        monkeypatch.undo()
         assert s.dtype == dtype
         ref.method = "shift_add"
         h, _ = reference.mfpsn_charge(x.double(), ref.weight.detach().double(), 1, layout, "bn",
@@ -564,7 +575,7 @@ def test_strided_bias_and_fp64_fire(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("ste", ["whole", "round", None])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_param_step_matches_reference(layout, ste, dtype, monkeypatch):
+def test_fused_param_step_matches_reference(layout, ste, dtype):
     """Parameter-threshold training on 'triton' runs fused (quantiser and threshold in one kernel, spikes
     in another; two backward) and equals the plain reference: spikes and the gradients of x, weight and
     v_threshold."""
@@ -574,7 +585,7 @@ def test_fused_param_step_matches_reference(layout, ste, dtype, monkeypatch):
                                       method="triton").to(DEVICE, dtype)
     with torch.no_grad():
         sn.v_threshold.uniform_(-0.5, 1.0)
-    no_general_path(monkeypatch)
+    no_general_path(sn)
     x = torch.randn(bn_shape(layout, t=9, m=5), dtype=dtype, device=DEVICE) * 2
     leaves = [t.detach().double().requires_grad_() for t in (x, sn.weight, sn.v_threshold)]
     h, _ = reference.mfpsn_charge(leaves[0], leaves[1], 2, layout, "param", quantize=ste is not None,

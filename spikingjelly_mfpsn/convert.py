@@ -198,12 +198,12 @@ class _Converter:
             else:
                 self.actions.append(partial(setattr, m, "layout", "time_last"))
             return m
+        if _is_elementwise(m):  # (a fused batch norm is one: the neuron after it normalises)
+            return m
         if layer.wrapper_class(m) is not None:
             return self._wrap(m, path, per_step)
         if type(m) is _compat.sj_layer("SeqToANNContainer"):
             return self._seq_to_ann(m, path)
-        if _is_elementwise(m):
-            return m
         if isinstance(m, _compat.StepModule) or next(m.children(), None) is None:
             return self._unconvertible(m, path, per_step)
         for name, child in _occurrences(m):

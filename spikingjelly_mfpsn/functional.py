@@ -285,6 +285,8 @@ def _output_bn(m: nn.Module, multi_step: bool) -> Optional[nn.Module]:
     """The batch norm whose output is ``m``'s output, normalising as the input batch norm of a neuron in
     that step mode does (a multi-step one over time, samples and features; a single-step one each step
     over samples and features), or None."""
+    if isinstance(m, FusedBatchNorm):  # (fused into another neuron already)
+        return None
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         step_mode = getattr(m, "step_mode", None if multi_step else "s")
         fits = step_mode == ("m" if multi_step else "s") or (step_mode is None and not multi_step)
@@ -307,8 +309,9 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     written by hand (``self.sn1(self.bn1(self.conv1(x)))``, SpikingJelly's model zoo), the neuron's
     only input in a ``torch.fx`` trace of it (concrete tracing with ``example_input`` where the forward
     branches on its input; a forward that does not trace keeps its batch norms as layers). The batch
-    norm is replaced by a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` holding the same tensors
-    (the ``state_dict`` keeps its keys) and the neuron normalises its input itself: on ``'triton'``
+    norm becomes, in place, a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` of its own class (the
+    same tensors and ``state_dict`` keys) that passes X through, and the neuron normalises its input
+    itself, in the batch norm's training mode: on ``'triton'``
     inside its kernels, reading X instead of writing and reading the normalised copy. Same results, in
     training and eval. :func:`unfuse_batchnorm` undoes it; ``deploy.fold`` and the exporters undo it on
     what they fold.
@@ -322,9 +325,7 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
                 (sn.channels is not None and (bn.num_features != sn.channels
                                               or bn.running_mean.dtype != sn.weight.dtype)):
             continue
-        bn_parent, bn_name = slots[id(bn)][0]
-        bn_parent._modules[bn_name] = FusedBatchNorm(bn)
-        sn.set_input_bn(bn_parent._modules[bn_name])
+        sn.set_input_bn(FusedBatchNorm.fuse(bn))
         pairs.append(sn)
     names = {id(m): name for name, m in net.named_modules()}
     _compat.invalidate_reset_cache(net)
@@ -364,9 +365,9 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
     for m in net.modules():
         if isinstance(m, MulFreeChannelwisePSN):
             m.set_input_bn(None)
-    for parent, name, child in module_slots(net):
-        if isinstance(child, FusedBatchNorm):
-            parent._modules[name] = child.unfused()
+    for m in net.modules():
+        if isinstance(m, FusedBatchNorm):
+            m.unfused()
     _compat.invalidate_reset_cache(net)
     return net
 

@@ -49,21 +49,20 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
 class FusedBatchNorm(nn.Module):
     """A batch norm whose normalisation the MF-PSN after it applies (``functional.fuse_batchnorm``).
 
-    It holds the batch norm's parameters and buffers under their own names, so the network's
-    ``state_dict`` keys stay what they were, and passes its input through unchanged: the neuron reads
-    the statistics and the affine from here and, on ``'triton'``, normalises X in its own kernels
-    (forward and backward) instead of writing and reading a normalised copy.
+    :meth:`fuse` turns a batch norm into one in place, as ``torch.nn.utils.parametrize`` does, by giving
+    it a subclass of its own class (``layer.BatchNorm2d`` becomes ``FusedBatchNorm2d``): it stays an
+    instance of that class, with the same parameters, buffers, ``state_dict`` keys and training mode, so
+    code that picks batch norms by type (weight-decay groups, freezing) still finds it. Its forward passes
+    its input through unchanged: the neuron reads the statistics and the affine from here and, on
+    ``'triton'``, normalises X in its own kernels (forward and backward) instead of writing and reading a
+    normalised copy. :meth:`unfused` gives the batch norm its class back.
     """
 
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
-        super().__init__()
-        self.__dict__["original"] = bn  # (not a submodule: its tensors are registered here)
-        for name in ("weight", "bias"):
-            setattr(self, name, getattr(bn, name))
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            self.register_buffer(name, getattr(bn, name))
-        self.eps, self.momentum, self.num_features = bn.eps, bn.momentum, bn.num_features
-        self.train(bn.training)
+    @staticmethod
+    def fuse(bn: nn.modules.batchnorm._BatchNorm) -> "FusedBatchNorm":
+        """``bn`` itself, turned into a fused batch norm of its class."""
+        bn.__class__ = _fused_class(type(bn))
+        return bn
 
     def forward(self, x):
         """``x`` itself: the neuron after this module normalises it."""
@@ -75,16 +74,30 @@ class FusedBatchNorm(nn.Module):
                              self.num_batches_tracked)
 
     def unfused(self) -> nn.Module:
-        """The batch norm module again, holding this module's current tensors and training mode."""
-        bn = self.original
-        for name in ("weight", "bias"):
-            setattr(bn, name, getattr(self, name))
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            setattr(bn, name, getattr(self, name))
-        return bn.train(self.training)
+        """This module, a batch norm of its own class again."""
+        self.__class__ = type(self).__bases__[1]
+        return self
 
     def extra_repr(self) -> str:
-        return f"{type(self.original).__name__}({self.num_features}), applied by the next MulFreeChannelwisePSN"
+        return super().extra_repr() + ", applied by the next MulFreeChannelwisePSN"
+
+    def __reduce_ex__(self, protocol):
+        # Pickled as the batch norm's class, fused again on loading: the fused class is made at run time.
+        return _new_fused, (type(self).__bases__[1],), self.__dict__
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type) -> type:
+    if cls not in _FUSED_CLASSES:
+        _FUSED_CLASSES[cls] = type(f"Fused{cls.__name__}", (FusedBatchNorm, cls), {"__module__": __name__})
+    return _FUSED_CLASSES[cls]
+
+
+def _new_fused(cls: type) -> FusedBatchNorm:
+    fused = _fused_class(cls)
+    return fused.__new__(fused)
 
 
 class ChargeNeuronBase(MemoryModule):

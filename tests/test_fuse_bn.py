@@ -2,6 +2,10 @@
 layers apart (every method, both step modes, training and eval), the same state_dict, and undone by
 unfuse_batchnorm, deploy.fold and the layout conversions."""
 import copy
+import pickle
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -85,6 +89,50 @@ def test_a_batch_norm_in_another_mode_than_the_network_normalises_in_its_own(met
     x = torch.randn(5, 2, 3, 4, 4)
     tol = dict(rtol=1e-4, atol=1e-4) if method == "triton" else dict(rtol=1e-5, atol=1e-6)
     assert_same_steps(train_steps(fused, x), train_steps(apart, x), tol)
+
+
+def batch_norms(net):
+    """The batch norms as code that picks them by type finds them (weight-decay groups, freezing)."""
+    return [name for name, m in net.named_modules() if isinstance(m, (nn.BatchNorm2d, layer.BatchNorm2d))]
+
+
+def test_fused_batch_norms_keep_their_class_and_freeze_by_type():
+    apart, fused = conv_net(), conv_net()
+    bns = [fused[1], fused[3][1]]
+    fuse_batchnorm(fused)
+    assert [fused[1], fused[3][1]] == bns and batch_norms(fused) == batch_norms(apart) == ["1", "3.1"]
+    assert isinstance(fused[1], layer.BatchNorm2d) and "applied by the next" in repr(fused[1])
+    for net in (apart, fused):  # the usual freezing loop, after net.train()
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+    x = torch.randn(5, 2, 3, 4, 4)
+    assert_same_steps(train_steps(fused, x), train_steps(apart, x), dict(rtol=1e-5, atol=1e-6))
+
+
+def test_a_fused_network_pickles_and_loads_in_a_fresh_process(tmp_path):
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    x = torch.randn(5, 2, 3, 4, 4)
+    train_steps(apart, x, steps=1)
+    train_steps(fused, x, steps=1)
+    again = pickle.loads(pickle.dumps(fused))
+    assert again[2].input_bn is again[1] and type(again[1]) is type(fused[1])
+    torch.save({"net": fused, "x": x, "want": apart.eval()(x)}, tmp_path / "net.pt")
+    functional.reset_net(apart)
+    code = textwrap.dedent(f"""
+        import torch, spikingjelly_mfpsn
+        from spikingjelly.activation_based import functional
+        saved = torch.load({str(tmp_path / "net.pt")!r}, weights_only=False)
+        net = saved["net"].eval()
+        assert net[2].input_bn is net[1] and net[4].input_bn is net[3][1], "pairing lost"
+        assert torch.equal(net(saved["x"]), saved["want"]), "spikes differ"
+        spikingjelly_mfpsn.unfuse_batchnorm(net)
+        print(type(net[1]).__name__, type(net[3][1]).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["BatchNorm2d", "BatchNorm2d"]
 
 
 def test_state_dicts_load_across_fused_and_apart():

@@ -236,9 +236,7 @@ class FoldedMulFreePSN(ChargeNeuronBase):
         exported = neuron.export_shifts()  # refuses quantize=False and exponents beyond int8
         folded = cls(neuron.channels, neuron.k, neuron.dilation, neuron.step_mode, neuron.layout,
                      neuron.method, neuron.backend, neuron.surrogate_function, exported["bias"].dtype)
-        with torch.no_grad():
-            for name in ("shift", "sign", "bias"):
-                getattr(folded, name).copy_(exported[name])
+        folded.load_state_dict(exported)
         return folded.to(exported["bias"].device)
 
     def to_neuron(self) -> MulFreeChannelwisePSN:
@@ -294,12 +292,6 @@ class FoldedMulFreePSN(ChargeNeuronBase):
                             + (": an unsigned type, which the int64 arithmetic does not take; convert it with "
                                "x.to(torch.int64)" if str(x.dtype).startswith("torch.uint") else ""))
 
-    def _int_format(self) -> tuple[int, torch.Tensor]:
-        """(extra_bits, bias_int) of the current integer format."""
-        acc = self.acc_frac_bits if self.acc_frac_bits is not None \
-            else exact_acc_frac_bits(self.shift, self.frac_bits)
-        return acc - self.frac_bits, int_bias(self.bias, acc)
-
     def _integer_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` checked and in the fixed-point format (float inputs are rounded to it)."""
         self._check_input(x)
@@ -311,9 +303,10 @@ class FoldedMulFreePSN(ChargeNeuronBase):
 
     def _int_spikes(self, q_seq: torch.Tensor, like: torch.Tensor, layout: str, last: Optional[int] = None):
         """:func:`int_fire` of ``q_seq`` in the current format, in ``like``'s float dtype (or the default)."""
+        acc = self.acc_frac_bits if self.acc_frac_bits is not None else exact_acc_frac_bits(self.shift, self.frac_bits)
         with self._naming_overflow():
-            extra, bias_int = self._int_format()
-            s = int_fire(q_seq, self.shift, self.sign, bias_int, self.dilation, layout, extra, last)
+            s = int_fire(q_seq, self.shift, self.sign, int_bias(self.bias, acc), self.dilation, layout,
+                         acc - self.frac_bits, last)
         return s.to(like.dtype if like.is_floating_point() else torch.get_default_dtype())
 
     @contextlib.contextmanager
@@ -461,13 +454,12 @@ def _widest_format(m: "FoldedMulFreePSN", top: float, acc_frac_bits: Optional[in
     if not math.isfinite(top):
         raise ValueError(f"calibrate: a folded neuron's input holds NaN or inf (max |x| = {top})")
     top_bits = math.frexp(top)[1] + headroom_bits if top > 0 else 0  # bits of the integer part, + headroom
-    k_bits = m.k.bit_length()
     bias_top = float(m.bias.detach().abs().max()) if m.bias.numel() else 0.0
     bias_bits = math.frexp(bias_top)[1] if bias_top > 0 else 0
     for f in range(_MAX_BITS, -1, -1):
         extra = (acc_frac_bits - f) if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, f) - f
         shifts = max(0, int(m.shift.max()) + extra) if m.shift.numel() else 0
-        if top_bits + f + shifts + k_bits <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS:
+        if top_bits + f + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS:
             return f
     raise OverflowError(f"calibrate: inputs up to {top:g} do not fit an int64 accumulator with any fixed-point "
                         f"format")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Optional, Union
 
@@ -271,18 +272,15 @@ class EnergyReport:
     def row(self, label: str) -> list[str]:
         n, s = self.neuron_ops, self.synaptic_ops
         neuron = ", ".join(f"{n[op]:.3g} {op.upper()}" for op in NEURON_OPS if n.get(op))
-        return [label, neuron or "-", f"{self.neuron_energy_uj:.2f}",
-                f"{s['mac']:.4g} FLOPs, {s['sop']:.4g} SOPs", f"{self.synaptic_energy_uj:.2f}",
-                f"{self.total_energy_uj:.2f}"]
+        return [label, neuron or "-", f"{self.neuron_energy_uj:.2f}", f"{s['mac']:.4g} FLOPs, {s['sop']:.4g} SOPs",
+                f"{self.synaptic_energy_uj:.2f}", f"{self.total_energy_uj:.2f}"]
 
     def layer_table(self) -> str:
         """Per-layer counts (per sample) and firing rates."""
-        rows = [["layer", "role", "kind", "T", "input fr", "counts"]]
-        for layer in self.layers:
-            rows.append([layer.name, layer.role, layer.kind, str(layer.time_steps or "-"),
-                         "-" if layer.firing_rate is None else f"{layer.firing_rate:.4f}",
-                         ", ".join(f"{v:.4g} {op.upper()}" for op, v in layer.counts.items() if v)])
-        return _format(rows)
+        rows = [[layer.name, layer.role, layer.kind, str(layer.time_steps or "-"),
+                 "-" if layer.firing_rate is None else f"{layer.firing_rate:.4f}",
+                 ", ".join(f"{v:.4g} {op.upper()}" for op, v in layer.counts.items() if v)] for layer in self.layers]
+        return _format([["layer", "role", "kind", "T", "input fr", "counts"]] + rows)
 
     def __str__(self) -> str:
         return table5({"net": self})
@@ -304,56 +302,53 @@ def table5(reports: dict[str, EnergyReport]) -> str:
 
 
 # ---------------------------------------------------------------------------------- estimate
-def _per_sample(counts: dict, batch: int) -> dict:
-    return {op: v / batch for op, v in counts.items()}
+def _per_sample(counts: Optional[dict], batch: int) -> Optional[dict]:
+    return None if counts is None else {op: v / batch for op, v in counts.items()}
 
 
 def _own_pass(net: nn.Module, x) -> list[dict]:
     """Run ``net`` once with forward hooks; one record per neuron / synaptic call, in call order."""
     records: list[dict] = []
 
-    def on_neuron(name):
-        def hook(module, inputs, out):
-            x_in = inputs[0]
-            t, _ = _sequence_geometry(module, x_in)
-            records.append(dict(name=name, role="neuron", kind=neuron_kind(module), time_steps=t,
-                                counts=closed_form_neuron_ops(module, x_in),
-                                counted=counted_neuron_ops(module, x_in)))
-        return hook
+    def on_neuron(module, inputs, out, name):
+        x_in = inputs[0]
+        t, _ = _sequence_geometry(module, x_in)
+        records.append(dict(name=name, role="neuron", kind=neuron_kind(module), time_steps=t,
+                            counts=closed_form_neuron_ops(module, x_in), counted=counted_neuron_ops(module, x_in)))
 
-    def on_synapse(name, module):
-        def hook(wrapper, inputs, out):
-            x_in = inputs[0] if wrapper is module else inputs[0].movedim(-1, 0)  # time-last: T first
-            binary = bool(((x_in == 0) | (x_in == 1)).all())
-            macs = dense_macs(module, out)
-            record = dict(name=name, kind=type(module).__name__, binary=binary)
-            if binary or any(r["role"] == "neuron" for r in records):
-                record.update(role="synaptic", firing_rate=float(x_in.double().mean()), dense=macs,
-                              counted={"sop": spike_events(module, x_in)})
-            else:  # non-spike input before any neuron
-                record.update(role="encoding", counts={"mac": macs}, counted={"mac": macs})
-            records.append(record)
-        return hook
+    def on_synapse(wrapper, inputs, out, name, module):
+        x_in = inputs[0] if wrapper is module else inputs[0].movedim(-1, 0)  # time-last: T first
+        binary = bool(((x_in == 0) | (x_in == 1)).all())
+        macs = dense_macs(module, out)
+        record = dict(name=name, kind=type(module).__name__, binary=binary)
+        if binary or any(r["role"] == "neuron" for r in records):
+            record.update(role="synaptic", firing_rate=float(x_in.double().mean()), dense=macs,
+                          counted={"sop": spike_events(module, x_in)})
+        else:  # non-spike input before any neuron
+            record.update(role="encoding", counts={"mac": macs}, counted={"mac": macs})
+        records.append(record)
 
     hooks = []
     for name, module in net.named_modules():
         label = name or type(net).__name__
         if neuron_kind(module) is not None:
-            hooks.append(module.register_forward_hook(on_neuron(label)))
-        elif _synaptic_layer(module) is not None:
-            hooks.append(module.register_forward_hook(on_synapse(label, _synaptic_layer(module))))
+            hooks.append(module.register_forward_hook(partial(on_neuron, name=label)))
+        elif (layer := _synaptic_layer(module)) is not None:
+            hooks.append(module.register_forward_hook(partial(on_synapse, name=label, module=layer)))
     run_hooked(net, x, hooks)
     return records
 
 
 def _spikingjelly_pass(net: nn.Module, x) -> dict[str, dict]:
-    """SpikingJelly's counters on one run: ``{scope: {'mac', 'sop'} or neuron ops}``."""
+    """SpikingJelly's counters on one run: ``{scope: {'mac', 'sop'} or neuron ops}``; resets the network
+    after its run."""
     oc = _compat.op_counter
     mac = oc.MACCounter(extra_ignore_modules=list(NEURON_TYPES))
     synop = oc.SynOpCounter(extra_ignore_modules=list(NEURON_TYPES))
     neuron = NeuronOpCounter()
     with oc.ModuleCounterMode([neuron], model=net), oc.DispatchCounterMode([mac, synop]):
         net(*as_args(x))
+    _compat.functional.reset_net(net)
     scopes: dict[str, dict] = {}
     for counter, op in ((mac, "mac"), (synop, "sop")):
         for scope, per_func in counter.get_counts().items():
@@ -395,7 +390,7 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
     """
     if sops not in ("formula", "events"):
         raise ValueError(f"sops must be 'formula' or 'events', got {sops!r}")
-    first = as_args(x)[0] if as_args(x) else None
+    first = next(iter(as_args(x)), None)
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor (or a tuple of inputs, the first a tensor), got "
                         f"{type(x).__name__}" + (f" of {type(first).__name__}" if isinstance(x, tuple) else ""))
@@ -411,11 +406,8 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
     net.eval()
     try:
         _compat.functional.reset_net(net)
-        records = _own_pass(net, x)  # (resets the network after its run)
-        sj = None
-        if use_spikingjelly and _compat.op_counter is not None:
-            sj = _spikingjelly_pass(net, x)
-            _compat.functional.reset_net(net)
+        records = _own_pass(net, x)  # (both passes reset the network after their run)
+        sj = _spikingjelly_pass(net, x) if use_spikingjelly and _compat.op_counter is not None else None
     finally:
         for m, training in modes.items():
             m.train(training)
@@ -449,8 +441,7 @@ def _layer_counts(records: list[dict], sj: Optional[dict], root: str, firing_rat
         elif r["role"] == "encoding" and theirs is not None:
             r["counts"] = {"mac": theirs.get("mac", 0)}
         layers.append(LayerCount(r["name"], r["role"], r["kind"], _per_sample(r["counts"], batch),
-                                 _per_sample(r["counted"], batch),
-                                 None if theirs is None else _per_sample(theirs, batch),
+                                 _per_sample(r["counted"], batch), _per_sample(theirs, batch),
                                  r.get("firing_rate"), r.get("time_steps")))
     return layers
 

@@ -400,9 +400,7 @@ class TimeLastDropout(MemoryModule):
         return x * self._mask_like(x, x.shape) if self.training else x
 
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return x_seq
-        return x_seq * self._mask_like(x_seq, x_seq.shape[:-1]).unsqueeze(-1)
+        return x_seq * self._mask_like(x_seq, x_seq.shape[:-1]).unsqueeze(-1) if self.training else x_seq
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -451,8 +449,9 @@ _WRAPPERS = {
 }
 
 
-# Per-step stateless layers only SpikingJelly has (their single_step_forward is one step).
-_SJ_ONLY = {"VotingLayer": TimeLastVmap}
+# SpikingJelly's own layers, not torch.nn's of the same name: its Dropouts (one mask for all steps) and
+# per-step stateless layers only SpikingJelly has (their single_step_forward is one step).
+_SJ_WRAPPERS = {**dict.fromkeys(_DROPOUT_MASKS, TimeLastDropout), "VotingLayer": TimeLastVmap}
 
 
 def wrapper_class(module: nn.Module):
@@ -466,10 +465,8 @@ def wrapper_class(module: nn.Module):
     if parametrize.is_parametrized(module):  # a class made by torch.nn.utils.parametrize: the layer's own
         kind = kind.__bases__[0]  # (it only adds the parametrized tensors as properties)
     name = kind.__name__
-    if name in _DROPOUT_MASKS and kind is _compat.sj_layer(name):
-        return TimeLastDropout
-    if name in _SJ_ONLY and kind is _compat.sj_layer(name):
-        return _SJ_ONLY[name]
+    if name in _SJ_WRAPPERS and kind is _compat.sj_layer(name):
+        return _SJ_WRAPPERS[name]
     torch_cls = getattr(nn, name, None)
     if kind in (torch_cls, _compat.sj_layer(name), getattr(_compat, name, None)):
         return _WRAPPERS.get(torch_cls)

@@ -65,9 +65,8 @@ def ordered(m: nn.Module, args: tuple) -> list[str]:
     cands = candidates(m)
     resolve = getattr(m, "resolve_method", None)
     if resolve is not None and args and isinstance(args[0], torch.Tensor):
-        with contextlib.suppress(Exception):
-            with _method(m, "auto"):
-                first = resolve(args[0])
+        with contextlib.suppress(Exception), _method(m, "auto"):
+            first = resolve(args[0])
             if first in cands:
                 cands.remove(first)
                 cands.insert(0, first)

@@ -229,15 +229,12 @@ class TimingCache:
             directory = os.path.dirname(os.path.abspath(self.path))
             os.makedirs(directory, exist_ok=True)
             timeout = lock_timeout()
-            try:
-                locked = filelock.FileLock(self.path + ".lock", timeout=timeout).acquire()
-            except filelock.Timeout:
-                warnings.warn(f"autoselect cache {self.path}: its lock ({self.path}.lock) was held by another "
-                              f"process for {timeout:g} s; the choice is applied but not cached "
-                              f"(${LOCK_TIMEOUT_ENV} sets the wait)")
-                return
-            with locked:
+            with filelock.FileLock(self.path + ".lock", timeout=timeout):
                 self._write_merged(directory)
+        except filelock.Timeout:  # (an OSError too)
+            warnings.warn(f"autoselect cache {self.path}: its lock ({self.path}.lock) was held by another "
+                          f"process for {timeout:g} s; the choice is applied but not cached "
+                          f"(${LOCK_TIMEOUT_ENV} sets the wait)")
         except OSError as e:
             warnings.warn(f"autoselect cache {self.path} cannot be written ({e}); the choice is applied but "
                           f"not cached (cache=False stops this warning, cache='path' picks another file)")
@@ -287,9 +284,7 @@ def _not_a_regular_file(path: str) -> str:
         mode = os.stat(path).st_mode
     except OSError:  # missing (created on save), or unreachable (reported when read)
         return ""
-    if stat.S_ISREG(mode):
-        return ""
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+    return ("" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "a device")
 
 

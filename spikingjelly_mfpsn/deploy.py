@@ -59,6 +59,12 @@ def _check_bits(value, name: str) -> int:
     return value
 
 
+def _check_formats(frac_bits: Optional[int], acc_frac_bits: Optional[int]) -> None:
+    for value, name in ((frac_bits, "frac_bits"), (acc_frac_bits, "acc_frac_bits")):
+        if value is not None:
+            _check_bits(value, name)
+
+
 def to_fixed(x: torch.Tensor, frac_bits: int = FRAC_BITS) -> torch.Tensor:
     """``round(x * 2**frac_bits)`` as int64: the fixed-point form of a float tensor.
 
@@ -415,9 +421,7 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
 
     Clears the neurons' single-step state. Returns ``net``.
     """
-    for value, name in ((frac_bits, "frac_bits"), (acc_frac_bits, "acc_frac_bits")):
-        if value is not None:
-            _check_bits(value, name)
+    _check_formats(frac_bits, acc_frac_bits)
     neurons = folded_neurons(net)
     formats = {name: frac_bits if frac_bits is not None else FRAC_BITS for name, _ in neurons}
     if calibrate is not None and frac_bits is None:
@@ -485,9 +489,12 @@ def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
     :func:`set_integer` left it; :data:`FRAC_BITS` where none is set). Any fraction below 1.0 is also
     reported with a warning naming the layers.
     """
+    _check_formats(frac_bits, acc_frac_bits)
     neurons = folded_neurons(net)
+    # A given frac_bits comes with the given (or the exact) accumulator; each neuron's own format otherwise.
     formats = {n: (frac_bits if frac_bits is not None else m.frac_bits if m.frac_bits is not None else FRAC_BITS,
-                   acc_frac_bits if frac_bits is not None else m.acc_frac_bits) for n, m in neurons}
+                   acc_frac_bits if acc_frac_bits is not None or frac_bits is not None else m.acc_frac_bits)
+               for n, m in neurons}
     if any(m.step_mode != "m" for _, m in neurons):
         raise ValueError("agreement needs the folded neurons in step_mode='m' (whole sequences)")
     try:

@@ -221,6 +221,21 @@ def test_float32_agreement_is_measured():
         {f"body.{name}": r for name, r in rates.items()}
 
 
+def test_agreement_takes_an_accumulator_format_alone():
+    """``acc_frac_bits`` without ``frac_bits``: each neuron's own input format with that accumulator (it
+    was ignored)."""
+    torch.manual_seed(5)
+    net = deploy.fold(random_net(4, 2, "bn"))
+    x = on_grid(12, 4, 2, 5)
+    exact = deploy.agreement(net, x)
+    with pytest.warns(UserWarning, match="integer spikes differ"):
+        narrow = deploy.agreement(net, x, acc_frac_bits=0)  # products floored to integers
+    assert min(r["local"] for r in exact.values()) == 1.0 > min(r["local"] for r in narrow.values())
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="acc_frac_bits must be an int"):
+            deploy.agreement(net, x, acc_frac_bits=bad)
+
+
 @pytest.mark.parametrize("t,k,d", [(10, 3, 1), (2, 5, 1), (9, 4, 3), (4, 3, 2), (1, 2, 1)])
 def test_integer_path_counts_its_operations(t, k, d):
     f = deploy.fold(MulFreeChannelwisePSN(3, k=k, dilation=d, step_mode="m"))
@@ -282,6 +297,28 @@ def test_streaming_matches_multi_step_with_constant_memory(arithmetic):
         sizes.append(state)
     assert sizes[0] == sizes[1]
     assert [n for n, _ in sizes[0]] == [(m.k - 1) * m.dilation for _, m in deploy.folded_neurons(net)]
+
+
+@pytest.mark.parametrize("arithmetic", ["float", "integer"])
+def test_streaming_state_moves_with_the_network_and_keeps_its_dtype(arithmetic):
+    """Mid-stream, ``net.to(device)`` moves every neuron's queued steps (integer ones too, which a dtype
+    cast such as ``net.double()`` leaves integer)."""
+    torch.manual_seed(12)
+    net = deploy.fold(random_net(3, 1, "bn"))
+    if arithmetic == "integer":
+        deploy.set_integer(net, FRAC_BITS)
+    functional.set_step_mode(net, "s")
+    functional.reset_net(net)
+    with torch.no_grad():
+        for x_t in on_grid(3, 2, 2, 5):
+            net(x_t)
+    dtypes = [[t.dtype for t in m.x_queue] for _, m in deploy.folded_neurons(net)]
+    assert all(dtypes) and all(d != torch.float64 for ds in dtypes for d in ds)
+    net.double()
+    cast = [[t.dtype for t in m.x_queue] for _, m in deploy.folded_neurons(net)]
+    assert cast == [[torch.float64 if d.is_floating_point else d for d in ds] for ds in dtypes]
+    net.to("meta")
+    assert all(t.device.type == "meta" for _, m in deploy.folded_neurons(net) for t in m.x_queue)
 
 
 @pytest.mark.skipif("cpp" not in ops.names(), reason="backend 'cpp' needs a C++ compiler")

@@ -126,10 +126,11 @@ def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
     """Refuse formats whose accumulator could overflow int64 (instead of wrapping silently)."""
     # (from the extremes, as Python ints: abs() of int64's most negative value stays negative)
     top = max(int(q.max()), -int(q.min())) if q.numel() else 0
-    bits = top.bit_length() + max(0, int(amount.max())) + amount.shape[1].bit_length()
+    left = int(amount.max()) if amount.numel() else 0
+    bits = top.bit_length() + max(0, left) + amount.shape[1].bit_length()
     if bits > _MAX_BITS:
         raise OverflowError(f"the accumulator needs {bits} bits (inputs up to {top}, left shifts up to "
-                            f"{int(amount.max())}, {amount.shape[1]} taps) but int64 holds {_MAX_BITS}; "
+                            f"{left}, {amount.shape[1]} taps) but int64 holds {_MAX_BITS}; "
                             f"lower frac_bits or acc_frac_bits")
 
 

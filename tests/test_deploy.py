@@ -187,6 +187,12 @@ def test_integer_neuron_matches_reference(layout, k, d):
     assert torch.equal(f(deploy.to_fixed(x, 5)).double(), reference_spikes(f, x))
 
 
+def test_int_charge_of_no_channels_is_empty():
+    q = torch.zeros(4, 2, 0, dtype=torch.int64)  # (its overflow check read the largest shift of none)
+    out = deploy.int_charge(q, torch.zeros(0, 3, dtype=torch.int8), torch.ones(0, 3, dtype=torch.int8), 1)
+    assert out.shape == q.shape and not out.is_floating_point()
+
+
 def test_narrow_accumulator_uses_flooring_right_shifts():
     torch.manual_seed(3)
     shift = torch.tensor([[-3, 1, -1], [2, -2, 0]], dtype=torch.int8)

@@ -169,7 +169,7 @@ def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
     sn = neuron.MulFreeChannelwisePSN(channels, k=k, dilation=1, step_mode="m",
                                       layout=layout, threshold=threshold, backend=backend, method=method)
     if input_bn == "fused":
-        sn.set_input_bn(FusedBatchNorm(BatchNormLayer(channels, layout)))
+        sn.set_input_bn(FusedBatchNorm.fuse(BatchNormLayer(channels, layout)))
     elif input_bn == "layer":
         sn = nn.Sequential(BatchNormLayer(channels, layout), sn)
     if strided:  # the time axis moved to the other end of the storage

@@ -58,9 +58,15 @@ class FusedBatchNorm(nn.Module):
     normalised copy. :meth:`unfused` gives the batch norm its class back.
     """
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError("a FusedBatchNorm is made from a batch norm in place: FusedBatchNorm.fuse(bn), or "
+                        "functional.fuse_batchnorm(net) for every batch norm -> MF-PSN pair")
+
     @staticmethod
     def fuse(bn: nn.modules.batchnorm._BatchNorm) -> "FusedBatchNorm":
         """``bn`` itself, turned into a fused batch norm of its class."""
+        if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or isinstance(bn, FusedBatchNorm):
+            raise TypeError(f"bn must be a batch norm module not fused yet, got {type(bn).__name__}")
         bn.__class__ = _fused_class(type(bn))
         return bn
 

@@ -110,6 +110,17 @@ def test_fused_batch_norms_keep_their_class_and_freeze_by_type():
     assert_same_steps(train_steps(fused, x), train_steps(apart, x), dict(rtol=1e-5, atol=1e-6))
 
 
+def test_a_fused_batch_norm_is_made_in_place_only():
+    bn = layer.BatchNorm2d(6, step_mode="m")
+    with pytest.raises(TypeError, match=r"FusedBatchNorm.fuse\(bn\)"):
+        spikingjelly_mfpsn.neuron.FusedBatchNorm(bn)
+    fused = spikingjelly_mfpsn.neuron.FusedBatchNorm.fuse(bn)
+    assert fused is bn and isinstance(bn, layer.BatchNorm2d)
+    for bad in (bn, nn.Linear(2, 2)):  # fused already; not a batch norm
+        with pytest.raises(TypeError, match="bn must be a batch norm module not fused yet"):
+            spikingjelly_mfpsn.neuron.FusedBatchNorm.fuse(bad)
+
+
 def test_a_fused_network_pickles_and_loads_in_a_fresh_process(tmp_path):
     apart, fused = conv_net(), conv_net()
     fuse_batchnorm(fused)

@@ -1,4 +1,4 @@
-"""The only module that knows which SpikingJelly is installed.
+"""The only module that knows which SpikingJelly is installed, and where torch itself needs working around.
 
 Supported: SpikingJelly 2.0.x (no ``backend`` on neurons, no ``functional.set_backend``, ships
 ``layer.TLastSeqToANNContainer``) and 0.0.0.0.14 (neurons take ``backend=``,
@@ -57,6 +57,39 @@ else:
             return super().forward(x)
 
 
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose gradient leaves contiguous."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def dense_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x``, whose gradient leaves contiguous on the CPU, so that a batch norm in front of the call
+    that gets ``x`` computes its gradients right (see :func:`batch_norm`)."""
+    if x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled():
+        return _DenseGrad.apply(x)
+    return x
+
+
+def batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps) -> torch.Tensor:
+    """``torch.nn.functional.batch_norm``, given its input and its output's gradient contiguous on the CPU.
+
+    A workaround: torch's CPU batch-norm backward (2.13 and earlier) reads an input or an output
+    gradient whose memory format a size-1 dim makes ambiguous (channels the innermost dim, e.g. strides
+    (2, 1, 2, 4) of shape (1, 2, 2, 1)) in the other one's format, and gives wrong gradients of X, gamma
+    and beta, silently. tests/test_layer.py tells when torch fixes it."""
+    if x.device.type != "cpu":
+        return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    return dense_grad(torch.nn.functional.batch_norm(x.contiguous(), running_mean, running_var, weight, bias,
+                                                     training, momentum, eps))
+
+
 def default_surrogate():
     return surrogate.ATan()
 
@@ -107,7 +140,7 @@ def readout_neuron_classes() -> tuple:
 
 
 __all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "PSN", "op_counter",
-           "MemoryModule", "MultiStepModule", "StepModule", "default_surrogate", "sj_layer",
+           "MemoryModule", "MultiStepModule", "StepModule", "batch_norm", "dense_grad", "default_surrogate", "sj_layer",
            "t_last_seq_to_ann_forward", "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes",
            "readout_neuron_classes", "base", "functional", "layer", "neuron", "surrogate"]
 

@@ -320,8 +320,8 @@ class TimeLastBatchNorm(TimeLastModule):
                 factor = 1.0 / float(self.num_batches_tracked)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         track = not self.training or bn.track_running_stats
-        return F.batch_norm(x_seq, self.running_mean if track else None, self.running_var if track else None,
-                            bn.weight, bn.bias, use_batch_stats, factor, bn.eps)
+        return _compat.batch_norm(x_seq, self.running_mean if track else None, self.running_var if track else None,
+                                  bn.weight, bn.bias, use_batch_stats, factor, bn.eps)
 
 
 class TimeLastFlatten(TimeLastModule):

@@ -319,3 +319,39 @@ def test_a_half_neuron_on_a_backend_without_half_says_so():
     ref.load_state_dict(sn.state_dict())
     sn.step_mode = "s"
     assert torch.equal(run(sn, x), ref(x))
+
+
+# ---------------------------------------------------------------- a batch norm in front
+def batch_norm_reference(x, gamma, beta, eps=1e-5):
+    """A training batch norm of (T, N, C, ...) over every axis but C, written out."""
+    dims, shape = [d for d in range(x.dim()) if d != 2], [-1 if d == 2 else 1 for d in range(x.dim())]
+    mean = x.mean(dims, keepdim=True)
+    var = ((x - mean) ** 2).mean(dims, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * gamma.view(shape) + beta.view(shape)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3, 2, 2), (1, 1, 3, 1, 2), (2, 1, 3, 1, 1), (3, 2, 3, 2, 2)])
+def test_a_batch_norm_in_front_gets_the_references_gradients(shape):
+    """SpikingJelly's BatchNorm2d + MF-PSN in training, every method: the gradients of X and of both
+    layers' parameters are the reference's. With one sample and size-1 dims, torch's CPU batch-norm
+    backward misreads a gradient whose channels are its innermost dim; every method hands X's gradient
+    back contiguous."""
+    from spikingjelly.activation_based import layer, surrogate
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    g = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    for method in methods("time_first"):
+        torch.manual_seed(13)
+        bn = layer.BatchNorm2d(3, step_mode="m").double()
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method).double()
+        with torch.no_grad():
+            for p in (bn.weight, bn.bias, sn.gamma, sn.beta):
+                p.uniform_(0.5, 1.5)
+        params = [bn.weight, bn.bias, sn.weight, sn.gamma, sn.beta]
+        xa = x.clone().requires_grad_()
+        got = torch.autograd.grad((sn(bn(xa)) * g).sum(), [xa] + params)
+        xr, ref = x.clone().requires_grad_(), [p.detach().clone().requires_grad_() for p in params]
+        h, _ = reference.mfpsn_charge(batch_norm_reference(xr, ref[0], ref[1]), ref[2], 1, "time_first", "bn", True,
+                                      ref[3], ref[4])
+        want = torch.autograd.grad((surrogate.ATan()(h) * g).sum(), [xr] + ref)
+        for i, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{method}, gradient {i}: {m}")

@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .. import _compat
 from . import reduce, surrogate
 from .registry import (Implementation, channel_dim, check_charge_args, choose, find, get, input_dtype_error, supported,
                        tap_schedule)
@@ -169,8 +170,8 @@ def normalize_input(x: torch.Tensor, bn: BatchNorm, layout: str, training: bool)
     if track and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
     factor = _running_factor(bn, 0) if track else 0.0
-    y = torch.nn.functional.batch_norm(x.flatten(0, 1) if layout == "time_first" else x, bn.running_mean,
-                                       bn.running_var, bn.gamma, bn.beta, training, factor, bn.eps)
+    y = _compat.batch_norm(x.flatten(0, 1) if layout == "time_first" else x, bn.running_mean, bn.running_var,
+                           bn.gamma, bn.beta, training, factor, bn.eps)
     return y.reshape(x.shape)
 
 

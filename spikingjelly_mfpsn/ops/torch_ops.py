@@ -1,7 +1,8 @@
 """Pure-PyTorch implementations of the charge (paper Appendix A, plus shift-add).
 
 Each function has the registry contract ``fn(x, weight, bias, dilation, layout) -> h`` (see
-:mod:`.registry`). Shapes: time-first ``(T, N, C, *)``, time-last ``(N, C, *, T)``; ``weight (C, k)``.
+:mod:`.registry`); the gradient each gives X is contiguous, as the C++ and Triton ones are (a strided
+one would be misread by torch's CPU batch norm in front: ``_compat.batch_norm``). Shapes: time-first ``(T, N, C, *)``, time-last ``(N, C, *, T)``; ``weight (C, k)``.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .._compat import dense_grad
 from .reduce import channel_dot, channel_sum
 from .registry import LAYOUTS, Implementation, channel_dim, channel_view_shape, needs_grad, register, tap_schedule, time_dim
 
@@ -30,6 +32,7 @@ def conv1d(x, weight, bias, dilation, layout):
     paper's "vanilla" baseline.
     """
     c, k = weight.shape
+    x = dense_grad(x)
     xt = x.movedim(0, -1) if layout == "time_first" else x  # (N, C, *, T)
     seq = xt.movedim(1, -2)  # (N, *, C, T)
     lead = seq.shape[:-2]
@@ -45,7 +48,7 @@ def conv1d(x, weight, bias, dilation, layout):
 def conv2d(x, weight, bias, dilation, layout):
     """Time-last ``(N, C, *, T)`` viewed as ``(N, C, M, T)``: a depthwise Conv2d with kernel (1, k)."""
     n, c, t = x.shape[0], x.shape[1], x.shape[-1]
-    x4 = x.reshape(n, c, -1, t)
+    x4 = dense_grad(x).reshape(n, c, -1, t)
     h = F.conv2d(_causal_pad(x4, weight, dilation), weight.view(c, 1, 1, -1), bias,
                  dilation=(1, dilation), groups=c)
     return h.reshape(x.shape).contiguous()
@@ -60,7 +63,7 @@ def vmap_conv1d(x, weight, bias, dilation, layout):
     def one(xm):  # (N, C, T)
         return F.conv1d(_causal_pad(xm, weight, dilation), w, bias, dilation=dilation, groups=c)
 
-    h = torch.vmap(one, in_dims=2, out_dims=2)(x.reshape(n, c, -1, t))
+    h = torch.vmap(one, in_dims=2, out_dims=2)(dense_grad(x).reshape(n, c, -1, t))
     return h.reshape(x.shape).contiguous()
 
 
@@ -99,7 +102,7 @@ def vmap_mm(x, weight, bias, dilation, layout):
 
 
 def _vmap_mm(x, weight, bias, dilation, layout):
-    t = x.shape[time_dim(layout)]
+    x, t = dense_grad(x), x.shape[time_dim(layout)]
     a = toeplitz_weight(weight, t, dilation)
     if layout == "time_first":  # x[:, :, c] is (T, N, *): H_c = A_c @ X_c
         def one(ac, xc):

@@ -78,14 +78,17 @@ def dense_grad(x: torch.Tensor) -> torch.Tensor:
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps) -> torch.Tensor:
-    """``torch.nn.functional.batch_norm``, given its input and its output's gradient contiguous on the CPU.
+    """``torch.nn.functional.batch_norm``, given its input, weight, bias and output gradient contiguous on
+    the CPU.
 
-    A workaround: torch's CPU batch-norm backward (2.13 and earlier) reads an input or an output
-    gradient whose memory format a size-1 dim makes ambiguous (channels the innermost dim, e.g. strides
-    (2, 1, 2, 4) of shape (1, 2, 2, 1)) in the other one's format, and gives wrong gradients of X, gamma
-    and beta, silently. tests/test_layer.py tells when torch fixes it."""
+    A workaround: torch's CPU batch-norm backward (2.13 and earlier) gives wrong gradients, silently,
+    where it reads an input or an output gradient whose memory format a size-1 dim makes ambiguous
+    (channels the innermost dim, e.g. strides (2, 1, 2, 4) of shape (1, 2, 2, 1)) in the other one's
+    format, and the wrong dL/dX of an (N, C) input with a strided weight. tests/test_layer.py tells when
+    torch fixes them."""
     if x.device.type != "cpu":
         return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
     return dense_grad(torch.nn.functional.batch_norm(x.contiguous(), running_mean, running_var, weight, bias,
                                                      training, momentum, eps))
 

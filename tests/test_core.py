@@ -77,6 +77,11 @@ def test_bn_threshold_matches_the_reference_and_torch_batch_norm(layout, trainin
             assert int(bn.num_batches_tracked) == 3 + training
 
 
+def strided(t):
+    """``t``'s values as a view of stride 2 (every other element of a longer tensor), differentiable."""
+    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+
+
 def normalized_reference(x, layout, gamma0, beta0, rm0, rv0, training, momentum, eps=1e-5):
     """X through a batch norm over every axis but the channels, written out (torch's CPU batch norm
     misreads the gradients of some strided inputs); the running statistics are updated in place by
@@ -94,12 +99,13 @@ def normalized_reference(x, layout, gamma0, beta0, rm0, rv0, training, momentum,
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("threshold", ["bn", "param"])
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("t,n,feat", [(6, 4, (2,)), (1, 1, (2,)), (2, 1, (1, 1))])
+@pytest.mark.parametrize("t,n,feat", [(6, 4, (2,)), (1, 1, (2,)), (2, 1, (1, 1)), (4, 2, ())])
 def test_an_input_batch_norm_is_torch_batch_norm_then_the_neuron(layout, threshold, training, t, n, feat):
     """input_bn: every method gives the reference neuron on torch's batch norm of X: spikes, gradients
     (the input batch norm's gamma and beta included) and both batch norms' running statistics; without
-    an affine too. X in reversed memory order; with one sample and size-1 dims too, strides that torch's
-    CPU batch-norm backward misreads."""
+    an affine too. X in reversed memory order, the batch norms' gamma and beta strided views; with one
+    sample and size-1 dims, and with no feature dims, which torch's CPU batch-norm backward gets wrong
+    at these strides."""
     torch.manual_seed(6)
     x = make_input(t, n, 3, feat, layout, torch.float64, False) * 2 + 1.5
     w = torch.rand(3, 2, dtype=torch.float64) + 0.1
@@ -109,10 +115,11 @@ def test_an_input_batch_norm_is_torch_batch_norm_then_the_neuron(layout, thresho
             rm0, rv0 = torch.randn(3, dtype=torch.float64) * 0.1, torch.rand(3, dtype=torch.float64) + 0.5
             (xa, wa, ga, ba, ga0, ba0), ref = leaves(x, w, gamma, beta, g0, b0), leaves(x, w, gamma, beta, g0, b0)
             tracked = torch.tensor(2)
-            input_bn = ops.BatchNorm(ga0 if affine else None, ba0 if affine else None, rm0.clone(), rv0.clone(), 1e-5,
-                                     momentum, tracked)
+            input_bn = ops.BatchNorm(strided(ga0) if affine else None, strided(ba0) if affine else None, rm0.clone(),
+                                     rv0.clone(), 1e-5, momentum, tracked)
             rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-            args = {"bn": ops.BatchNorm(ga, ba, rm.clone(), rv.clone())} if threshold == "bn" else {"v_threshold": ba}
+            args = {"bn": ops.BatchNorm(strided(ga), strided(ba), rm.clone(), rv.clone())} if threshold == "bn" \
+                else {"v_threshold": strided(ba)}
             s = ops.mf_psn(xa, wa, input_bn=input_bn, dilation=2, layout=layout, method=method, training=training,
                            **args)
             want_rm0, want_rv0 = rm0.clone(), rv0.clone()

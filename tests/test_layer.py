@@ -362,12 +362,25 @@ def test_batchnorm_gradients_where_torch_misreads_strides():
         torch.testing.assert_close(a, b, **TOL)
 
 
-@pytest.mark.xfail(strict=True, reason="torch's CPU batch-norm backward misreads this input; when it passes, "
-                                       "the workaround in spikingjelly_mfpsn/_compat.py (batch_norm) can go")
-def test_torch_cpu_batch_norm_still_misreads_channels_innermost_inputs():
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="torch's CPU batch-norm backward gets these wrong; when one passes, its "
+                                                             "part of the workaround in spikingjelly_mfpsn/_compat.py (batch_norm) can go")
+@pytest.mark.parametrize("case", ["channels-innermost input", "(N, C) input, strided weight"])
+def test_torch_cpu_batch_norm_still_gets_strided_tensors_wrong(case):
     torch.manual_seed(0)
-    x = torch.randn(2, 1, 3, 1, 1, dtype=torch.float64).movedim(0, -1).requires_grad_()  # (N, C, 1, 1, T)
-    b = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    if case == "channels-innermost input":
+        x = torch.randn(2, 1, 3, 1, 1, dtype=torch.float64).movedim(0, -1)  # (N, C, 1, 1, T)
+        weight = None
+    else:
+        x = torch.randn(2, 3, dtype=torch.float64)
+        weight = (torch.rand(3, 2, dtype=torch.float64) + 0.5)[:, 0]  # stride 2
+    x.requires_grad_()
     g = torch.randn(x.shape, dtype=torch.float64)
-    (got,) = torch.autograd.grad(torch.nn.functional.batch_norm(x, None, None, None, b, True), [b], g)
-    torch.testing.assert_close(got, g.sum((0, 2, 3, 4)))
+    got = torch.autograd.grad(torch.nn.functional.batch_norm(x, None, None, weight, None, True), [x], g)[0]
+    xc = x.detach().contiguous().requires_grad_()
+    dims = [d for d in range(x.dim()) if d != 1]
+    shape = [-1 if d == 1 else 1 for d in range(x.dim())]
+    mean = xc.mean(dims, keepdim=True)
+    y = (xc - mean) / torch.sqrt(((xc - mean) ** 2).mean(dims, keepdim=True) + 1e-5)
+    y = y if weight is None else y * weight.view(shape)
+    (want,) = torch.autograd.grad(y, [xc], g)
+    torch.testing.assert_close(got, want)

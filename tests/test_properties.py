@@ -160,3 +160,113 @@ def test_every_method_gives_the_references_input_gradient(call):
         fin = torch.isfinite(want) & (h.detach().abs() <= F32_MAX)
         assert torch.equal(torch.isnan(got)[fin], torch.isnan(want)[fin]), method
         torch.testing.assert_close(got[fin], want[fin], rtol=tol, atol=tol, msg=lambda m: f"{method}: {m}")
+
+
+# ---------------------------------------------------------------- training steps
+SURROGATES = [("ATan", 2.0), ("ATan", 0.7), ("Sigmoid", 4.0), ("PiecewiseQuadratic", 1.0)]  # (the last unfused)
+
+
+@st.composite
+def training_calls(draw):
+    """A float64 training step: threshold, an input batch norm or none, quantiser, surrogate, momentum,
+    strides of X and of the parameters; at least two values per channel (batch statistics)."""
+    t, n = draw(st.integers(1, 8)), draw(st.integers(1, 3))
+    feat = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    return dict(layout=draw(st.sampled_from(ops.LAYOUTS)), k=draw(st.integers(1, 5)), d=draw(st.integers(1, 3)),
+                t=t, n=n if t * n * math.prod(feat) > 1 else 2, c=draw(st.integers(1, 4)), feat=feat,
+                threshold=draw(st.sampled_from(["bn", "param"])),
+                input_bn=draw(st.sampled_from([None, "affine", "plain"])),
+                quantize=draw(st.sampled_from(["whole", "round", None])), sg=draw(st.sampled_from(SURROGATES)),
+                momentum=draw(st.sampled_from([0.1, None])), offset=draw(st.sampled_from([0.0, 3.0, -50.0])),
+                reversed_x=draw(st.booleans()), strided=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def training_tensors(call):
+    """X (the layout's shape), the output gradient, and every parameter and statistic, float64."""
+    g = torch.Generator().manual_seed(call["seed"])
+    c, shape = call["c"], (call["t"], call["n"], call["c"], *call["feat"])
+    if call["layout"] == "time_last":
+        shape = shape[1:] + shape[:1]
+
+    def draw(*size, lo=None):
+        v = torch.rand(size, generator=g, dtype=torch.float64) if lo is not None else \
+            torch.randn(size, generator=g, dtype=torch.float64)
+        return v + lo if lo is not None else v
+    order = shape[::-1] if call["reversed_x"] else shape
+    x = draw(*order).permute(*range(len(shape))[::-1]) if call["reversed_x"] else draw(*shape)
+    weight = draw(c, call["k"], lo=0.1) * torch.where(draw(c, call["k"]) < -0.5, -1.0, 1.0).double()
+    return dict(x=x * 2 + call["offset"], grad=draw(*shape), weight=weight, gamma=draw(c, lo=0.5),
+                beta=draw(c, lo=-0.5), gamma0=draw(c, lo=0.5), beta0=draw(c, lo=-0.5), rm=draw(c) * 0.1,
+                rv=draw(c, lo=0.5), rm0=draw(c) * 0.1, rv0=draw(c, lo=0.5))
+
+
+def reference_step(call, ts):
+    """Spikes, the charge, the gradients (by name) and the running statistics the reference gives."""
+    from spikingjelly.activation_based import surrogate
+    cd = ops.channel_dim(call["layout"])
+    leaves = {k: ts[k].clone().requires_grad_() for k in ("x", "weight", "gamma", "beta", "gamma0", "beta0")}
+    y = leaves["x"]
+    momentum = call["momentum"] if call["momentum"] is not None else 1 / 3  # (the third batch)
+    stats = {k: ts[k].clone() for k in ("rm", "rv", "rm0", "rv0")}
+    if call["input_bn"]:
+        dims, shape = [d for d in range(y.dim()) if d != cd], [-1 if d == cd else 1 for d in range(y.dim())]
+        mean = y.mean(dims, keepdim=True)
+        y = (y - mean) / torch.sqrt(((y - mean) ** 2).mean(dims, keepdim=True) + 1e-5)
+        if call["input_bn"] == "affine":
+            y = y * leaves["gamma0"].view(shape) + leaves["beta0"].view(shape)
+        torch.nn.functional.batch_norm(ts["x"].movedim(cd, 1).contiguous(), stats["rm0"], stats["rv0"], None, None,
+                                       True, momentum)
+    h, _ = reference.mfpsn_charge(y, leaves["weight"], call["d"], call["layout"], call["threshold"],
+                                  call["quantize"] is not None, leaves["gamma"], leaves["beta"],
+                                  v_threshold=leaves["beta"], ste=call["quantize"] or "whole")
+    if call["threshold"] == "bn":
+        charge = reference.charge(y.detach(), ts["weight"], None, call["d"], call["layout"])
+        torch.nn.functional.batch_norm(charge.movedim(cd, 1).contiguous(), stats["rm"], stats["rv"], None, None,
+                                       True, momentum)
+    s = getattr(surrogate, call["sg"][0])(alpha=call["sg"][1])(h)
+    names = [k for k in leaves if (k != "gamma" or call["threshold"] == "bn")
+             and (not k.endswith("0") or call["input_bn"] == "affine")]
+    grads = torch.autograd.grad((s * ts["grad"]).sum(), [leaves[k] for k in names])
+    return s.detach(), h.detach(), dict(zip(names, grads)), stats
+
+
+def method_step(call, ts, method):
+    """The same step through ops.mf_psn: spikes, gradients by name, running statistics."""
+    from spikingjelly.activation_based import surrogate
+
+    def view(t):  # the same values, strided (every other element of a longer tensor) where drawn
+        return torch.stack([t, torch.zeros_like(t)], -1)[..., 0] if call["strided"] else t
+    leaves = {k: ts[k].clone().requires_grad_() for k in ("x", "weight", "gamma", "beta", "gamma0", "beta0")}
+    stats = {k: view(ts[k].clone()).detach() for k in ("rm", "rv", "rm0", "rv0")}
+    affine = call["input_bn"] == "affine"
+    input_bn = ops.BatchNorm(view(leaves["gamma0"]) if affine else None, view(leaves["beta0"]) if affine else None,
+                             stats["rm0"], stats["rv0"], 1e-5, call["momentum"], torch.tensor(2)) \
+        if call["input_bn"] else None
+    bn = ops.BatchNorm(view(leaves["gamma"]), view(leaves["beta"]), stats["rm"], stats["rv"], 1e-5, call["momentum"],
+                       torch.tensor(2))
+    threshold = {"bn": bn} if call["threshold"] == "bn" else {"v_threshold": view(leaves["beta"])}
+    s = ops.mf_psn(leaves["x"], view(leaves["weight"]), input_bn=input_bn, dilation=call["d"], layout=call["layout"],
+                   method=method, training=True, quantize=call["quantize"],
+                   surrogate_function=getattr(surrogate, call["sg"][0])(alpha=call["sg"][1]), **threshold)
+    names = [k for k in leaves if (k != "gamma" or call["threshold"] == "bn")
+             and (not k.endswith("0") or call["input_bn"] == "affine")]
+    grads = torch.autograd.grad((s * ts["grad"]).sum(), [leaves[k] for k in names])
+    return s.detach(), dict(zip(names, grads)), stats
+
+
+@given(training_calls())
+def test_every_method_gives_the_references_training_step(call):
+    """A training step (float64), every method: spikes wherever the reference charge is clear of 0, the
+    gradients of X and of every parameter (the input batch norm's included), and the running statistics
+    of both batch norms, the reference's."""
+    ts = training_tensors(call)
+    s_ref, h, grads_ref, stats_ref = reference_step(call, ts)
+    clear = h.abs() > 1e-6
+    for method in methods(call["layout"]):
+        s, grads, stats = method_step(call, ts, method)
+        assert s.shape == s_ref.shape and not ((s != s_ref) & clear).any(), f"{method}: spikes"
+        for name, want in grads_ref.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-6, atol=1e-5,
+                                       msg=lambda m: f"{method}, gradient of {name}: {m}")
+        for name in (["rm", "rv"] if call["threshold"] == "bn" else []) + (["rm0", "rv0"] if call["input_bn"] else []):
+            torch.testing.assert_close(stats[name], stats_ref[name], msg=lambda m: f"{method}, {name}: {m}")

@@ -477,6 +477,17 @@ def set_float(net: nn.Module) -> nn.Module:
     return net
 
 
+def _fractions(module: nn.Module, float_seen: list, seen: list) -> dict[str, float]:
+    """``agreement``'s two fractions of one neuron, ``module`` in its integer format: on the float path's
+    inputs (``float_seen``, (input, spikes) pairs), and in the whole integer network (``seen``)."""
+    local = network = total = 0
+    for (inp, out_f), (_, out_i) in zip(float_seen, seen):
+        local += int((module(inp) == out_f).sum())
+        network += int((out_i == out_f).sum())
+        total += out_f.numel()
+    return {"local": local / total if total else float("nan"), "network": network / total if total else float("nan")}
+
+
 @torch.no_grad()
 def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
               acc_frac_bits: Optional[int] = None) -> dict[str, dict[str, float]]:
@@ -484,8 +495,8 @@ def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
 
     ``'local'``: both arithmetics on the same input (the float net's input to that neuron), so it
     isolates the neuron's own rounding; ``'network'``: the whole net run in integer mode against the
-    whole net in float mode (differences propagate). Needs multi-step neurons; leaves ``net`` on the
-    float path. ``x``: the input, or a tuple of the network's positional inputs (as autoselect's).
+    whole net in float mode (differences propagate). Needs multi-step neurons; leaves every neuron in
+    the arithmetic and format it found it in (its single-step state cleared). ``x``: the input, or a tuple of the network's positional inputs (as autoselect's).
     ``frac_bits``/``acc_frac_bits``: the integer format of every neuron; ``None``: each neuron's own (as
     :func:`set_integer` left it; :data:`FRAC_BITS` where none is set). Any fraction below 1.0 is also
     reported with a warning naming the layers.
@@ -498,25 +509,18 @@ def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
                for n, m in neurons}
     if any(m.step_mode != "m" for _, m in neurons):
         raise ValueError("agreement needs the folded neurons in step_mode='m' (whole sequences)")
+    found = {n: (m.frac_bits, m.acc_frac_bits) for n, m in neurons}
     try:
         set_float(net)
         float_seen = _run_capturing(net, x, neurons)
         for n, m in neurons:
             m.frac_bits, m.acc_frac_bits = formats[n]
         seen = _run_capturing(net, x, neurons)
+        result = {name: _fractions(module, float_seen.get(name, []), seen.get(name, [])) for name, module in neurons}
     finally:
         set_float(net)
-    result = {}
-    for name, module in neurons:
-        local = network = total = 0
-        for (inp, out_f), (_, out_i) in zip(float_seen.get(name, []), seen.get(name, [])):
-            module.frac_bits, module.acc_frac_bits = formats[name]
-            local += int((module(inp) == out_f).sum())
-            set_float(module)
-            network += int((out_i == out_f).sum())
-            total += out_f.numel()
-        result[name] = {"local": local / total if total else float("nan"),
-                        "network": network / total if total else float("nan")}
+        for n, m in neurons:
+            m.frac_bits, m.acc_frac_bits = found[n]
     differ = {n: r for n, r in result.items() if r["local"] < 1.0 or r["network"] < 1.0}
     if differ:
         warnings.warn("deploy: the integer spikes differ from the float path's on " + ", ".join(

@@ -227,6 +227,22 @@ def test_float32_agreement_is_measured():
         {f"body.{name}": r for name, r in rates.items()}
 
 
+def test_agreement_leaves_an_integer_network_integer():
+    """As docs/deployment.rst runs it: set_integer, agreement, then inference, which stays in the integer
+    arithmetic and formats set_integer chose (agreement switched the network to float)."""
+    torch.manual_seed(5)
+    net = deploy.fold(random_net(4, 2, "bn"))
+    x = torch.randn(12, 4, 2, 5)
+    deploy.set_integer(net, frac_bits=3)  # (coarse: its spikes differ from the float path's)
+    with torch.no_grad():
+        integer = net(x)
+    with pytest.warns(UserWarning, match="integer spikes differ"):
+        deploy.agreement(net, x)
+    assert [m.frac_bits for _, m in deploy.folded_neurons(net)] == [3, 3, 3]
+    with torch.no_grad():
+        assert torch.equal(net(x), integer) and not torch.equal(deploy.set_float(net)(x), integer)
+
+
 def test_agreement_takes_an_accumulator_format_alone():
     """``acc_frac_bits`` without ``frac_bits``: each neuron's own input format with that accumulator (it
     was ignored)."""

@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from . import _compat, layer, rewrite, tracing
 from ._util import agree, as_args, module_slots
-from .neuron import ChargeNeuronBase, FusedBatchNorm
+from .neuron import ChargeNeuronBase
 from .rewrite import GraphForward
 
 FALLBACKS = (None, "time_first")
@@ -61,7 +61,7 @@ class UnconvertibleModuleError(TypeError):
 
 
 def _is_elementwise(m: nn.Module) -> bool:
-    return type(m) in ELEMENTWISE or isinstance(m, (FusedBatchNorm, _compat.surrogate.SurrogateFunctionBase))
+    return type(m) in ELEMENTWISE or isinstance(m, _compat.surrogate.SurrogateFunctionBase)
 
 
 # ---------------------------------------------------------------------------- forward hooks
@@ -198,7 +198,7 @@ class _Converter:
             else:
                 self.actions.append(partial(setattr, m, "layout", "time_last"))
             return m
-        if _is_elementwise(m):  # (a fused batch norm is one: the neuron after it normalises)
+        if _is_elementwise(m):
             return m
         if layer.wrapper_class(m) is not None:
             return self._wrap(m, path, per_step)
@@ -287,6 +287,10 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         listed = "; ".join(rewrite.describe(n) for n in calls[:3]) + (" ..." if len(calls) > 3 else "")
         reason = f"it makes calls that depend on where the time axis is ({listed}) and no example_input was given"
         return _modules_only(net, conv, boundary, None, reason, strict)
+    try:  # (a rewritten forward is the graph, which must be the forward in train and eval mode alike)
+        tracing.trace(net, inputs[0], every_mode=True)
+    except tracing.TraceFailure as e:
+        return _modules_only(net, conv, boundary, inputs, str(e), strict)
     return _rewritten(net, (graph, how, shapes), inputs, conv, boundary, strict)
 
 
@@ -334,7 +338,7 @@ def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.
     warnings.warn(message + "; pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the "
                   "forward (strict=True raises instead).", stacklevel=3)
     if reference is not None and boundary:
-        _check(new, inputs[1], reference, "its modules converted")
+        _check(new, inputs[1], reference, f"its modules converted (its forward was not rewritten: {reason})")
     return new
 
 

@@ -345,9 +345,9 @@ def _sequential_pairs(net: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
 def _traced_pairs(net: nn.Module, example_input) -> list[tuple[nn.Module, nn.Module]]:
     """``(before, neuron)`` where, in the fx trace of ``net``'s forward, the module call ``before`` (called
     once) feeds only the neuron's call (called once), as its one argument; none if the forward does not
-    trace."""
+    trace, or not alike in every mode (it branches on ``self.training`` or switches gradient mode)."""
     try:
-        graph, _, _ = tracing.trace(net, example_input)
+        graph, _, _ = tracing.trace(net, example_input, every_mode=True)
     except tracing.TraceFailure:
         return []
     calls = [n for n in graph.nodes if n.op == "call_module"]
@@ -360,14 +360,15 @@ def _traced_pairs(net: nn.Module, example_input) -> list[tuple[nn.Module, nn.Mod
 def unfuse_batchnorm(net: nn.Module) -> nn.Module:
     """Undo :func:`fuse_batchnorm` in place and return ``net``.
 
-    The batch norm modules go back where they were, with the tensors they hold now; the neurons
-    normalise nothing."""
+    The batch norm modules go back where they were, with the tensors they hold now (inside their
+    time-last wrappers too); the neurons normalise nothing."""
+    fused = {id(m): m for m in net.modules() if isinstance(m, FusedBatchNorm)}
     for m in net.modules():
-        if isinstance(m, MulFreeChannelwisePSN):
+        if isinstance(m, MulFreeChannelwisePSN) and m.input_bn is not None:
+            fused[id(m.input_bn)] = m.input_bn
             m.set_input_bn(None)
-    for m in net.modules():
-        if isinstance(m, FusedBatchNorm):
-            m.unfused()
+    for bn in fused.values():
+        bn.unfused()
     _compat.invalidate_reset_cache(net)
     return net
 

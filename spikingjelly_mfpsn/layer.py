@@ -34,6 +34,7 @@ from torch.nn.utils import parametrize
 
 from . import _compat
 from ._compat import MemoryModule, MultiStepModule
+from .neuron import FusedBatchNorm
 
 METHODS = ("vmap", "highdim")
 
@@ -301,7 +302,8 @@ class TimeLastBatchNorm(TimeLastModule):
     """``BatchNorm1d/2d/3d`` on ``(N, C, ..., T)``.
 
     Runs ``F.batch_norm`` on the module's own parameters and buffers: the same statistics (and
-    running-statistics updates) as time-first.
+    running-statistics updates) as time-first. A batch norm fused into the neuron after it
+    (:func:`~spikingjelly_mfpsn.functional.fuse_batchnorm`) passes X through, as it does time-first.
     """
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
@@ -312,6 +314,8 @@ class TimeLastBatchNorm(TimeLastModule):
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         _check_rank(x_seq, self.ranks, f"of {' or '.join(map(str, self.ranks))} dims (N, C, ..., T)", self)
         bn = self._time_first
+        if isinstance(bn, FusedBatchNorm):  # (functional.fuse_batchnorm: the neuron after it normalises)
+            return x_seq
         # The same bookkeeping as torch.nn.modules.batchnorm._BatchNorm.forward.
         factor = 0.0 if bn.momentum is None else bn.momentum
         if self.training and bn.track_running_stats and self.num_batches_tracked is not None:
@@ -464,6 +468,8 @@ def wrapper_class(module: nn.Module):
     kind = type(module)
     if parametrize.is_parametrized(module):  # a class made by torch.nn.utils.parametrize: the layer's own
         kind = kind.__bases__[0]  # (it only adds the parametrized tensors as properties)
+    if isinstance(module, FusedBatchNorm):  # (fused into the next neuron, which it passes X to)
+        kind = module.batch_norm_class
     name = kind.__name__
     if name in _SJ_WRAPPERS and kind is _compat.sj_layer(name):
         return _SJ_WRAPPERS[name]

@@ -79,9 +79,14 @@ class FusedBatchNorm(nn.Module):
         return ops.BatchNorm(self.weight, self.bias, self.running_mean, self.running_var, self.eps, self.momentum,
                              self.num_batches_tracked)
 
+    @property
+    def batch_norm_class(self) -> type:
+        """The batch norm's own class (``layer.BatchNorm2d`` for a ``FusedBatchNorm2d``)."""
+        return type(self).__bases__[1]
+
     def unfused(self) -> nn.Module:
         """This module, a batch norm of its own class again."""
-        self.__class__ = type(self).__bases__[1]
+        self.__class__ = self.batch_norm_class
         return self
 
     def extra_repr(self) -> str:
@@ -89,7 +94,7 @@ class FusedBatchNorm(nn.Module):
 
     def __reduce_ex__(self, protocol):
         # Pickled as the batch norm's class, fused again on loading: the fused class is made at run time.
-        return _new_fused, (type(self).__bases__[1],), self.__dict__
+        return _new_fused, (self.batch_norm_class,), self.__dict__
 
 
 _FUSED_CLASSES: dict[type, type] = {}

@@ -37,11 +37,31 @@ def is_leaf(m: nn.Module) -> bool:
             or getattr(m, "layout_aware", False) or layer.wrapper_class(m) is not None)
 
 
+def _grad_modes() -> tuple:
+    return torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+
+
 class _Tracer(fx.Tracer):
     record_stack_traces = True  # so that a message can name the source line of a call
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return is_leaf(m) or super().is_leaf_module(m, qualname)
+
+    watch_modes = False
+
+    def trace(self, root, concrete_args=None) -> fx.Graph:
+        """The graph; with ``watch_modes``, :class:`TraceFailure` where the forward switches gradient or
+        autocast mode (a graph does not record it, so its calls would run in the caller's mode)."""
+        self.modes, self.switched = _grad_modes(), False
+        graph = super().trace(root, concrete_args)
+        if self.switched and self.watch_modes:
+            raise TraceFailure("its forward switches gradient or autocast mode (torch.no_grad, enable_grad, "
+                               "autocast), which a trace does not record")
+        return graph
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        self.switched = self.switched or _grad_modes() != self.modes
+        return super().create_node(*args, **kwargs)
 
 
 class _ConcreteProxy(fx.Proxy):
@@ -136,25 +156,77 @@ def _graph(net: nn.Module, tracer: fx.Tracer) -> fx.Graph:
     return tracer.trace(net)
 
 
-def trace(net: nn.Module, example_input=None) -> tuple[fx.Graph, str, Optional[dict]]:
+def trace(net: nn.Module, example_input=None, every_mode: bool = False) -> tuple[fx.Graph, str, Optional[dict]]:
     """``(graph, how, shapes)``: ``how`` is ``'symbolic'`` or ``'concrete'`` (then ``shapes`` holds every
     node's value's shape on ``example_input``, else None); :class:`TraceFailure` if neither works
-    (concrete tracing needs ``example_input``)."""
+    (concrete tracing needs ``example_input``), and with ``every_mode`` where the graph would not be the
+    forward in every mode: the forward branches on ``self.training`` or switches gradient or autocast
+    mode."""
+    def tracer(*args) -> _Tracer:
+        t = _ConcreteTracer(*args) if args else _Tracer()
+        t.watch_modes = every_mode
+        return t
+
+    def both(trace_fn) -> fx.Graph:
+        return _in_both_modes(net, trace_fn) if every_mode else trace_fn()
     try:
-        return _graph(net, _Tracer()), "symbolic", None
+        return both(lambda: _graph(net, tracer())), "symbolic", None
+    except TraceFailure:
+        raise
     except Exception as e:  # noqa: BLE001  (fx raises TraceError, TypeError, RuntimeError... from user code)
         symbolic_error = e
     if example_input is None:
         raise TraceFailure(f"symbolic tracing failed ({_first_line(symbolic_error)}); concrete tracing needs "
                            f"example_input") from symbolic_error
-    with quiet(net):
-        tracer = _ConcreteTracer(as_args(example_input))
+    tracers = []
+
+    def concrete() -> fx.Graph:
+        tracers.append(tracer(as_args(example_input)))
+        with torch.enable_grad():  # (so that a torch.no_grad block in forward shows)
+            return _graph(net, tracers[-1])
+    with quiet(net), _state_kept(net):
         try:
-            graph = _graph(net, tracer)
-            return graph, "concrete", {n: _shapes(v) for n, v in tracer.values.items()}
+            graph = both(concrete)
+        except TraceFailure:
+            raise
         except Exception as e:  # noqa: BLE001
             raise TraceFailure(f"symbolic tracing failed ({_first_line(symbolic_error)}), and concrete "
                                f"tracing with the example input failed ({_first_line(e)})") from e
+    return graph, "concrete", {n: _shapes(v) for n, v in tracers[0].values.items()}
+
+
+def _in_both_modes(net: nn.Module, trace_fn) -> fx.Graph:
+    """``trace_fn()``'s graph with ``net`` as it is, after checking that a trace with every module in the
+    other training mode records the same forward (:class:`TraceFailure` if not: a trace would keep one
+    branch of an ``if self.training``)."""
+    graph = trace_fn()
+    modes = [m.training for m in net.modules()]
+    try:
+        net.train(not net.training)
+        other = trace_fn()
+    finally:
+        for m, mode in zip(net.modules(), modes):
+            m.training = mode
+    if graph.python_code("self").src != other.python_code("self").src:
+        raise TraceFailure("its forward depends on self.training (a trace records one branch of it)")
+    return graph
+
+
+class _state_kept:
+    """Every buffer of ``net`` (running statistics...) as it was before, and torch's random state."""
+
+    def __init__(self, net: nn.Module):
+        self.net = net
+
+    def __enter__(self):
+        self.buffers = [(b, b.clone()) for b in self.net.buffers()]
+        self.rng = torch.random.get_rng_state()
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(self.rng)
 
 
 def _first_line(e: BaseException) -> str:

@@ -450,8 +450,30 @@ class StepLoop(nn.Module):
         return torch.stack([self.fc(x[t]) for t in range(x.shape[0])]).flatten(1)
 
 
+class TrainingBranch(DataBranch):
+    """A forward that branches on ``self.training`` (a trace records the branch of the mode it ran in)."""
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.training:
+            y = y * 0.5
+        return y.mean(0)
+
+
+class NoGradBlock(DataBranch):
+    """A forward with a ``torch.no_grad()`` block (a trace records its calls, not the gradient mode)."""
+
+    def forward(self, x):
+        y = self.fc(x)
+        with torch.no_grad():
+            baseline = y.mean(0)
+        return (y - baseline).mean(0)
+
+
 @pytest.mark.parametrize("cls, why", [(DataBranch, "control flow depends on tensor data"),
-                                      (StepLoop, "other outputs than the network on an input one step longer")])
+                                      (StepLoop, "other outputs than the network on an input one step longer"),
+                                      (TrainingBranch, "depends on self.training"),
+                                      (NoGradBlock, "switches gradient or autocast mode")])
 def test_untraceable_forward_is_never_silently_wrong(cls, why):
     torch.manual_seed(0)
     x = torch.randn(3, 2, 3, dtype=torch.float64)
@@ -464,6 +486,25 @@ def test_untraceable_forward_is_never_silently_wrong(cls, why):
         to_time_last(net, example_input=x)
     assert structure(net) == before and not has_time_last_boundary(net)
     torch.testing.assert_close(net(x), expected, **TOL)
+
+
+class ElementwiseTrainingBranch(DataBranch):
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 0.5 if self.training else y
+
+
+def test_a_training_branch_between_modules_converts_in_both_modes(recwarn):
+    """A forward that branches on ``self.training`` but makes no call that depends on the time axis keeps
+    its forward: the same outputs in both modes, with no warning."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    net = ElementwiseTrainingBranch().double()
+    expected = {mode: net.train(mode)(x) for mode in (True, False)}
+    last = to_time_last(copy.deepcopy(net), example_input=x)
+    for mode in (True, False):
+        torch.testing.assert_close(last.train(mode)(x), expected[mode], **TOL)
+    assert not recwarn.list
 
 
 class FixedSteps(nn.Module):

@@ -14,6 +14,7 @@ from spikingjelly.activation_based import functional, layer, neuron
 
 import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, fuse_batchnorm, ops, replace_neurons, unfuse_batchnorm
+from spikingjelly_mfpsn.neuron import FusedBatchNorm
 
 from nets import assert_compiled_trains_as_eager
 
@@ -268,6 +269,26 @@ def test_folding_and_layout_conversion_see_the_batch_norm():
     last = spikingjelly_mfpsn.to_time_last(copy.deepcopy(fused))
     assert last[2].layout == "time_last" and torch.equal(last(x), want)  # (time-first at its boundary)
     assert torch.equal(deploy.fold(copy.deepcopy(fused))(x), deploy.fold(copy.deepcopy(apart))(x))
+
+
+def test_a_fused_time_last_network_folds_unfuses_and_trains_as_the_one_apart():
+    """fuse, then to_time_last (as autoselect may): training steps as apart; deploy.fold and
+    unfuse_batchnorm give each batch norm its time-last normalisation back (a fused one sits inside a
+    time-last wrapper); to_time_first restores the time-first network."""
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    x = torch.randn(4, 2, 3, 4, 4)
+    last_apart, last = spikingjelly_mfpsn.to_time_last(apart), spikingjelly_mfpsn.to_time_last(fused)
+    assert_same_steps(train_steps(last, x), train_steps(last_apart, x), dict(rtol=1e-5, atol=1e-6))
+    for net in (last_apart, last):
+        net.eval()
+    want = last_apart(x)
+    assert torch.equal(deploy.fold(copy.deepcopy(last))(x), deploy.fold(copy.deepcopy(last_apart))(x))
+    unfused = unfuse_batchnorm(copy.deepcopy(last))
+    assert not any(isinstance(m, FusedBatchNorm) for m in unfused.modules())
+    assert torch.equal(unfused(x), want)
+    back = spikingjelly_mfpsn.to_time_first(last)
+    assert isinstance(back[1], FusedBatchNorm) and back[2].input_bn is back[1] and torch.equal(back(x), want)
 
 
 def test_reconfiguring_a_fused_neuron_keeps_its_batch_norm(recwarn):

@@ -70,27 +70,28 @@ class _DenseGrad(torch.autograd.Function):
 
 
 def dense_grad(x: torch.Tensor) -> torch.Tensor:
-    """``x``, whose gradient leaves contiguous on the CPU, so that a batch norm in front of the call
-    that gets ``x`` computes its gradients right (see :func:`batch_norm`)."""
-    if x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled():
+    """``x``, whose gradient leaves contiguous on the CPU where ``x`` has a size-1 dim, so that a batch norm
+    in front of the call that gets ``x`` computes its gradients right (see :func:`batch_norm`)."""
+    if x.device.type == "cpu" and 1 in x.shape and x.requires_grad and torch.is_grad_enabled():
         return _DenseGrad.apply(x)
     return x
 
 
 def batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps) -> torch.Tensor:
-    """``torch.nn.functional.batch_norm``, given its input, weight, bias and output gradient contiguous on
-    the CPU.
+    """``torch.nn.functional.batch_norm``, on the CPU given a contiguous weight and bias, and where ``x`` has a
+    size-1 dim, a contiguous input and output gradient.
 
     A workaround: torch's CPU batch-norm backward (2.13 and earlier) gives wrong gradients, silently,
     where it reads an input or an output gradient whose memory format a size-1 dim makes ambiguous
     (channels the innermost dim, e.g. strides (2, 1, 2, 4) of shape (1, 2, 2, 1)) in the other one's
-    format, and the wrong dL/dX of an (N, C) input with a strided weight. tests/test_layer.py tells when
-    torch fixes them."""
-    if x.device.type != "cpu":
-        return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
-    weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
-    return dense_grad(torch.nn.functional.batch_norm(x.contiguous(), running_mean, running_var, weight, bias,
-                                                     training, momentum, eps))
+    format (a sweep of every memory order found it with a size-1 dim only), and the wrong dL/dX of an
+    (N, C) input with a strided weight. tests/test_layer.py tells when torch fixes them."""
+    if x.device.type == "cpu":
+        weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))
+        if 1 in x.shape:
+            return dense_grad(torch.nn.functional.batch_norm(x.contiguous(), running_mean, running_var, weight,
+                                                             bias, training, momentum, eps))
+    return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
 def default_surrogate():

@@ -1,8 +1,9 @@
 """Pure-PyTorch implementations of the charge (paper Appendix A, plus shift-add).
 
 Each function has the registry contract ``fn(x, weight, bias, dilation, layout) -> h`` (see
-:mod:`.registry`); the gradient each gives X is contiguous, as the C++ and Triton ones are (a strided
-one would be misread by torch's CPU batch norm in front: ``_compat.batch_norm``). Shapes: time-first ``(T, N, C, *)``, time-last ``(N, C, *, T)``; ``weight (C, k)``.
+:mod:`.registry`); where X has a size-1 dim, the gradient each gives X is contiguous, as the C++
+and Triton ones always are (torch's CPU batch norm in front could misread a strided one there:
+``_compat.batch_norm``). Shapes: time-first ``(T, N, C, *)``, time-last ``(N, C, *, T)``; ``weight (C, k)``.
 """
 from __future__ import annotations
 

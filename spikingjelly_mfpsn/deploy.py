@@ -496,7 +496,8 @@ def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
     ``'local'``: both arithmetics on the same input (the float net's input to that neuron), so it
     isolates the neuron's own rounding; ``'network'``: the whole net run in integer mode against the
     whole net in float mode (differences propagate). Needs multi-step neurons; leaves every neuron in
-    the arithmetic and format it found it in (its single-step state cleared). ``x``: the input, or a tuple of the network's positional inputs (as autoselect's).
+    the arithmetic and format it found it in (its single-step state cleared). ``x``: the input, or a
+    tuple of the network's positional inputs (as autoselect's).
     ``frac_bits``/``acc_frac_bits``: the integer format of every neuron; ``None``: each neuron's own (as
     :func:`set_integer` left it; :data:`FRAC_BITS` where none is set). Any fraction below 1.0 is also
     reported with a warning naming the layers.

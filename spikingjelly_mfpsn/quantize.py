@@ -13,6 +13,7 @@ Two gradients are offered:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,10 +21,23 @@ import torch
 STE_MODES = ("whole", "round")
 
 
+@functools.lru_cache(maxsize=None)
+def _round_up_from(dtype: torch.dtype) -> float:
+    """The smallest mantissa ``m`` in [1/2, 1) of ``dtype`` with ``m >= sqrt(1/2)``: ``|w| = m * 2**e``
+    rounds to ``2**e`` from there on and to ``2**(e-1)`` below (an exact test, unlike a float log2, which
+    can round across the midpoint). ``m = N / 2**p`` with ``p`` significand bits: the least ``N`` with
+    ``N**2 >= 2**(2p-1)``."""
+    p = round(-math.log2(torch.finfo(dtype).eps)) + 1
+    return (math.isqrt(2 ** (2 * p - 1) - 1) + 1) / 2 ** p
+
+
 def _exponent(w: torch.Tensor) -> torch.Tensor:
-    """``round(log2 |w|)``, clamped to the largest integer e with 2**e finite in the dtype of ``w`` (127
-    for float32); -inf where ``w == 0``."""
-    return torch.log2(w.abs()).round_().clamp_(max=math.frexp(torch.finfo(w.dtype).max)[1] - 1)
+    """``round(log2 |w|)``, decided exactly, clamped to the largest integer e with 2**e finite in the
+    dtype of ``w`` (127 for float32); -inf where ``w == 0``, NaN where ``w`` is NaN."""
+    top = math.frexp(torch.finfo(w.dtype).max)[1] - 1
+    m, e = torch.frexp(w.abs())
+    e = torch.where(m < _round_up_from(w.dtype), e - 1, e).to(w.dtype).clamp_(max=top)
+    return e.masked_fill_(w.isinf(), top).masked_fill_(w == 0, -math.inf).masked_fill_(w.isnan(), math.nan)
 
 
 def quantize_pow2_(w: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 from spikingjelly.activation_based import functional
 
+import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
 
 import reference
@@ -291,6 +292,54 @@ def test_a_charge_beyond_float32_fires_by_the_sign_of_the_exact_one(threshold, l
         s = run(sn, xin)
         s = s if layout == "time_first" else s.movedim(-1, 0)
         assert torch.equal(s[-1, :, 0], want) and torch.equal(s[-1, :, 1], want_flipped), method
+
+
+def next_to_midpoints(dtype, ulps=3):
+    """Weights of ``dtype`` within ``ulps`` ulps either side of 2**(e + 1/2), e in -12..3, where a float
+    log2 can round to the wrong power of two; ordered by e, then by distance."""
+    mids = torch.tensor([2.0 ** (e + 0.5) for e in range(-12, 4)], dtype=torch.float64).to(dtype)
+    out, up, down = [mids], mids, mids
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, torch.full_like(up, INF)), torch.nextafter(down, torch.zeros_like(down))
+        out += [up, down]
+    return torch.stack(out, 1).flatten()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_quantiser_rounds_weights_next_to_a_midpoint_as_the_reference(dtype):
+    w = torch.cat([next_to_midpoints(dtype), -next_to_midpoints(dtype)])
+    assert torch.equal(spikingjelly_mfpsn.quantize_pow2_(w), reference.pow2(w.double()).to(dtype))
+
+
+@pytest.mark.parametrize("threshold,layout,step_mode,training", [
+    ("param", "time_first", "m", True), ("param", "time_last", "m", True),  # (batch statistics would fold W)
+    *itertools.product(["param", "bn"], ["time_first", "time_last"], ["m"], [False]),
+    ("param", "time_first", "s", False), ("bn", "time_first", "s", False)])
+def test_every_method_quantises_weights_next_to_a_midpoint_as_the_reference(threshold, layout, step_mode, training):
+    """One channel per weight near 2**(e + 1/2), X = 1, k = 1, a threshold of 1.5 * 2**(e - 1) halfway
+    between the two powers of two it may round to: a channel fires iff its weight rounds up. Before,
+    the torch methods took round(log2 |w|) in floats and rounded some of them the wrong way (C++ and
+    Triton did not)."""
+    w = next_to_midpoints(torch.float64)  # float64: the folding of the BN threshold keeps the weight
+    c = w.numel()
+    e = torch.floor(torch.log2(w) - 0.25)  # the power below the midpoint: 2**e < w < 2**(e+1)
+    v_th = 1.5 * 2.0 ** e
+    want = (reference.pow2(w) >= 2.0 ** (e + 1)).double()
+    x = torch.ones(2, 1, c, dtype=torch.float64)
+    xin = x if layout == "time_first" else x.movedim(0, -1).contiguous()
+    for method in methods(layout):
+        sn = MulFreeChannelwisePSN(c, k=1, threshold=threshold, step_mode=step_mode, layout=layout, method=method,
+                                   eps=1e-300).double().train(training)
+        with torch.no_grad():
+            sn.weight.copy_(w[:, None])
+            if threshold == "param":
+                sn.v_threshold.copy_(v_th)
+            else:  # folded: Wq = Q(w / sqrt(1 + eps)) = Q(w), b = -V_th
+                sn.running_var.fill_(1.0)
+                sn.beta.copy_(-v_th)
+        s = sn(xin).detach() if training else run(sn, xin)  # (training: through the STE's graph)
+        s = s if layout == "time_first" else s.movedim(-1, 0)
+        assert torch.equal(s[-1, 0], want), (method, w[s[-1, 0] != want].tolist())
 
 
 @pytest.mark.parametrize("layout", ops.LAYOUTS)

@@ -762,9 +762,9 @@ void backward(const Geometry& g, int KP, const S* x, const S* w, const S* b, con
 
 // Q(w) = sign(w) * 2^round(log2 |w|), the rounding decided exactly: |w| = m * 2^e with m in [0.5, 1)
 // rounds to 2^e when m >= 1/sqrt(2) (never a tie: 1/sqrt(2) is irrational; M_SQRT1_2 is the double just
-// above it) and to 2^(e-1) below. (The torch path's float log2 agrees except within an ulp or so of
-// 2^(e+1/2), where a float log2 itself can round across the midpoint.) Exponents are clamped to the
-// largest finite power of two (inf too), too small ones underflow to zero, NaN stays NaN.
+// above it) and to 2^(e-1) below, as quantize.py decides it (not by a float log2, which can round
+// across the midpoint 2^(e+1/2)). Exponents are clamped to the largest finite power of two (inf too),
+// too small ones underflow to zero, NaN stays NaN.
 template <typename S>
 S quantize_pow2_frexp(S w) {
     constexpr int top = std::numeric_limits<S>::max_exponent - 1;

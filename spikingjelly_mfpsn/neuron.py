@@ -305,7 +305,7 @@ class ChargeNeuronBase(MemoryModule):
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         keep = (self.k - 1) * self.dilation
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
-        return spikes
+        return spikes if spikes.dtype == x.dtype else spikes.to(x.dtype)  # (computed in the promoted dtype)
 
     # ------------------------------------------------------------------ state handling
     def detach(self):

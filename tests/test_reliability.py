@@ -157,22 +157,26 @@ def test_an_integer_input_is_refused(step_mode):
                 sn(x)
 
 
-def test_a_lower_precision_input_runs_in_the_neurons_dtype():
-    """float16/bfloat16 into a float32 neuron (autocast's case): computed in float32, spikes in the
-    input's dtype, the same in every method."""
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+def test_a_lower_precision_input_runs_in_the_neurons_dtype(step_mode):
+    """float16/bfloat16 into a float32 neuron (autocast's case), float32 into a float64 one: computed in
+    the neuron's dtype, spikes in the input's dtype, the same in every method and both step modes (a
+    single step returned the neuron's dtype before)."""
     torch.manual_seed(3)
     x = torch.randn(6, 2, 3, 4)
-    for dtype, method in itertools.product((torch.float16, torch.bfloat16), methods("time_first")):
-        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", threshold="param", method=method, exp_init=False)
+    cases = [(torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.float64)]
+    for (dtype, neuron_dtype), method in itertools.product(cases, methods("time_first")):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode, threshold="param", method=method, exp_init=False)
+        sn = sn.to(neuron_dtype).eval()
         torch.manual_seed(0)
         with torch.no_grad():
             sn.v_threshold.normal_()
         xl = x.to(dtype)
-        s = sn(xl)
+        s = run(sn, xl)
         h = reference.mfpsn_charge(xl.double(), sn.weight.detach().double(), 1, "time_first", "param",
                                    v_threshold=sn.v_threshold.detach().double())[0]
         clear = h.abs() > 1e-4
-        assert s.dtype == dtype and torch.equal(s[clear].double(), (h >= 0).double()[clear]), method
+        assert s.dtype == dtype and torch.equal(s[clear].double(), (h >= 0).double()[clear]), (method, dtype)
 
 
 def test_the_ops_functions_check_dtypes():

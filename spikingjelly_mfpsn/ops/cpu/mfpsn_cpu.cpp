@@ -846,7 +846,7 @@ bool finite_folding(int64_t C, int K, const S* w, const S* gamma, const S* beta,
                     double eps) {
     bool ok = all_finite(w, C * K) && all_finite(gamma, C) && all_finite(beta, C) && all_finite(mean, C) &&
               all_finite(var, C);
-    for (int64_t c = 0; c < C; ++c) ok &= double(var[c]) + eps > 0.0;
+    for (int64_t c = 0; c < C; ++c) ok &= var[c] + S(eps) > S(0);  // in S, as fold_bn adds them
     return ok;
 }
 

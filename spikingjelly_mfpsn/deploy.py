@@ -255,10 +255,11 @@ class FoldedMulFreePSN(ChargeNeuronBase):
         neuron = MulFreeChannelwisePSN(self.channels, self.k, self.dilation, quantize=True, threshold="param",
                                        surrogate_function=self.surrogate_function, step_mode=self.step_mode,
                                        backend=self._backend, method=self._method, layout=self._layout)
+        neuron = neuron.to(device=b.device, dtype=b.dtype)  # before the copies: a float32 one would round them
         with torch.no_grad():
             neuron.weight.copy_(w)
             neuron.v_threshold.copy_(-b)
-        return neuron.to(device=b.device, dtype=b.dtype).train(self.training)
+        return neuron.train(self.training)
 
     @property
     def channels(self) -> int:

@@ -513,6 +513,20 @@ def test_unfolding_a_float64_network_keeps_float64():
         assert torch.equal(net(x), want)
 
 
+def test_unfolding_keeps_a_float64_threshold_exactly():
+    """Regression: the unfolded neuron was made in float32, given the weight and threshold, then
+    converted: V_th = 0.1 became float32's 0.1, and a charge of exactly V_th no longer fired."""
+    sn = MulFreeChannelwisePSN(1, k=1, threshold="param", step_mode="m").double().eval()
+    with torch.no_grad():
+        sn.weight.fill_(1.0)
+        sn.v_threshold.fill_(0.1)
+    x = torch.full((1, 1, 1), 0.1, dtype=torch.float64)  # charge 0.1 >= V_th: a spike
+    neuron = deploy.fold(sn).to_neuron().eval()
+    assert neuron.v_threshold.item() == 0.1
+    with torch.no_grad():
+        assert sn(x).item() == 1.0 and neuron(x).item() == 1.0  # H = 1 * 0.1 - 0.1 = 0 fires
+
+
 def test_unsigned_inputs_are_named_as_such():
     f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, step_mode="m")))
     deploy.set_integer(f)

@@ -98,11 +98,20 @@ def default_surrogate():
     return surrogate.ATan()
 
 
-def invalidate_reset_cache(net) -> None:
-    """SpikingJelly 2.x caches the modules ``reset_net`` visits; drop it after swapping modules."""
+def invalidate_reset_cache(*nets) -> None:
+    """SpikingJelly 2.x caches, per network ``reset_net`` was called on, the modules it resets; after
+    modules inside ``nets`` were swapped, drop the entry of each of them, of every block inside them and
+    of every cached network holding one of them (``reset_net(parent)`` would otherwise go on resetting
+    old modules that a wrapper or a user's variable keeps alive). SpikingJelly lists no cached networks
+    publicly: its cache is read where it exists, else only ``nets`` themselves are dropped."""
     fn = getattr(functional, "invalidate_reset_cache", None)
-    if fn is not None:
-        fn(net)
+    if fn is None:
+        return
+    ours = {id(m) for net in nets for m in net.modules()}
+    cache = getattr(getattr(functional, "net_config", None), "_RESET_MODULE_CACHE", {})
+    for root in [*nets, *list(cache.keys())]:
+        if id(root) in ours or any(m is net for m in root.modules() for net in nets):
+            fn(root)
 
 
 def add_to_namespace(namespace, name: str, obj) -> bool:

@@ -308,7 +308,7 @@ def _swap_modules(net: nn.Module, conv: _Converter, boundary: bool) -> nn.Module
         action()
     if boundary:
         _add_hooks(new, _boundary_enter, _boundary_exit)
-    _invalidate(new)
+    _compat.invalidate_reset_cache(net, new)
     return new
 
 
@@ -424,7 +424,7 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
         if id(child) in swaps:
             parent._modules[name] = swaps[id(child)]
     net.__dict__["forward"] = rewrite.GraphForward(checked, net, True, rewriter.time_first_calls, how)
-    _invalidate(net)
+    _compat.invalidate_reset_cache(net)
     _check(net, inputs[1], reference, "its forward rewritten")
     if not boundary:
         inner = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, lambda m, p: decided.get(p, False),
@@ -466,14 +466,8 @@ def to_time_first(net: nn.Module) -> nn.Module:
     if isinstance(net.__dict__.get("forward"), GraphForward):
         del net.__dict__["forward"]
     new = _revert(net)
-    _invalidate(new)
+    _compat.invalidate_reset_cache(net, new)
     return new
-
-
-def _invalidate(net: nn.Module) -> None:
-    # reset_net may have cached the modules of net or of any block of it.
-    for m in net.modules():
-        _compat.invalidate_reset_cache(m)
 
 
 __all__ = ["ELEMENTWISE", "FALLBACKS", "UnconvertibleModuleError", "current_layout", "has_time_last_boundary", "to_time_first",

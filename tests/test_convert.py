@@ -225,6 +225,28 @@ def test_dropout_and_reset_net_in_a_converted_net():
         assert net_tl[2].mask is None, "reset_net must reach the time-last Dropout"
 
 
+def test_reset_net_of_the_parent_reaches_a_converted_block():
+    """Regression: converting a block (``net.features = to_time_last(net.features)``) after
+    ``reset_net(net)`` left SpikingJelly 2.x's cache of ``net`` naming the old Dropout (kept alive by
+    the wrapper), so the new one's mask survived ``reset_net(net)`` into the next sequence."""
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.features = nn.Sequential(layer.Linear(4, 8), layer.Dropout(0.5), MulFreeChannelwisePSN(8, k=2))
+    functional.set_step_mode(net, "m")
+    x = torch.rand(3, 2, 4)
+    functional.reset_net(net)
+    net.features = to_time_last(net.features, example_input=x)
+    drop = next(m for m in net.modules() if type(m).__name__ == "TimeLastDropout")
+    net(x)
+    assert drop.mask is not None
+    functional.reset_net(net)
+    assert drop.mask is None, "reset_net(net) must reach the converted block's Dropout"
+    net(x)
+    net.features = to_time_first(net.features)
+    functional.reset_net(net)
+    assert net.features[1].mask is None, "and, converted back, the time-first one"
+
+
 def test_boundary_false_takes_time_last_tensors():
     torch.manual_seed(0)
     net = seq_cifar_net().double().eval()

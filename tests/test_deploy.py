@@ -527,6 +527,22 @@ def test_unfolding_keeps_a_float64_threshold_exactly():
         assert sn(x).item() == 1.0 and neuron(x).item() == 1.0  # H = 1 * 0.1 - 0.1 = 0 fires
 
 
+def test_reset_net_of_the_parent_reaches_a_folded_block():
+    """Regression: ``deploy.fold(root[0])`` after ``reset_net(root)``, with the old neuron still
+    referenced, left SpikingJelly 2.x's cache of ``root`` naming the old neuron: the folded one kept the
+    last sequence's input and fired on the first step of the next."""
+    sn = MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.5, step_mode="s", exp_init=False)
+    with torch.no_grad():
+        sn.weight.fill_(1.0)
+    root = nn.Sequential(nn.Sequential(nn.Identity(), sn)).eval()
+    functional.reset_net(root)
+    deploy.fold(root[0])  # (``sn`` still names the old neuron)
+    with torch.no_grad():
+        root(torch.ones(1, 2))
+        functional.reset_net(root)
+        assert root(torch.zeros(1, 2)).sum().item() == 0.0  # no input yet: H = 0 < V_th
+
+
 def test_unsigned_inputs_are_named_as_such():
     f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, step_mode="m")))
     deploy.set_integer(f)

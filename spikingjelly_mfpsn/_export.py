@@ -10,19 +10,36 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from spikingjelly.activation_based.layer import MultiStepContainer, SeqToANNContainer
+
 from . import deploy, rewrite, tracing
 from .convert import to_time_first
 from .neuron import MulFreeChannelwisePSN
 
 
-def layers(net: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` in execution order: nested Sequential containers (SeqToANNContainer is one) opened."""
+def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` in execution order: nested Sequential containers (SeqToANNContainer is one) opened.
+    ``whole``: the modules see the whole (T, N, ...) sequence (not inside a SeqToANNContainer or
+    MultiStepContainer, which hand them steps): a plain ``torch.nn.Flatten`` there is given as the same
+    flatten of one step."""
     if isinstance(net, nn.Sequential):
         out = []
         for name, child in net.named_children():
-            out += layers(child, f"{prefix}{name}.")
+            out += layers(child, f"{prefix}{name}.", whole and not isinstance(net, (SeqToANNContainer, MultiStepContainer)))
         return out
-    return [(prefix.rstrip(".") or type(net).__name__, net)]
+    name = prefix.rstrip(".") or type(net).__name__
+    return [(name, _one_step_flatten(name, net) if whole and type(net) is nn.Flatten else net)]
+
+
+def _one_step_flatten(name: str, module: nn.Flatten) -> nn.Flatten:
+    """The flatten of one step (N, ...) that ``module`` does on a whole time-first sequence (its dims
+    counted from 0 one lower); a ValueError where it would flatten the time or batch axis."""
+    start, end = module.start_dim, module.end_dim
+    if 0 <= start < 2 or 0 <= end < 2:
+        raise ValueError(f"layer {name!r}: torch.nn.Flatten(start_dim={start}, end_dim={end}) in a multi-step "
+                         f"network flattens the time or batch axis of the (T, N, ...) sequence, which no "
+                         f"per-step layer does; flatten from dim 2 on, or use SpikingJelly's layer.Flatten")
+    return nn.Flatten(start - 1 if start > 0 else start, end - 1 if end > 0 else end)
 
 
 def per_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +109,7 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
             values[node] = values[folded_into[node]]
         elif node.op == "call_module":
             module = net.get_submodule(node.target)
-            seq = layers(module, f"{node.target}.") if isinstance(module, nn.Sequential) else [(node.target, module)]
+            seq = layers(module, f"{node.target}.")
             user = next(iter(node.users)) if len(node.users) == 1 else None
             if len(seq) == 1 and user is not None and user.op == "call_module" and \
                     isinstance(net.get_submodule(user.target), BATCH_NORMS):

@@ -74,7 +74,8 @@ def _weighted(name, module, bn, feat):
     bias = np.zeros(weight.shape[0], dtype=_np(weight).dtype) if bias is None else _np(bias)
     weight = _np(_ungrouped(weight, module.groups))
     if isinstance(module, nn.Conv1d):
-        return nir.Conv1d(feat[-1], weight, module.stride[0], module.padding[0], module.dilation[0], 1, bias)
+        padding = 0 if module.padding == "valid" else module.padding[0]
+        return nir.Conv1d(feat[-1], weight, module.stride[0], padding, module.dilation[0], 1, bias)
     return nir.Conv2d(tuple(feat[-2:]), weight, module.stride, module.padding, module.dilation, 1, bias)
 
 
@@ -123,9 +124,9 @@ def _stateless(name, module, seq, i, feat):
         return _avgpool1d(name, module, feat), i
     if isinstance(module, nn.AvgPool2d):
         return _avgpool2d(name, module), i
-    if isinstance(module, nn.Flatten):
-        end = module.end_dim - 1 if module.end_dim > 0 else module.end_dim
-        return _nir.Flatten({"input": np.array(feat)}, module.start_dim - 1, end), i
+    if isinstance(module, nn.Flatten):  # (N, ...) -> NIR's per-sample dims; negative ones count from the end
+        start, end = (d - 1 if d > 0 else d for d in (module.start_dim, module.end_dim))
+        return _nir.Flatten({"input": np.array(feat)}, start, end), i
     if isinstance(module, (nn.Dropout, nn.Identity)) or type(module).__name__ in ("Dropout", "Dropout2d"):
         return None, i
     raise NIRExportError(f"layer {name!r} ({type(module).__name__}) has no exact NIR 1.0 equivalent; export_to_nir "
@@ -287,7 +288,7 @@ def _conv(node, dims):
     weight = torch.as_tensor(np.asarray(node.weight))
     conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(
         weight.shape[1] * node.groups, weight.shape[0], tuple(weight.shape[2:]), node.stride, node.padding,
-        node.dilation, node.groups, bias=True)
+        node.dilation, node.groups, bias=True, dtype=weight.dtype)  # (a float64 graph stays float64)
     with torch.no_grad():
         conv.weight.copy_(weight)
         conv.bias.copy_(torch.as_tensor(np.asarray(node.bias)))
@@ -297,7 +298,7 @@ def _conv(node, dims):
 def _linear(node):
     weight = torch.as_tensor(np.asarray(node.weight))
     bias = getattr(node, "bias", None)
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
     with torch.no_grad():
         linear.weight.copy_(weight)
         if bias is not None:
@@ -334,8 +335,7 @@ def _module_of(name, node, dt):
     if isinstance(node, nir.SumPool2d):
         return _Node(_sum_pool(node))
     if isinstance(node, nir.Flatten):
-        end = node.end_dim + 1 if node.end_dim >= 0 else node.end_dim
-        return _Node(nn.Flatten(node.start_dim + 1, end))
+        return _Node(nn.Flatten(*(d + 1 if d >= 0 else d for d in (node.start_dim, node.end_dim))))
     if isinstance(node, nir.Scale):
         return _Buffer(torch.as_tensor(np.asarray(node.scale)), torch.mul)
     if isinstance(node, nir.Threshold):

@@ -103,12 +103,13 @@ def _weighted(g: _Graph, name, module, bn, x):
     if isinstance(module, nn.Linear):
         y = g.op("MatMul", [x, g.const(f"{name}.weight_t", weight.float().t().numpy())], f"{name}.matmul")
         return g.op("Add", [y, b[0]], name) if b else y
-    if module.padding_mode != "zeros" or isinstance(module.padding, str):
-        raise ONNXExportError(f"layer {name!r}: only zero padding given as numbers is exported "
+    if module.padding_mode != "zeros" or module.padding == "same":
+        raise ONNXExportError(f"layer {name!r}: only zero padding given as numbers (or 'valid') is exported "
                               f"(padding={module.padding!r}, padding_mode={module.padding_mode!r})")
     w = g.const(f"{name}.weight", weight.float().numpy())
+    pads = [0] * (weight.dim() - 2) if module.padding == "valid" else list(module.padding)
     return g.op("Conv", [x, w] + b, name, strides=list(module.stride), dilations=list(module.dilation),
-                pads=list(module.padding) * 2, group=module.groups)
+                pads=pads * 2, group=module.groups)
 
 
 def _pool(g: _Graph, name, module, x):

@@ -194,3 +194,43 @@ def test_stateless_layers_match_spikingjellys_own_converter():
                     va, vb = list(va.values()), list(vb.values())
                 va, vb = np.broadcast_arrays(np.asarray(va), np.asarray(vb))  # (a pool size 2 is (2, 2))
                 assert np.array_equal(va, vb), (type(a).__name__, f.name)
+
+
+FLATTENS = [layer.Flatten(start_dim=-2, step_mode="m"), layer.Flatten(start_dim=-3, step_mode="m"),
+            layer.Flatten(1, 2, step_mode="m"), layer.Flatten(1, -2, step_mode="m"), nn.Flatten(start_dim=2),
+            nn.Flatten(3, -1)]
+
+
+@pytest.mark.parametrize("flatten", FLATTENS, ids=repr)
+def test_every_flatten_round_trips(flatten):
+    """Regression: negative dims were shifted as if positive (start_dim=-2 failed, -3 wrote -4, out of
+    range), and torch's own nn.Flatten, which sees the whole (T, N, ...) sequence in a multi-step
+    Sequential, was exported as if it saw one step."""
+    net = nn.Sequential(layer.Conv2d(1, 2, 1, step_mode="m"),
+                        MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m"), flatten).eval()
+    x = torch.rand(3, 2, 1, 3, 4)
+    graph = export_to_nir(net, x)
+    flat = next(n for n in graph.nodes.values() if isinstance(n, nir.Flatten))
+    assert all(-3 <= d <= 2 for d in (flat.start_dim, flat.end_dim))  # dims of the per-sample (C, H, W)
+    assert torch.equal(run(import_from_nir(graph), x), run(net, x))
+
+
+def test_a_torch_flatten_of_the_time_or_batch_axis_is_named():
+    net = nn.Sequential(layer.Linear(4, 2, step_mode="m"), MulFreeChannelwisePSN(2, k=2, step_mode="m"), nn.Flatten())
+    with pytest.raises(ValueError, match=r"layer '2': torch.nn.Flatten\(start_dim=1, end_dim=-1\).*time or batch"):
+        export_to_nir(net.eval(), torch.rand(3, 2, 4))
+
+
+def test_a_float64_network_with_valid_padding_round_trips_in_float64():
+    """Regression: import built float32 Linear and Conv layers for a float64 graph (weights rounded; a
+    dtype error on float64 input), and Conv1d(padding='valid') failed to export."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(1, 2, 3, padding="valid", step_mode="m"),
+                        MulFreeChannelwisePSN(2, k=2, threshold="param", step_mode="m"), layer.Flatten(step_mode="m"),
+                        layer.Linear(2 * 4, 3, step_mode="m"), MulFreeChannelwisePSN(3, k=2, threshold="param",
+                                                                                  step_mode="m")).double().eval()
+    x = torch.rand(5, 4, 1, 6, dtype=torch.float64)
+    back = import_from_nir(export_to_nir(net, x))
+    assert {p.dtype for p in back.parameters()} == {torch.float64}
+    got = run(back, x)
+    assert got.dtype == torch.float64 and torch.equal(got, run(net, x))

@@ -159,3 +159,17 @@ def test_the_inference_example_writes_onnx_models(tmp_path):
     assert "onnxruntime's spikes equal the integer network's: True" in run_inference_example("--onnx", path)
     assert (tmp_path / "net.stream.onnx").is_file()
     onnx.checker.check_model(onnx.load(str(path)))
+
+
+def test_valid_padding_and_a_torch_flatten_of_the_sequence_export():
+    """Regression: Conv1d(padding='valid') was refused, and torch's own nn.Flatten(start_dim=2) in a
+    multi-step Sequential (which flattens each step's features of the (T, N, ...) sequence) was applied
+    to one step, failing with a shape error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(1, 2, 3, padding="valid", step_mode="m"),
+                        MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m"),
+                        nn.Flatten(start_dim=2), layer.Linear(8, 3, step_mode="m"),
+                        MulFreeChannelwisePSN(3, k=2, threshold="param", v_threshold=0.0, step_mode="m")).eval()
+    x = torch.rand(5, 2, 1, 6)
+    y = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
+    assert torch.equal(torch.from_numpy(y), run(net, x))

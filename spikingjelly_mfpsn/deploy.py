@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from . import _compat, functional, ops
 from ._util import module_slots, run_hooked
-from .neuron import ChargeNeuronBase, MulFreeChannelwisePSN
+from .neuron import ChargeNeuronBase, CheckpointConfig, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
 
 #: Default number of fractional bits of a neuron's fixed-point input (without calibration data: see
@@ -200,7 +200,7 @@ def int_fire(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, bias_int:
 
 
 # ---------------------------------------------------------------------------------- folded neuron
-class FoldedMulFreePSN(ChargeNeuronBase):
+class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
     """Inference-only MF-PSN: ``shift``/``sign`` (int8, ``(C, k)``) and ``bias`` (``(C,)``), no float weight.
 
     Built by :func:`fold`. Eval only: a forward in training mode raises (use :func:`unfold` to train
@@ -211,6 +211,7 @@ class FoldedMulFreePSN(ChargeNeuronBase):
 
     # The float path is the neuron's own forward code (ChargeNeuronBase); only where (Wq, b) come
     # from differs.
+    SHAPE_KEY = "shift"  # (CheckpointConfig: a checkpoint's k and channels)
 
     def __init__(self, channels: int, k: int, dilation: int = 1, step_mode: str = "s",
                  layout: str = "time_first", method: str = "auto", backend: str = "torch",

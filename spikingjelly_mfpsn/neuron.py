@@ -318,7 +318,53 @@ class ChargeNeuronBase(MemoryModule):
 
 
 
-class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
+class CheckpointConfig:
+    """A state dict also holds ``(k, dilation)`` under :attr:`CONFIG_KEY` (an int64 tensor), so that a
+    checkpoint of another order or dilation is refused by name rather than loaded into a neuron that
+    then computes something else; checkpoints saved without it load as before (their k and channels
+    are checked from the tensor :attr:`SHAPE_KEY`, of shape ``(C, k)``). First among a neuron's bases:
+    the check runs before torch's load hooks (the lazy one would shape the parameters after the
+    checkpoint)."""
+
+    CONFIG_KEY = "order_dilation"
+    SHAPE_KEY = "weight"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + self.CONFIG_KEY] = torch.tensor([self.k, self.dilation])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        mismatch = self._checkpoint_mismatch(state_dict, prefix)
+        if mismatch:
+            error_msgs.append(mismatch)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + self.CONFIG_KEY
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+
+    def _checkpoint_mismatch(self, state_dict, prefix: str) -> str:
+        """Why a checkpoint does not fit this neuron (order, dilation, channels), naming both; or ''."""
+        shaped, config = state_dict.get(prefix + self.SHAPE_KEY), state_dict.get(prefix + self.CONFIG_KEY)
+        saved = {}
+        if isinstance(config, torch.Tensor) and config.numel() == 2:
+            saved["k"], saved["dilation"] = (int(v) for v in config.tolist())
+        if isinstance(shaped, torch.Tensor) and shaped.dim() == 2:
+            saved.setdefault("k", shaped.shape[1])
+            saved["channels"] = shaped.shape[0]
+        ours = {"k": self.k, "dilation": self.dilation, "channels": self.channels}
+        wrong = [name for name, v in saved.items() if ours[name] is not None and v != ours[name]]
+        if not wrong:
+            return ""
+        where = f"layer {prefix[:-1]!r}" if prefix else "neuron"
+        return (f"the checkpoint's {where} has " + ", ".join(f"{n}={saved[n]}" for n in wrong)
+                + f" but this {type(self).__name__} has " + ", ".join(f"{n}={ours[n]}" for n in wrong)
+                + f": build it with {', '.join(f'{n}={saved[n]}' for n in wrong)} to load this checkpoint")
+
+
+class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase):
     """Multiplication-free channel-wise Parallel Spiking Neuron.
 
     Args:
@@ -398,46 +444,6 @@ class MulFreeChannelwisePSN(LazyModuleMixin, ChargeNeuronBase):
             self._initialize_hook.remove()
             self._load_hook.remove()
             del self._initialize_hook, self._load_hook
-
-    # ------------------------------------------------------------------ checkpoints
-    # A state dict also holds (k, dilation) under this key (an int64 tensor), so that a checkpoint of
-    # another order or dilation is refused by name rather than loaded into a neuron that then computes
-    # something else; checkpoints saved without it load as before (their k is checked from the weight).
-    CONFIG_KEY = "order_dilation"
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + self.CONFIG_KEY] = torch.tensor([self.k, self.dilation])
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        mismatch = self._checkpoint_mismatch(state_dict, prefix)
-        if mismatch:  # (before the lazy hook, which would shape the parameters after the checkpoint)
-            error_msgs.append(mismatch)
-            return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        key = prefix + self.CONFIG_KEY
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-
-    def _checkpoint_mismatch(self, state_dict, prefix: str) -> str:
-        """Why a checkpoint does not fit this neuron (order, dilation, channels), naming both; or ''."""
-        weight, config = state_dict.get(prefix + "weight"), state_dict.get(prefix + self.CONFIG_KEY)
-        saved = {}
-        if isinstance(config, torch.Tensor) and config.numel() == 2:
-            saved["k"], saved["dilation"] = (int(v) for v in config.tolist())
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            saved.setdefault("k", weight.shape[1])
-            saved["channels"] = weight.shape[0]
-        ours = {"k": self.k, "dilation": self.dilation, "channels": self.channels}
-        wrong = [name for name, v in saved.items() if ours[name] is not None and v != ours[name]]
-        if not wrong:
-            return ""
-        where = f"layer {prefix[:-1]!r}" if prefix else "neuron"
-        return (f"the checkpoint's {where} has " + ", ".join(f"{n}={saved[n]}" for n in wrong)
-                + " but this MulFreeChannelwisePSN has " + ", ".join(f"{n}={ours[n]}" for n in wrong)
-                + f": build it with {', '.join(f'{n}={saved[n]}' for n in wrong)} to load this checkpoint")
 
     # ------------------------------------------------------------------ parameters
     def _materialize(self, channels: int) -> None:

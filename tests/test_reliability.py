@@ -8,7 +8,7 @@ import torch.nn as nn
 from spikingjelly.activation_based import functional
 
 import spikingjelly_mfpsn
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, ops
 
 import reference
 
@@ -219,6 +219,23 @@ def test_a_checkpoint_of_another_order_dilation_or_width_is_refused_by_name(lazy
             target.load_state_dict(saved)
         if lazy:
             assert target[1].channels is None  # nothing was materialised from the refused checkpoint
+
+
+def test_a_folded_checkpoint_of_another_order_dilation_or_width_is_refused_by_name():
+    """Regression: a folded network of dilation 1 loaded one of dilation 2 (the same k and width)
+    without a word and then ran with dilation 1. One saved before the key still loads."""
+    saved = deploy.fold(net(4, 3, 2).eval()).state_dict()
+    for (k, d, c), what in (((5, 2, 4), "k=3.*k=5"), ((3, 1, 4), "dilation=2.*dilation=1"),
+                            ((3, 2, 6), "channels=4.*channels=6")):
+        with pytest.raises(RuntimeError, match=f"layer '1'.*{what}"):
+            deploy.fold(net(c, k, d).eval()).load_state_dict(saved)
+    torch.manual_seed(0)
+    src = deploy.fold(net(4, 3, 2).eval())
+    x = torch.randn(7, 2, 5)
+    dst = deploy.fold(net(4, 3, 2).eval())
+    dst.load_state_dict({key: v for key, v in src.state_dict().items() if not key.endswith("order_dilation")})
+    with torch.no_grad():
+        assert torch.equal(dst(x), src(x))
 
 
 def test_checkpoints_load_across_layouts_methods_and_versions():

@@ -179,6 +179,34 @@ def test_a_lower_precision_input_runs_in_the_neurons_dtype(step_mode):
         assert s.dtype == dtype and torch.equal(s[clear].double(), (h >= 0).double()[clear]), (method, dtype)
 
 
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+def test_a_half_precision_input_into_a_float64_neuron_gets_the_references_gradient(threshold, layout):
+    """float16/bfloat16 X into a float64 neuron, training: every method's dL/dX is the float64
+    reference's, rounded to X's dtype (Triton's was zeros or NaN under its interpreter, whose float64 ->
+    bfloat16 conversion is wrong)."""
+    torch.manual_seed(5)
+    x64 = torch.randn(6, 3, 4, 2, dtype=torch.float64)
+    g = torch.randn(6, 3, 4, 2, dtype=torch.float64)
+    for dtype, method in itertools.product((torch.float16, torch.bfloat16), methods(layout)):
+        sn = MulFreeChannelwisePSN(4, k=2, threshold=threshold, layout=layout, step_mode="m", method=method,
+                                   v_threshold=0.3).double()
+        xl = x64.to(dtype)
+        xr = xl.double().requires_grad_()
+        params = dict(v_threshold=sn.v_threshold.detach()) if threshold == "param" else \
+            dict(gamma=sn.gamma.detach(), beta=sn.beta.detach())
+        xin = lambda t: t if layout == "time_first" else t.movedim(0, -1)  # noqa: E731
+        h, _ = reference.mfpsn_charge(xin(xr), sn.weight.detach(), 1, layout, threshold, **params)
+        (reference.atan_primitive(h) * xin(g)).sum().backward()
+        xm = xin(xl).detach().requires_grad_()
+        s = sn(xm)
+        (s * xin(g).to(dtype)).sum().backward()
+        clear = h.detach().abs() > 1e-2
+        assert torch.equal(s.double()[clear], (h.detach() >= 0).double()[clear]), (method, dtype)
+        torch.testing.assert_close(xm.grad.double(), xin(xr.grad), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{method} {dtype}: {m}")
+
+
 def test_the_ops_functions_check_dtypes():
     x, w = torch.randn(4, 2, 3, dtype=torch.float64), torch.randn(3, 2)
     for method in methods("time_first")[:-1]:

@@ -811,6 +811,13 @@ def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
     return (tiles.cdiv(r, tile["BR"]) * tiles.cdiv(c, tile["BC"]) * tiles.cdiv(t, tile["BT"]),)
 
 
+def _gx_dtype(x: torch.Tensor, acc) -> torch.dtype:
+    """dL/dX's dtype in the kernels: ``x``'s, but float32 for a 16-bit ``x`` summed in float64 under the
+    interpreter (Triton 3.9's interpreter turns float64 into bfloat16 wrongly; the caller casts)."""
+    narrow = INTERPRETED and acc == tl.float64 and x.dtype in (torch.float16, torch.bfloat16)
+    return torch.float32 if narrow else x.dtype
+
+
 def _hi_lo(v: float) -> tuple[float, float]:
     """``v`` as float32 ``hi + lo`` (a kernel's float arguments are float32; float64 kernels add them)."""
     hi = struct.unpack("f", struct.pack("f", v))[0]
@@ -911,7 +918,7 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     alloc = torch.empty if x.numel() else torch.zeros
     pw = alloc((grid[1], c, bk), dtype=part_dtype, device=x.device)
     pb = alloc((grid[1], c), dtype=part_dtype, device=x.device)
-    gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_gx else None
+    gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=x.device) if need_gx else None
     if x.numel() > 0:
         grad = grad.contiguous()  # dense like H; a copy only for strided or broadcast gradients
         _, os_, _, _ = _view4(grad, layout)
@@ -921,6 +928,7 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
                                  bias.stride(0) if bias is not None else 0, SG=spike_kind,
                                  HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
                                  ACC=acc, BK=bk, **_tile_args(tile))
+    gx = gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
     if partials:
         return gx, pw, pb
     gw = pw.sum(0)[:, :k].to(weight.dtype) if need_gw else None
@@ -1108,10 +1116,11 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
         F64=dtype == torch.float64, BC=bc, BS=bs)
     gx = None
     if need_gx:
-        gx = torch.empty(x.shape, dtype=x.dtype, device=device)
+        gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=device)
         _bn_grad_x_kernel[_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
             grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx, r, c, t, m, dilation, *consts,
             *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, **_tile_args(tile))
+        gx = gx.to(x.dtype)
     return gx, g_weight, g_gamma, g_beta, *((g_pre[:c], g_pre[c:2 * c]) if in_bn else (None, None))
 
 

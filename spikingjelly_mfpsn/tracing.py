@@ -14,6 +14,7 @@ every value.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Optional
 
 import torch
@@ -200,16 +201,23 @@ def _in_both_modes(net: nn.Module, trace_fn) -> fx.Graph:
     other training mode records the same forward (:class:`TraceFailure` if not: a trace would keep one
     branch of an ``if self.training``)."""
     graph = trace_fn()
-    modes = [m.training for m in net.modules()]
+    modes, attrs = [m.training for m in net.modules()], set(net.__dict__)
     try:
         net.train(not net.training)
         other = trace_fn()
     finally:
         for m, mode in zip(net.modules(), modes):
             m.training = mode
-    if graph.python_code("self").src != other.python_code("self").src:
+        for name in set(net.__dict__) - attrs:  # the second trace's tensor constants (fx names them anew)
+            delattr(net, name)
+    if _code(graph) != _code(other):
         raise TraceFailure("its forward depends on self.training (a trace records one branch of it)")
     return graph
+
+
+def _code(graph: fx.Graph) -> str:
+    """The graph's code, tensor constants unnumbered (each trace stores its own under a new number)."""
+    return re.sub(r"_tensor_constant\d+", "_tensor_constant", graph.python_code("self").src)
 
 
 class _state_kept:

@@ -595,3 +595,25 @@ def test_example_input_must_be_a_time_first_tensor():
         with pytest.raises(ValueError, match=r"example_input must be a \(T, N, \.\.\.\) tensor"):
             to_time_last(net, example_input=bad)
     assert not has_time_last_boundary(net)
+
+
+class FirstAndThirdSteps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = layer.Linear(3, 2, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(2, k=2, step_mode="m")
+
+    def forward(self, x):
+        return self.sn(self.fc(x)).index_select(0, torch.tensor([0, 2]))
+
+
+def test_a_forward_with_a_tensor_constant_converts():
+    """Regression: a forward that builds a constant tensor was refused as "depends on self.training":
+    each trace numbers its tensor constants anew, so the two modes' code differed by a name."""
+    torch.manual_seed(0)
+    net = FirstAndThirdSteps()
+    x = torch.rand(4, 3, 3)
+    want = net(x)
+    functional.reset_net(net)
+    converted = to_time_last(copy.deepcopy(net), example_input=x, strict=True)
+    assert torch.equal(converted(x), want)

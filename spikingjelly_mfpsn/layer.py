@@ -259,7 +259,12 @@ class TimeLastPool(_SpatialLayer):
         super().__init__(pool, method)
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
-        """The pool as a (d+1)-dimensional one whose window along T is one step."""
+        """The pool as a (d+1)-dimensional one whose window along T is one step; a 2d pool of a
+        float16/bfloat16 input or under autocast on the CPU as ``'vmap'`` (torch's CPU 3d average pool
+        has no 16-bit kernel, and CPU autocast runs 3d pools in float32 where 2d ones keep the dtype)."""
+        if self.dims == 2 and x.device.type == "cpu" and (x.dtype in (torch.float16, torch.bfloat16)
+                                                          or torch.is_autocast_enabled("cpu")):
+            return self._vmap(x)
         pool, t = self._time_first, _ntuple(self.dims)
         fn = _lookup(pool, _POOL_FN)[self.dims - 1]
         if isinstance(pool, (pooling._AdaptiveAvgPoolNd, pooling._AdaptiveMaxPoolNd)):
@@ -372,6 +377,18 @@ class TimeLastVmap(TimeLastModule):
         return self._vmap(x_seq)
 
 
+class TimeLastGroupNorm(TimeLastVmap):
+    """``GroupNorm`` on ``(N, C, ..., T)``, each step of each sample normalised on its own, as time-first.
+
+    Through ``torch.group_norm``: ``F.group_norm`` refuses one value per group in a batch of one sample
+    (one step of N = 1 here), which time-first passes with its T*N samples.
+    """
+
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        gn = self._time_first
+        return torch.group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, torch.backends.cudnn.enabled)
+
+
 _DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}
 
 
@@ -388,11 +405,19 @@ class TimeLastDropout(MemoryModule):
             raise TypeError(f"expected SpikingJelly's layer.Dropout or layer.Dropout2d, got {name}")
         super().__init__()
         _attach(self, dropout)
-        self.p = dropout.p
         self._mask_fn = _DROPOUT_MASKS[name]
         self.register_memory("mask", None)
 
     time_first_module = TimeLastModule.time_first_module
+
+    @property
+    def p(self) -> float:
+        """The wrapped layer's ``p`` (one setting for both layouts, as every wrapper shares its layer's)."""
+        return self._time_first.p
+
+    @p.setter
+    def p(self, value: float) -> None:
+        self._time_first.p = value
 
     def _mask_like(self, x: torch.Tensor, step_shape) -> torch.Tensor:
         if self.mask is None:
@@ -448,8 +473,9 @@ _WRAPPERS = {
     **{cls: TimeLastBatchNorm for cls in _BN_RANKS},
     nn.Linear: TimeLastLinear,
     nn.Flatten: TimeLastFlatten,
-    **{cls: TimeLastVmap for cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-                                     nn.GroupNorm, nn.LayerNorm, nn.Upsample)},
+    **{cls: TimeLastVmap for cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.LayerNorm,
+                                     nn.Upsample)},
+    nn.GroupNorm: TimeLastGroupNorm,
 }
 
 
@@ -497,5 +523,5 @@ def time_last(module: nn.Module, method: str = "auto", whole_sequence: bool = Fa
 
 
 __all__ = ["METHODS", "TLastSeqToANNContainer", "TimeLastBatchNorm", "TimeLastConv", "TimeLastDropout",
-           "TimeLastFlatten", "TimeLastLinear", "TimeLastModule", "TimeLastPool", "TimeLastSequential",
-           "TimeLastVmap", "default_method", "time_last", "wrapper_class"]
+           "TimeLastFlatten", "TimeLastGroupNorm", "TimeLastLinear", "TimeLastModule", "TimeLastPool",
+           "TimeLastSequential", "TimeLastVmap", "default_method", "time_last", "wrapper_class"]

@@ -157,6 +157,50 @@ def test_wrapper_under_bf16_autocast(build, feat, method):
     assert all(p.grad is not None for p in w.parameters())
 
 
+POOLS_2D = [c for c in CASES if "Pool2d" in c[0]]
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float16, False), (torch.bfloat16, False),
+                                            (torch.bfloat16, True)], ids=["fp16", "bf16", "bf16-autocast"])
+@pytest.mark.parametrize("build,feat,method", list(method_cases(POOLS_2D)))
+def test_a_2d_pool_keeps_a_16_bit_input_and_its_dtype(build, feat, method, dtype, autocast):
+    """Regression: on the CPU, 'highdim' ran a 2d pool as a 3d one, which has no float16/bfloat16
+    average kernel (an error) and which autocast runs in float32 (a float32 output where time-first
+    gives bfloat16)."""
+    torch.manual_seed(0)
+    ref = build()
+    w = wrap(ref, method)
+    x = torch.randn(T, N, *feat).to(dtype)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        y_ref, y = ref(x), w(x.movedim(0, -1))
+    assert y.dtype == y_ref.dtype == dtype
+    assert torch.equal(y.movedim(-1, 0), y_ref)
+
+
+def test_group_norm_of_one_sample_with_one_value_per_group():
+    """Regression: time-last GroupNorm(2, 2) on one sample raised "Expected more than 1 value per
+    channel" (F.group_norm's check sees N = 1 per step; time-first sees T*N samples)."""
+    torch.manual_seed(0)
+    ref = layer.SeqToANNContainer(nn.GroupNorm(2, 2))
+    randomize_(ref)
+    ref.double()
+    x = torch.randn(3, 1, 2, dtype=torch.float64, requires_grad=True)
+    y_ref = ref(x)
+    y = wrap(ref)(x.movedim(0, -1))
+    torch.testing.assert_close(y.movedim(-1, 0), y_ref, **TOL)
+
+
+def test_dropout_shares_p_with_its_layer():
+    """Regression: TimeLastDropout copied p: setting the layer's p after the conversion (p = 0 to
+    switch dropout off) left the time-last network dropping half its inputs."""
+    ref = sj("Dropout", 0.5)
+    w = tl.time_last(ref)
+    ref.p = 0.0
+    assert w.p == 0.0 and torch.equal(w(torch.ones(2, 3, 4)), torch.ones(2, 3, 4))
+    w.p = 0.25
+    assert ref.p == 0.25
+
+
 @pytest.mark.parametrize("build,feat,method", list(method_cases(CASES + BN_CASES)))
 @pytest.mark.parametrize("t,n", [(3, 0), (0, 2)], ids=["no-samples", "no-steps"])
 def test_wrapper_on_empty_sequences(build, feat, method, t, n):

@@ -119,9 +119,23 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
         _attach(self, module)
 
     @property
+    def training(self) -> bool:
+        """The wrapped module's train/eval mode: one flag, so that ``net.train()``/``net.eval()`` reach the
+        wrapped module wherever else it is held (a batch norm fused into its neuron is read there)."""
+        inner = self.__dict__.get("_time_first")
+        return self.__dict__.get("_training", True) if inner is None else inner.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        inner = self.__dict__.get("_time_first")
+        if inner is None:  # (nn.Module.__init__, before the module is attached)
+            self.__dict__["_training"] = mode
+        else:
+            inner.training = mode
+
+    @property
     def time_first_module(self) -> nn.Module:
-        """The wrapped time-first module (same parameters and buffers, current train/eval mode)."""
-        self._time_first.training = self.training
+        """The wrapped time-first module (same parameters and buffers, and train/eval mode)."""
         return self._time_first
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:

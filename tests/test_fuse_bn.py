@@ -291,6 +291,27 @@ def test_a_fused_time_last_network_folds_unfuses_and_trains_as_the_one_apart():
     assert isinstance(back[1], FusedBatchNorm) and back[2].input_bn is back[1] and torch.equal(back(x), want)
 
 
+@pytest.mark.parametrize("convert_in,run_in", [("train", "eval"), ("eval", "train"), ("train", "train"),
+                                               ("eval", "eval")])
+def test_a_fused_time_last_network_follows_train_and_eval(convert_in, run_in):
+    """Regression: a batch norm fused into its neuron, inside a time-last wrapper, kept the mode it had
+    at the conversion: after net.eval() it normalised with the batch's statistics and updated its
+    running ones (autoselect picks time-last, so this hit eval after autoselect), after net.train() it
+    used the running ones."""
+    apart, fused = conv_net(), conv_net()
+    fuse_batchnorm(fused)
+    x = 3 * torch.rand(4, 2, 3, 4, 4) + 1  # batch statistics far from the running ones
+    for net in (apart, fused):
+        net.train(convert_in == "train")
+    last_apart, last = spikingjelly_mfpsn.to_time_last(apart), spikingjelly_mfpsn.to_time_last(fused)
+    for net in (last_apart, last):
+        net.train(run_in == "train")
+    with torch.no_grad():
+        assert torch.equal(last(x), last_apart(x))
+    state, state_apart = last.state_dict(), last_apart.state_dict()
+    assert all(torch.equal(state[k], state_apart[k]) for k in state_apart)
+
+
 def test_reconfiguring_a_fused_neuron_keeps_its_batch_norm(recwarn):
     apart, fused = conv_net(), conv_net()
     fuse_batchnorm(fused)

@@ -303,12 +303,13 @@ def _output_bn(m: nn.Module, multi_step: bool) -> Optional[nn.Module]:
 def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     """Let each MF-PSN apply the batch norm in front of it, in place: ``[(batch norm name, neuron name)]``.
 
-    A pair is a batch norm whose output goes only to the neuron: consecutive children of an
+    A pair is a batch norm whose output goes only to the neuron: in a ``torch.fx`` trace of the forward
+    (concrete tracing with ``example_input`` where it branches on its input), a batch norm call (or a
+    ``SeqToANNContainer`` ending in one) that is the neuron's only input and has no other reader, as
+    in ``nn.Sequential`` networks and forwards written by hand (``self.sn1(self.bn1(self.conv1(x)))``,
+    SpikingJelly's model zoo). Where the forward does not trace, consecutive children of an
     ``nn.Sequential`` (the batch norm possibly the last layer of a ``Sequential`` or
-    ``SeqToANNContainer`` before the neuron), as SpikingJelly networks are built, or, in a forward
-    written by hand (``self.sn1(self.bn1(self.conv1(x)))``, SpikingJelly's model zoo), the neuron's
-    only input in a ``torch.fx`` trace of it (concrete tracing with ``example_input`` where the forward
-    branches on its input; a forward that does not trace keeps its batch norms as layers). The batch
+    ``SeqToANNContainer`` before the neuron) are taken as pairs. The batch
     norm becomes, in place, a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` of its own class (the
     same tensors and ``state_dict`` keys) that passes X through, and the neuron normalises its input
     itself, in the batch norm's training mode: on ``'triton'``
@@ -316,8 +317,8 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     training and eval. :func:`unfuse_batchnorm` undoes it; ``deploy.fold`` and the exporters undo it on
     what they fold.
     """
-    slots, pairs = _slots(net), []
-    for before, sn in _sequential_pairs(net) + _traced_pairs(net, example_input):
+    slots, pairs, traced = _slots(net), [], _traced_pairs(net, example_input)
+    for before, sn in _sequential_pairs(net) if traced is None else traced:
         if not isinstance(sn, MulFreeChannelwisePSN) or sn.input_bn is not None or before is None:
             continue
         bn = _output_bn(before, sn.step_mode == "m")
@@ -342,14 +343,16 @@ def _sequential_pairs(net: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return pairs
 
 
-def _traced_pairs(net: nn.Module, example_input) -> list[tuple[nn.Module, nn.Module]]:
+def _traced_pairs(net: nn.Module, example_input) -> Optional[list[tuple[nn.Module, nn.Module]]]:
     """``(before, neuron)`` where, in the fx trace of ``net``'s forward, the module call ``before`` (called
-    once) feeds only the neuron's call (called once), as its one argument; none if the forward does not
-    trace, or not alike in every mode (it branches on ``self.training`` or switches gradient mode)."""
+    once) feeds only the neuron's call (called once), as its one argument; None if the forward does not
+    trace, or not alike in every mode (it branches on ``self.training`` or switches gradient mode). The
+    trace sees through ``nn.Sequential``: consecutive children whose batch norm output the forward also
+    reads elsewhere (a block iterated by hand) are no pair."""
     try:
         graph, _, _ = tracing.trace(net, example_input, every_mode=True)
     except tracing.TraceFailure:
-        return []
+        return None
     calls = [n for n in graph.nodes if n.op == "call_module"]
     once = {target for target, count in Counter(n.target for n in calls).items() if count == 1}
     return [(net.get_submodule(n.args[0].target), net.get_submodule(n.target)) for n in calls

@@ -229,6 +229,27 @@ class HandWritten(nn.Module):
         return self.sn2(z) + z
 
 
+class Tapped(nn.Module):
+    """Iterates its Sequential by hand and also adds the batch norm's output to the result."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(layer.Conv2d(3, 6, 3, padding=1, step_mode="m"),
+                                      layer.BatchNorm2d(6, step_mode="m"), MulFreeChannelwisePSN(6, step_mode="m"))
+
+    def forward(self, x):
+        x = self.features[1](self.features[0](x))
+        return self.features[2](x) + x
+
+
+def test_consecutive_children_whose_batch_norm_is_read_elsewhere_are_no_pair():
+    """Regression: consecutive children of a Sequential were fused though the forward (iterating the
+    Sequential by hand) also read the batch norm's output, which then got X unnormalised (training
+    outputs off by 2.3)."""
+    assert fuse_batchnorm(Tapped()) == []
+
+
 @pytest.mark.parametrize("method", cpu_methods())
 def test_a_forward_written_by_hand_fuses_what_only_the_neuron_reads(method):
     apart, fused = HandWritten(method), HandWritten(method)

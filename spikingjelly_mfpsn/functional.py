@@ -14,7 +14,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from . import _compat, ops, tracing
+from . import _compat, layer, ops, tracing
 from ._util import module_slots, run_hooked
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
@@ -330,6 +330,11 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
         pairs.append(sn)
     names = {id(m): name for name, m in net.named_modules()}
     _compat.invalidate_reset_cache(net)
+    if not pairs and any(isinstance(m, layer.TimeLastBatchNorm) and not isinstance(m.time_first_module, FusedBatchNorm)
+                         for m in net.modules()):
+        warnings.warn("fuse_batchnorm fused nothing: it finds its pairs in time-first networks, and this one has "
+                      "time-last batch norms. Fuse before to_time_last or autoselect (or convert back with "
+                      "to_time_first, fuse, and convert again)", stacklevel=2)
     return [(names[id(sn.input_bn)], names[id(sn)]) for sn in pairs]
 
 

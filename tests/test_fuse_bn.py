@@ -333,6 +333,13 @@ def test_a_fused_time_last_network_follows_train_and_eval(convert_in, run_in):
     assert all(torch.equal(state[k], state_apart[k]) for k in state_apart)
 
 
+def test_fusing_a_time_last_network_says_to_fuse_before_converting():
+    """It fused nothing without a word (autoselect may have converted the network already)."""
+    net = spikingjelly_mfpsn.to_time_last(conv_net())
+    with pytest.warns(UserWarning, match="fuse_batchnorm fused nothing.*Fuse before to_time_last"):
+        assert fuse_batchnorm(net) == []
+
+
 def test_reconfiguring_a_fused_neuron_keeps_its_batch_norm(recwarn):
     apart, fused = conv_net(), conv_net()
     fuse_batchnorm(fused)

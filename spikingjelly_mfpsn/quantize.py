@@ -33,8 +33,14 @@ def _round_up_from(dtype: torch.dtype) -> float:
 
 def _exponent(w: torch.Tensor) -> torch.Tensor:
     """``round(log2 |w|)``, decided exactly, clamped to the largest integer e with 2**e finite in the
-    dtype of ``w`` (127 for float32); -inf where ``w == 0``, NaN where ``w`` is NaN."""
+    dtype of ``w`` (127 for float32); -inf where ``w == 0``, NaN where ``w`` is NaN.
+
+    A float log2 can round across a midpoint 2**(e + 1/2). Every float32 (so float16 and bfloat16)
+    value lies too far from one for float64's log2 to (a test checks every float32 mantissa), so those
+    take it; float64 compares its mantissa with the least one >= sqrt(1/2)."""
     top = math.frexp(torch.finfo(w.dtype).max)[1] - 1
+    if w.dtype != torch.float64:
+        return torch.log2(w.abs().double()).round_().clamp_(max=top).to(w.dtype)
     m, e = torch.frexp(w.abs())
     e = torch.where(m < _round_up_from(w.dtype), e - 1, e).to(w.dtype).clamp_(max=top)
     return e.masked_fill_(w.isinf(), top).masked_fill_(w == 0, -math.inf).masked_fill_(w.isnan(), math.nan)

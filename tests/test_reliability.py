@@ -360,6 +360,24 @@ def test_the_quantiser_rounds_weights_next_to_a_midpoint_as_the_reference(dtype)
     assert torch.equal(spikingjelly_mfpsn.quantize_pow2_(w), reference.pow2(w.double()).to(dtype))
 
 
+@pytest.mark.parametrize("exponent", [-126, -1, 0, 1, 127, "subnormal"])
+def test_the_quantiser_rounds_every_float32_mantissa_exactly(exponent):
+    """Every float32 mantissa 1.f (f of 23 bits) at an exponent: it rounds up to the next power of two
+    iff (2**23 + f)**2 >= 2**47, i.e. 1.f >= sqrt(2), decided in integers (clamped at 2**127). And every
+    subnormal f * 2**-149, f = 1.g * 2**j, rounds up iff f**2 >= 2**(2j + 1)."""
+    f = torch.arange(1, 2 ** 23, dtype=torch.int64)
+    if exponent == "subnormal":
+        j = torch.log2(f.double()).floor().long()
+        up = f ** 2 >= 2 ** (2 * j + 1)
+        w = (f.double() * 2.0 ** -149).float()
+        want = torch.pow(2.0, (j + up.long() - 149).double())
+    else:
+        up = (2 ** 23 + f) ** 2 >= 2 ** 47
+        w = ((f | (127 << 23)).to(torch.int32).view(torch.float32).double() * 2.0 ** exponent).float()
+        want = torch.pow(2.0, (up.long() + exponent).double()).clamp(max=2.0 ** 127)
+    assert torch.equal(spikingjelly_mfpsn.quantize_pow2_(w).double(), want)
+
+
 @pytest.mark.parametrize("threshold,layout,step_mode,training", [
     ("param", "time_first", "m", True), ("param", "time_last", "m", True),  # (batch statistics would fold W)
     *itertools.product(["param", "bn"], ["time_first", "time_last"], ["m"], [False]),

@@ -272,13 +272,18 @@ class TimeLastPool(_SpatialLayer):
                              f"it returns a tuple, not a sequence")
         super().__init__(pool, method)
 
+    def resolve_method(self, x_seq: Optional[torch.Tensor] = None) -> str:
+        """As for every wrapper, except that a 2d pool of a float16/bfloat16 input, or under autocast, on
+        the CPU runs ``'vmap'``: torch's CPU 3d average pool has no 16-bit kernel, and CPU autocast runs 3d
+        pools in float32 where 2d ones keep the dtype."""
+        method = super().resolve_method(x_seq)
+        if method == "highdim" and self.dims == 2 and x_seq is not None and x_seq.device.type == "cpu" and \
+                (x_seq.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")):
+            return "vmap"
+        return method
+
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
-        """The pool as a (d+1)-dimensional one whose window along T is one step; a 2d pool of a
-        float16/bfloat16 input or under autocast on the CPU as ``'vmap'`` (torch's CPU 3d average pool
-        has no 16-bit kernel, and CPU autocast runs 3d pools in float32 where 2d ones keep the dtype)."""
-        if self.dims == 2 and x.device.type == "cpu" and (x.dtype in (torch.float16, torch.bfloat16)
-                                                          or torch.is_autocast_enabled("cpu")):
-            return self._vmap(x)
+        """The pool as a (d+1)-dimensional one whose window along T is one step."""
         pool, t = self._time_first, _ntuple(self.dims)
         fn = _lookup(pool, _POOL_FN)[self.dims - 1]
         if isinstance(pool, (pooling._AdaptiveAvgPoolNd, pooling._AdaptiveMaxPoolNd)):

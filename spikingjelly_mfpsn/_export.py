@@ -10,11 +10,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from spikingjelly.activation_based.layer import MultiStepContainer, SeqToANNContainer
-
-from . import deploy, rewrite, tracing
+from . import _compat, deploy, rewrite, tracing
 from .convert import to_time_first
 from .neuron import MulFreeChannelwisePSN
+
+
+# SpikingJelly's containers that hand their children one step (or the steps as a batch) at a time.
+_STEP_CONTAINERS = tuple(c for c in map(_compat.sj_layer, ("SeqToANNContainer", "MultiStepContainer")) if c)
 
 
 def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[str, nn.Module]]:
@@ -23,9 +25,9 @@ def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[s
     MultiStepContainer, which hand them steps): a plain ``torch.nn.Flatten`` there is given as the same
     flatten of one step."""
     if isinstance(net, nn.Sequential):
-        out = []
+        out, whole = [], whole and not isinstance(net, _STEP_CONTAINERS)
         for name, child in net.named_children():
-            out += layers(child, f"{prefix}{name}.", whole and not isinstance(net, (SeqToANNContainer, MultiStepContainer)))
+            out += layers(child, f"{prefix}{name}.", whole)
         return out
     name = prefix.rstrip(".") or type(net).__name__
     return [(name, _one_step_flatten(name, net) if whole and type(net) is nn.Flatten else net)]

@@ -15,6 +15,11 @@ def as_args(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def autocasting(x: torch.Tensor) -> bool:
+    """Autocast is on for ``x``'s device (never for shape-only ``meta`` tensors, which autocast does not know)."""
+    return not x.is_meta and torch.is_autocast_enabled(x.device.type)
+
+
 def run_hooked(net: nn.Module, x, hooks: list) -> None:
     """Run ``net`` on input ``x`` without gradients, then remove ``hooks`` and reset the network.
 

@@ -34,6 +34,7 @@ from torch.nn.utils import parametrize
 
 from . import _compat
 from ._compat import MemoryModule, MultiStepModule
+from ._util import autocasting
 from .neuron import FusedBatchNorm
 
 METHODS = ("vmap", "highdim")
@@ -154,7 +155,7 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
         if not x_seq.shape[-1]:
             y = self._step(x_seq.movedim(-1, 0).flatten(0, 1))
             return y.reshape(0, x_seq.shape[0], *y.shape[1:]).movedim(0, -1)
-        if torch.is_autocast_enabled(x_seq.device.type):
+        if autocasting(x_seq):
             x_seq = x_seq.to(next((p.dtype for p in self.parameters() if p.is_floating_point()), x_seq.dtype))
         return _compat.t_last_seq_to_ann_forward(x_seq, self._step)
 

@@ -471,3 +471,47 @@ def test_a_batch_norm_in_front_gets_the_references_gradients(shape):
         want = torch.autograd.grad((surrogate.ATan()(h) * g).sum(), [xr] + ref)
         for i, (a, b) in enumerate(zip(got, want)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{method}, gradient {i}: {m}")
+
+
+# ---------------------------------------------------------------- meta tensors (shapes only)
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("step_mode", ["s", "m"])
+def test_meta_tensors_give_shapes_or_a_clear_error(layout, threshold, step_mode):
+    """A neuron moved to ``meta`` runs forward and backward (shapes, no values) in every method that can
+    run such tensors; the others refuse by a ValueError naming the device, as for any device they do not
+    run. 'auto' always runs."""
+    ran = []
+    for method in [n for n in ops.names(layout=layout)] + ["auto"]:
+        sn = MulFreeChannelwisePSN(3, k=3, dilation=2, threshold=threshold, step_mode=step_mode, method=method,
+                                   layout=layout).to("meta")
+        x = torch.randn((4, 2, 3, 5) if layout == "time_first" else (2, 3, 5, 4), device="meta", requires_grad=True)
+        xs = [x[t] if layout == "time_first" else x[..., t] for t in range(4)] if step_mode == "s" else [x]
+        try:
+            ys = [sn(xi) for xi in xs]
+        except ValueError as e:
+            assert "meta" in str(e), f"{method}: {e}"
+            continue
+        sum(y.sum() for y in ys).backward()
+        assert [(y.shape, y.device.type) for y in ys] == [(xi.shape, "meta") for xi in xs], method
+        assert x.grad.shape == x.shape and sn.weight.grad.shape == sn.weight.shape, method
+        ran.append(method)
+    assert "auto" in ran and "conv1d" in ran
+
+
+def test_a_network_moved_to_meta_gives_its_output_shape():
+    """After replace_neurons (with a fused batch norm) and in the time-last layout, a whole network on
+    ``meta`` gives the output shape it gives on the CPU."""
+    from spikingjelly.activation_based import layer, neuron
+    for fuse, time_last in [(False, False), (True, False), (False, True)]:
+        net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1, step_mode="m"), layer.BatchNorm2d(4, step_mode="m"),
+                            neuron.IFNode(step_mode="m"), layer.MaxPool2d(2, step_mode="m"),
+                            layer.Flatten(step_mode="m"), layer.Linear(16, 3, step_mode="m"))
+        spikingjelly_mfpsn.replace_neurons(net, fuse_bn=fuse)
+        if time_last:
+            net = spikingjelly_mfpsn.to_time_last(net)
+        want = net(torch.randn(3, 2, 2, 4, 4)).shape
+        functional.reset_net(net)
+        y = net.to("meta")(torch.randn(3, 2, 2, 4, 4, device="meta"))
+        y.sum().backward()
+        assert y.shape == want and y.device.type == "meta", (fuse, time_last)

@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .. import _compat
+from .._util import autocasting
 from . import reduce, surrogate
 from .registry import (Implementation, channel_dim, check_charge_args, choose, find, get, input_dtype_error, supported,
                        tap_schedule)
@@ -84,8 +85,8 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     code, alpha = surrogate.fused(sg)
     if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
         impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
-        if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) \
-                and not torch.is_autocast_enabled(x.device.type):  # first a step that checks every tensor itself
+        if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) and not autocasting(x):
+            # first a step that checks every tensor itself
             s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
             if s is not None:
                 return s
@@ -118,9 +119,7 @@ def _default_surrogate():
 def _weight_precision(x: torch.Tensor):
     """Autocast off: the charge and the statistics run in the parameters' dtype (low-precision inputs are
     promoted once, and the 0/1 spikes go back in the input's dtype)."""
-    device_type = x.device.type
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
-        else contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False) if autocasting(x) else contextlib.nullcontext()
 
 
 def _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, layout) -> None:
@@ -316,6 +315,8 @@ def check_finite(named: dict, stats: Optional[tuple] = None, batch: bool = False
             mean, var, eps = stats
             parts += [mean.reshape(-1), var.reshape(-1), torch.rsqrt(var + eps).reshape(-1)]
         total = torch.cat(parts).sum(dtype=torch.float64)
+    if total.is_meta:
+        return  # (shape only: nothing to check)
     if total.is_cuda:
         torch._assert_async(torch.isfinite(total), "MF-PSN: NaN/inf in its weight, threshold or statistics")
     elif not math.isfinite(float(total)):
@@ -390,7 +391,8 @@ def exact_where_overflowed(h: torch.Tensor, exact: Callable[[], torch.Tensor]) -
     whatever order an implementation adds in, as the fused kernels do too. Eager only (a data-dependent
     branch); the check is one read of ``h`` (a float64 sum: no sum of finite float32 values overflows it).
     """
-    if h.dtype == torch.float64 or torch.compiler.is_compiling() or bool(h.sum(dtype=torch.float64).isfinite()):
+    if h.dtype == torch.float64 or h.is_meta or torch.compiler.is_compiling() \
+            or bool(h.sum(dtype=torch.float64).isfinite()):
         return h
     return torch.where(torch.isfinite(h), h, exact().to(h.dtype))
 
@@ -429,7 +431,7 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
         raise bad_dtype
     _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, "time_first")
     if code and (method != "auto" or backend != "torch") and not (bn is not None and training) \
-            and not torch.is_autocast_enabled(x.device.type):
+            and not autocasting(x):
         impl = get(method if method != "auto" else choose(x.unsqueeze(0), weight, 1, "time_first", backend))
         if impl.step_fire is not None:
             b = -v_threshold if v_threshold is not None else bias

@@ -97,7 +97,8 @@ def vmap_mm(x, weight, bias, dilation, layout):
         finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
         return _vmap_mm(finite, weight, bias, dilation, layout) + shift_add(x - finite, weight, None, dilation,
                                                                            layout)
-    if not bool(x.sum(dtype=torch.float64).isfinite()):  # (one read; a float64 sum overflowing goes there too)
+    # (one read; a float64 sum overflowing goes there too; a meta tensor has no values)
+    if not x.is_meta and not bool(x.sum(dtype=torch.float64).isfinite()):
         return shift_add(x, weight, bias, dilation, layout)
     return _vmap_mm(x, weight, bias, dilation, layout)
 

@@ -1446,11 +1446,11 @@ def param_fire(x, weight, v_threshold, ste, dilation, layout, code, alpha) -> Op
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:
-    """CUDA tensors, or any through Triton's interpreter (read at the call: a test may switch it)."""
-    if INTERPRETED or x.is_cuda:
+    """CUDA tensors, or CPU ones through Triton's interpreter (read at the call: a test may switch it)."""
+    if x.is_cuda or (INTERPRETED and x.is_cpu):
         return []
-    return [f"triton kernels need CUDA tensors (x is on {x.device}); on the CPU set TRITON_INTERPRET=1 "
-            f"before importing spikingjelly_mfpsn"]
+    hint = "; on the CPU set TRITON_INTERPRET=1 before importing spikingjelly_mfpsn" if x.is_cpu else ""
+    return [f"triton kernels need CUDA tensors (x is on {x.device}){hint}"]
 
 
 # On the CPU only through Triton's interpreter, and never chosen by method='auto' there.

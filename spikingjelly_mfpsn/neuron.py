@@ -312,9 +312,9 @@ class ChargeNeuronBase(MemoryModule):
         self.x_queue = tuple(t.detach() for t in self.x_queue)
         super().detach()
 
-    def _apply(self, fn, *args, **kwargs):
+    def _apply(self, fn, recurse=True):
         self.x_queue = tuple(fn(t) for t in self.x_queue)
-        return super()._apply(fn, *args, **kwargs)
+        return super()._apply(fn)  # (SpikingJelly's takes no ``recurse``, which to_empty passes)
 
 
 

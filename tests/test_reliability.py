@@ -515,3 +515,33 @@ def test_a_network_moved_to_meta_gives_its_output_shape():
         y = net.to("meta")(torch.randn(3, 2, 2, 4, 4, device="meta"))
         y.sum().backward()
         assert y.shape == want and y.device.type == "meta", (fuse, time_last)
+
+
+@pytest.mark.parametrize("what", ["neuron", "network", "network, fused batch norm"])
+def test_a_network_built_on_meta_loads_after_to_empty(what):
+    """Built under ``torch.device('meta')`` (no memory), shaped by one meta forward, moved with
+    ``to_empty`` and loaded from a checkpoint: a neuron, or a network, gives the checkpoint's outputs.
+    (torch's ``to_empty`` passes ``recurse`` to the module it is called on, which SpikingJelly's memory
+    modules do not take.)"""
+    from spikingjelly.activation_based import layer, neuron
+
+    def build():
+        if what == "neuron":
+            return MulFreeChannelwisePSN(2, k=3, step_mode="m")
+        net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1, step_mode="m"), layer.BatchNorm2d(4, step_mode="m"),
+                            neuron.IFNode(step_mode="m"), layer.Flatten(step_mode="m"),
+                            layer.Linear(64, 3, step_mode="m"), neuron.IFNode(step_mode="m"))
+        spikingjelly_mfpsn.replace_neurons(net, fuse_bn=what.endswith("fused batch norm"))
+        return net
+
+    torch.manual_seed(0)
+    x, trained = torch.randn(3, 2, 2, 4, 4), build()
+    want = trained(x)
+    functional.reset_net(trained)
+    with torch.device("meta"):
+        net = build()
+        net(torch.empty(3, 2, 2, 4, 4))
+    functional.reset_net(net)
+    net = net.to_empty(device="cpu")
+    net.load_state_dict(trained.state_dict())
+    assert torch.equal(net(x), want)

@@ -279,9 +279,12 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         graph, how, shapes = tracing.trace(net, inputs and inputs[0])
     except tracing.TraceFailure as e:
         return _modules_only(net, conv, boundary, inputs, str(e), strict)
+    if how == "concrete" and _steps_by_hand(net, graph):
+        return _modules_only(net, conv, boundary, inputs, "it calls single-step stateful modules (it steps through "
+                             "time itself), and its trace holds the example's number of steps", strict)
     calls = [n for n in graph.nodes if n.op == "get_attr" or n.op in ("call_function", "call_method")
              and not rewrite.is_layout_free(n)]
-    if not calls:
+    if not calls and how == "symbolic":  # (a concrete trace may hold lengths and branches the forward computes)
         return _swap_modules(net, conv, boundary)
     if inputs is None:
         listed = "; ".join(rewrite.describe(n) for n in calls[:3]) + (" ..." if len(calls) > 3 else "")
@@ -292,6 +295,12 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     except tracing.TraceFailure as e:
         return _modules_only(net, conv, boundary, inputs, str(e), strict)
     return _rewritten(net, (graph, how, shapes), inputs, conv, boundary, strict)
+
+
+def _steps_by_hand(net: nn.Module, graph) -> bool:
+    """The traced forward calls a stateful module in single-step mode (a loop over the steps)."""
+    return any(n.op == "call_module" and isinstance(m := net.get_submodule(n.target), _compat.MemoryModule)
+               and getattr(m, "step_mode", "m") == "s" for n in graph.nodes)
 
 
 def _runs_time_last(net: nn.Module) -> bool:
@@ -327,19 +336,33 @@ def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.
                f"converted, so a call in forward that depends on where the time axis is would go wrong")
     if strict:
         raise UnconvertibleModuleError(message + ".")
-    reference = None
-    if inputs is not None:
-        try:
-            reference = _eval(net, inputs[1])
-        except Exception:  # noqa: BLE001  (a network that runs for the example's number of steps only)
-            inputs[1] = _same_steps(inputs)
-            reference = _eval(net, inputs[1])
+    reference = _reference(net, inputs) if inputs is not None else None
     new = _swap_modules(net, conv, boundary)
     warnings.warn(message + "; pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the "
                   "forward (strict=True raises instead).", stacklevel=3)
     if reference is not None and boundary:
         _check(new, inputs[1], reference, f"its modules converted (its forward was not rewritten: {reason})")
     return new
+
+
+def _reference(net: nn.Module, inputs: list):
+    """The time-first network's outputs on the longer probe, or (a network that runs for the example's
+    number of steps only) on one sample of the example."""
+    try:
+        return _eval(net, inputs[1])
+    except Exception:  # noqa: BLE001
+        inputs[1] = _same_steps(inputs)
+    try:
+        return _eval(net, inputs[1])
+    except Exception as e:  # noqa: BLE001
+        raise _probe_error(net, e) from e
+
+
+def _probe_error(net: nn.Module, e: Exception) -> UnconvertibleModuleError:
+    return UnconvertibleModuleError(
+        f"{type(net).__name__} does not run on the inputs made from example_input to check the conversion (two "
+        f"of its samples, and one of them one step longer; its other inputs are passed as they are), so it was "
+        f"left time-first: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
 
 
 def _eval(net: nn.Module, args: tuple):
@@ -387,7 +410,10 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
     """Trace-based conversion: the modules converted, and the forward rewritten around them."""
     graph, how, shapes_a = traced
     if shapes_a is None:
-        shapes_a = tracing.run_graph(net, graph, inputs[0])[1]
+        try:
+            shapes_a = tracing.run_graph(net, graph, inputs[0])[1]
+        except Exception as e:  # noqa: BLE001
+            raise _probe_error(net, e) from e
     try:
         out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
         grown = True
@@ -416,7 +442,10 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
 
     steps = inputs[0][0].shape[0]
     rewriter = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, convert_module, True, grown)
-    checked = rewriter.run()
+    try:
+        checked = rewriter.run()
+    except rewrite.Unrewritable as e:
+        return _modules_only(net, _Converter(conv.fallback, conv.method), boundary, inputs, str(e), strict)
     _raise_errors(conv)
     for action in conv.actions:
         action()

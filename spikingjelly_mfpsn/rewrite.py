@@ -116,6 +116,18 @@ class _NoRule(Exception):
     """This call cannot be rewritten for the time-last form: run it on the original form."""
 
 
+class Unrewritable(Exception):
+    """The forward cannot be rewritten (the message names the call)."""
+
+
+def _in_place(n: fx.Node) -> bool:
+    """``n`` writes into its first argument, a node (``x.zero_()``, ``x[i] = v``, ``torch.relu_(x)``)."""
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return (n.op in ("call_method", "call_function") and bool(n.args) and isinstance(n.args[0], fx.Node)
+            and (n.target is operator.setitem or isinstance(name, str) and name.endswith("_")
+                 and not name.startswith("_")))
+
+
 def _dims(value, ndim: int) -> list:
     return [d + ndim if d < 0 else d for d in (value if isinstance(value, (tuple, list)) else [value])]
 
@@ -181,6 +193,8 @@ class Rewriter:
         self.env[n] = (new, form)
 
     def as_original(self, n: fx.Node) -> None:
+        if _in_place(n) and self.env[n.args[0]][1] == TIME_LAST:  # (it would change a copy)
+            raise Unrewritable(f"{describe(n)} changes a tensor in place that has no time-last rule")
         if not self.grown:  # a value of T steps first, whatever the batch size: time first; else none known
             self.tpos[n] = None
             self._keeps_time(n)
@@ -263,8 +277,8 @@ class Rewriter:
         return expected
 
     def elementwise(self, n: fx.Node) -> None:
-        if not self._is_tensor(n):
-            raise _NoRule
+        if not self._is_tensor(n) or _in_place(n) and self.env[n.args[0]][1] != TIME_LAST:
+            raise _NoRule  # (an in-place call on the time-last copy of an original value would change the copy)
         n_out = len(self.shape[n])
         timed = [a for a in n.all_input_nodes if self._is_tensor(a) and self.tpos[a] is not None]
         aligned = {self.tpos[a] + n_out - len(self.shape[a]) for a in timed}

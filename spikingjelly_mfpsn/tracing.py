@@ -73,7 +73,7 @@ class _ConcreteProxy(fx.Proxy):
         return self.tracer.values[self.node]
 
     def __len__(self):
-        return len(self.value)
+        return len(self.tracer._shape_value(self, tensors=True))
 
     def __index__(self):
         return operator.index(self.tracer._shape_value(self))
@@ -93,6 +93,7 @@ class _ConcreteTracer(_Tracer):
     def __init__(self, inputs: tuple):
         super().__init__()
         self.inputs, self.values, self._placeholders, self._running = inputs, {}, 0, False
+        self.data = set()  # nodes whose value comes from tensor data (.item(), .tolist())
 
     # While a node runs on the example, module calls and attributes are the real ones (fx patches them).
     def call_module(self, m, forward, args, kwargs):
@@ -111,6 +112,8 @@ class _ConcreteTracer(_Tracer):
             self.values[p.node] = self._run(kind, target, args, kwargs)
         finally:
             self._running = False
+        if kind == "call_method" and target in ("item", "tolist") or self.data.intersection(p.node.all_input_nodes):
+            self.data.add(p.node)
         return p
 
     def _run(self, kind, target, args, kwargs):
@@ -131,11 +134,12 @@ class _ConcreteTracer(_Tracer):
     def _value(self, a):
         return self.values[a.node] if isinstance(a, fx.Proxy) else a
 
-    def _shape_value(self, obj: fx.Proxy):
+    def _shape_value(self, obj: fx.Proxy, tensors: bool = False):
         """A value control flow may follow: one computed from shapes, not from a tensor's data (a
-        branch on the data would be recorded for the example's data only)."""
+        branch on the data would be recorded for the example's data only); ``tensors``: a tensor too
+        (its length is a shape)."""
         value = self._value(obj)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not tensors or obj.node in self.data:
             raise fx.proxy.TraceError(f"control flow depends on tensor data (node {obj.node.name})")
         return value
 

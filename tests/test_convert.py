@@ -310,6 +310,51 @@ def test_unconvertible_modules_raise_and_change_nothing():
         to_time_last(net, fallback="vmap")
 
 
+class NeuronStepLoop(nn.Module):
+    """A forward that steps a single-step MF-PSN through time itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn, self.out = nn.Linear(6, 5), MulFreeChannelwisePSN(5, k=2), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return torch.stack([self.out(self.sn(self.fc(x[t]))) for t in range(x.shape[0])]).mean(0)
+
+
+def test_a_forward_stepping_a_neuron_itself_is_refused_even_while_it_does_not_fire():
+    """A fresh MF-PSN does not fire in eval mode, so no output comparison can tell that a trace of such a
+    forward holds the example's number of steps; the single-step neuron in the trace is refused."""
+    torch.manual_seed(0)
+    net, x = NeuronStepLoop().eval(), torch.rand(4, 3, 6)
+    before = structure(net)
+    with pytest.raises(UnconvertibleModuleError, match="step_mode='m'"):
+        to_time_last(net, example_input=x)
+    assert structure(net) == before and not has_time_last_boundary(net)
+
+
+class SecondInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn = layer.Linear(6, 3, step_mode="m"), MulFreeChannelwisePSN(3, k=2, step_mode="m")
+
+    def forward(self, x, bias):  # bias: (N, 3), one row per sample
+        return self.sn(self.fc(x)).mean(0) + bias
+
+
+def test_a_network_the_check_cannot_run_is_refused_by_name_and_autoselect_skips_time_last():
+    """The check runs the network on two samples of the first input (other inputs as they are): a
+    second per-sample input does not fit, which is said (not a broadcasting error), and autoselect
+    keeps the time-first layout."""
+    torch.manual_seed(0)
+    net, x, bias = SecondInput(), torch.rand(4, 3, 6), torch.rand(3, 3)
+    with pytest.raises(UnconvertibleModuleError, match="does not run on the inputs made from example_input"):
+        to_time_last(net, example_input=(x, bias))
+    assert not has_time_last_boundary(net)
+    with pytest.warns(UserWarning, match="cannot run in layout 'time_last'"):
+        report = mf.autoselect(net, (x, bias), cache=False)
+    assert report.layout == "time_first"
+
+
 def test_single_step_network_is_rejected():
     net = nn.Sequential(layer.Linear(2, 3), MulFreeChannelwisePSN(3))  # step_mode 's'
     with pytest.raises(UnconvertibleModuleError, match=r"0 \(Linear\) has step_mode='s'"):
@@ -492,7 +537,36 @@ class NoGradBlock(DataBranch):
         return (y - baseline).mean(0)
 
 
+class ItemBranch(DataBranch):
+    """A branch on the data through a Python number (``.item()``): a trace would record one branch."""
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.mean().item() > 0.0:
+            y = -y
+        return y.mean(0)
+
+
+class LengthOfInput(DataBranch):
+    """``len(x)`` (T): symbolic tracing fails on it, and a concrete trace holds the example's value."""
+
+    def forward(self, x):
+        return self.fc(x) / len(x)
+
+
+class InPlaceOnSlice(DataBranch):
+    """An in-place call no rule rewrites, on a view of a time-last value (it would change a copy)."""
+
+    def forward(self, x):
+        y = self.fc(x)
+        y[:, 1:].zero_()
+        return y
+
+
 @pytest.mark.parametrize("cls, why", [(DataBranch, "control flow depends on tensor data"),
+                                      (ItemBranch, "control flow depends on tensor data"),
+                                      (LengthOfInput, "other outputs than the network on an input one step longer"),
+                                      (InPlaceOnSlice, "changes a tensor in place"),
                                       (StepLoop, "other outputs than the network on an input one step longer"),
                                       (TrainingBranch, "depends on self.training"),
                                       (NoGradBlock, "switches gradient or autocast mode")])

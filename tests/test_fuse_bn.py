@@ -266,6 +266,21 @@ def test_a_forward_that_branches_on_its_input_needs_the_example():
     assert_same_steps(train_steps(net, x), train_steps(HandWritten(branch=True), x), dict(rtol=1e-5, atol=1e-6))
 
 
+class ItemBetween(HandWritten):
+    """Between bn1 and sn1 a branch on the data through a Python number: fusing would follow the example's
+    branch for every input."""
+
+    def forward(self, x):
+        z = self.bn1(self.conv1(x))
+        if x.abs().max().item() > 1e3:  # (not on the example)
+            z = z + 1
+        return self.sn1(z)
+
+
+def test_a_branch_on_the_data_between_the_batch_norm_and_the_neuron_is_no_pair():
+    assert fuse_batchnorm(ItemBetween(), example_input=torch.randn(4, 2, 3, 4, 4)) == []
+
+
 def test_replace_neurons_fuses_when_asked():
     def lif_net():
         torch.manual_seed(0)

@@ -58,7 +58,7 @@ def check_costs(costs: Optional[dict] = None) -> dict:
     for name, value in (costs or {}).items():
         if name not in COSTS_45NM:
             raise ValueError(f"costs: unknown operation {name!r}; expected some of {tuple(COSTS_45NM)}")
-        if not isinstance(value, (int, float)) or not value >= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"costs[{name!r}] must be a number >= 0 (pJ), got {value!r}")
         merged[name] = float(value)
     return merged
@@ -71,6 +71,9 @@ def taps_in_sequence(t: int, k: int, dilation: int = 1) -> int:
     Closed form ``m T - d m (m-1) / 2``, ``m = min(k, ceil(T / d))``; equals the paper's
     ``(T + (1-k)/2) k`` when ``d = 1`` and ``T >= k``.
     """
+    for name, value, least in (("t", t, 0), ("k", k, 1), ("dilation", dilation, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     m = min(k, -(-t // dilation)) if t > 0 else 0
     return m * t - dilation * m * (m - 1) // 2
 
@@ -398,8 +401,10 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
         if first.dim() < 2:
             raise ValueError(f"cannot infer the batch size from x of shape {tuple(first.shape)}; pass batch_size=")
         batch_size = first.shape[1] if ops.check_layout(layout) == "time_first" else first.shape[0]
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if first.dim() and not first.shape[0 if ops.check_layout(layout) == "time_first" else -1]:
+        raise ValueError(f"x has no time steps (shape {tuple(first.shape)}): nothing to count")
     cost_table = check_costs(costs)
     _check_rates(firing_rate)
     modes = {m: m.training for m in net.modules()}

@@ -252,6 +252,17 @@ def test_bad_arguments():
         energy.estimate(net, x, costs={"add": -1})
     with pytest.raises(ValueError, match="batch_size"):
         energy.estimate(net, x, batch_size=0)
+    # A bool is no count nor a cost (True was taken as 1), and a sequence of no steps has nothing to count
+    # (it divided by zero).
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got True"):
+        energy.estimate(net, x, batch_size=True)
+    with pytest.raises(ValueError, match=r"costs\['shift'\] must be a number >= 0"):
+        energy.estimate(net, x, costs={"shift": True})
+    with pytest.raises(ValueError, match="no time steps"):
+        energy.estimate(net, x[:0])
+    for args, name in (((5, -2), "k"), ((5, 2, 0), "dilation"), ((-1, 2), "t"), ((5, True), "k")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= "):
+            energy.taps_in_sequence(*args)
     # A firing rate is a fraction: a negative one gave negative synaptic energy, one above 1 more SOPs
     # than dense MACs, and a name of no synaptic layer was ignored.
     for rate in (-0.5, 1.5, float("nan"), True, "0.5"):

@@ -22,6 +22,7 @@ public names (``measure``, ``TimingCache``, ``LOCK_TIMEOUT``...) are read and se
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import types
@@ -392,8 +393,8 @@ def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional
 
 
 def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallback: Optional[str]) -> None:
-    if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"m must be an int >= 1, got {m!r}")
     for layout in layouts:
         ops.check_layout(layout)
     if not layouts:
@@ -459,6 +460,8 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
     Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
     """
     _check_args(net, x_example, m, layouts, fallback)
+    if not isinstance(cache, (bool, str, os.PathLike)):
+        raise TypeError(f"cache must be True, False or a path, got {type(cache).__name__}")
     backend = ("inductor" if compile is True else compile) or None
     _prebuild(x_example)
     t0 = time.perf_counter()

@@ -491,8 +491,11 @@ def test_fallback_lets_a_network_with_other_neurons_run_time_last(tmp_path):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="m must be"):
-        mf.autoselect(seq_net(), example(), m=0, cache=False)
+    for m in (0, True, 1.5, "2"):  # (True and 1.5 were taken as counts, "2" failed on a comparison)
+        with pytest.raises(ValueError, match="m must be an int >= 1"):
+            mf.autoselect(seq_net(), example(), m=m, cache=False)
+    with pytest.raises(TypeError, match="cache must be True, False or a path"):
+        mf.autoselect(seq_net(), example(), cache=123)
     with pytest.raises(ValueError, match="layout"):
         mf.autoselect(seq_net(), example(), layouts=("sideways",), cache=False)
     headless = seq_net()

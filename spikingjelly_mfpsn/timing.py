@@ -30,6 +30,8 @@ def layers(net: nn.Module) -> list[tuple[str, nn.Module]]:
     These are the tunable modules and stateful modules (neurons), not descended into, and every other leaf
     module.
     """
+    if is_tunable(net):
+        return [("", net)]  # (a network that is itself one tunable layer, e.g. a neuron)
     out, skip = [], []
     for name, m in net.named_modules():
         if m is net or any(name.startswith(p + ".") for p in skip):

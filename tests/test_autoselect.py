@@ -490,6 +490,17 @@ def test_fallback_lets_a_network_with_other_neurons_run_time_last(tmp_path):
     torch.testing.assert_close(eval_out(timed, x), before)
 
 
+def test_a_network_that_is_one_neuron_gets_its_method_timed_and_pinned():
+    """Regression: the root module was never timed, so a bare neuron stayed on 'auto' and the report
+    listed its surrogate function as the layer."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m")
+    timer = FakeTimes(3)
+    report = mf.autoselect(sn, torch.rand(6, 4, 3, 5), cache=False, measure_fn=timer, progress=False)
+    methods = {key[2] for key in timer.table if key[1] == "MulFreeChannelwisePSN"}
+    assert len(methods) > 1 and sn.method in methods, (methods, sn.method)
+    assert {r.kind for rows in report.layouts.values() for r in rows} == {"MulFreeChannelwisePSN"}
+
+
 def test_bad_arguments():
     for m in (0, True, 1.5, "2"):  # (True and 1.5 were taken as counts, "2" failed on a comparison)
         with pytest.raises(ValueError, match="m must be an int >= 1"):

@@ -307,7 +307,8 @@ def _valid_plan(plan) -> bool:
     """A whole network's plan: its layout, ``{layer: method}``, ``{layout: seconds}``, whether it runs
     compiled and the states it was checked on, and nothing else."""
     return (isinstance(plan, dict) and set(plan) <= {"layout", "methods", "totals", "compiled", "checked"}
-            and plan.get("layout") in ops.LAYOUTS and _str_dict(plan.get("methods"), lambda v: isinstance(v, str))
+            and plan.get("layout") in ops.LAYOUTS and bool(plan.get("methods"))
+            and _str_dict(plan.get("methods"), lambda v: isinstance(v, str))
             and _str_dict(plan.get("totals"), lambda v: _is_time(v) and math.isfinite(v))
             and isinstance(plan.get("compiled", False), bool)
             and isinstance(plan.get("checked", []), list) and all(isinstance(c, str) for c in plan.get("checked", [])))

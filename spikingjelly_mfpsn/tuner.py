@@ -124,6 +124,7 @@ def _is_applied(plan, layout: str, methods: dict[str, str], layouts) -> bool:
     """Whether a network in ``layout`` with these tunable layers' ``methods`` runs ``plan`` already."""
     try:
         return (plan is not None and plan["layout"] == layout and plan["layout"] in layouts
+                and set(methods) <= set(plan["methods"])
                 and all(methods.get(name) == method for name, method in plan["methods"].items() if method != "-"))
     except (KeyError, TypeError, AttributeError):  # a damaged plan: the checked path handles it
         return False

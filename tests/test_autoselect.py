@@ -184,6 +184,7 @@ SPOILED = {"a string for a time": lambda d: _spoil_layers(d, "fast"),
            "a string for compiled": lambda d: _spoil_plans(d, "compiled", "no"),
            "a string for a total": lambda d: _spoil_plans(d, "totals", {"time_first": "1"}),
            "a list for the methods": lambda d: _spoil_plans(d, "methods", ["conv1d"]),
+           "no methods": lambda d: _spoil_plans(d, "methods", {}),  # (taken as applied: nothing chosen)
            "an unknown layout": lambda d: _spoil_plans(d, "layout", "sideways"),
            "a list for the plans": lambda d: _spoil_plans(d, None, None)}
 

@@ -113,13 +113,17 @@ def int_bias(bias: torch.Tensor, acc_frac_bits: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- integer charge
-def _check_taps(shift: torch.Tensor, sign: torch.Tensor, channels: int) -> None:
+def _check_taps(shift: torch.Tensor, sign: torch.Tensor, channels: int, dilation) -> None:
     for t, name in ((shift, "shift"), (sign, "sign")):
         check_fixed(t, name)
         if t.dim() != 2 or t.shape[0] != channels:
             raise ValueError(f"{name} must have shape (C, k) = ({channels}, k), got {tuple(t.shape)}")
     if shift.shape != sign.shape:
         raise ValueError(f"shift {tuple(shift.shape)} and sign {tuple(sign.shape)} must have the same shape")
+    if sign.numel() and int(sign.abs().max()) > 1:
+        raise ValueError(f"sign must hold -1, 0 or +1, got values up to {int(sign.abs().max())} in magnitude")
+    if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
+        raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
 
 
 def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
@@ -162,7 +166,7 @@ def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilatio
     if q.dim() < 3:
         raise ValueError(f"q must have at least 3 dims (a sequence), got shape {tuple(q.shape)}")
     qt = (q.movedim(-1, 0) if layout == "time_last" else q).to(torch.int64)
-    _check_taps(shift, sign, qt.shape[2])
+    _check_taps(shift, sign, qt.shape[2], dilation)
     t_len, k = qt.shape[0], shift.shape[1]
     start = 0 if last is None else max(0, t_len - last)
     amount = shift.to(torch.int64) + extra_bits
@@ -312,11 +316,22 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
 
     def _int_spikes(self, q_seq: torch.Tensor, like: torch.Tensor, layout: str, last: Optional[int] = None):
         """:func:`int_fire` of ``q_seq`` in the current format, in ``like``'s float dtype (or the default)."""
-        acc = self.acc_frac_bits if self.acc_frac_bits is not None else exact_acc_frac_bits(self.shift, self.frac_bits)
         with self._naming_overflow():
+            acc = self._accumulator_bits()
             s = int_fire(q_seq, self.shift, self.sign, int_bias(self.bias, acc), self.dilation, layout,
                          acc - self.frac_bits, last)
         return s.to(like.dtype if like.is_floating_point() else torch.get_default_dtype())
+
+    def _accumulator_bits(self) -> int:
+        """The accumulator's fractional bits in the current format; OverflowError past int64's."""
+        if self.acc_frac_bits is not None:
+            return self.acc_frac_bits
+        acc = exact_acc_frac_bits(self.shift, self.frac_bits)
+        if acc > _MAX_BITS:
+            raise OverflowError(f"its smallest weight, 2**{int(self.shift.min())}, needs {acc} fractional "
+                                f"accumulator bits for exact taps but int64 holds {_MAX_BITS}; lower frac_bits, "
+                                f"or pass acc_frac_bits <= {_MAX_BITS} (the smallest taps are then rounded down)")
+        return acc
 
     @contextlib.contextmanager
     def _naming_overflow(self):
@@ -422,20 +437,33 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
             ``OverflowError``), and the integer spikes are then compared with the float path's on it:
             any difference is reported with a warning (see :func:`agreement`)
 
-    Clears the neurons' single-step state. Returns ``net``.
+    Clears the neurons' single-step state. Returns ``net``. Raises ``OverflowError`` naming the layer
+    where a format cannot hold a neuron's weights (or, with ``calibrate``, its inputs); the neurons
+    then keep the arithmetic and formats they had.
     """
     _check_formats(frac_bits, acc_frac_bits)
+    if not isinstance(headroom_bits, int) or isinstance(headroom_bits, bool) or not 0 <= headroom_bits <= _MAX_BITS:
+        raise ValueError(f"headroom_bits must be an int in [0, {_MAX_BITS}], got {headroom_bits!r}")
     neurons = folded_neurons(net)
-    formats = {name: frac_bits if frac_bits is not None else FRAC_BITS for name, _ in neurons}
-    if calibrate is not None and frac_bits is None:
-        tops = _input_magnitudes(net, calibrate, neurons)
-        formats = {name: _widest_format(m, tops.get(name, 0.0), acc_frac_bits, headroom_bits) for name, m in neurons}
-    for name, m in neurons:
-        m.frac_bits, m.acc_frac_bits, m.x_queue, m.layer_name = formats[name], acc_frac_bits, (), name
-    if calibrate is not None:
-        agreement(net, calibrate)  # (warns where the integer spikes differ; leaves the float path set)
+    found = {name: (m.frac_bits, m.acc_frac_bits, m.layer_name) for name, m in neurons}
+    try:
+        formats = {name: frac_bits if frac_bits is not None else FRAC_BITS for name, _ in neurons}
+        if calibrate is not None and frac_bits is None:
+            tops = _input_magnitudes(net, calibrate, neurons)
+            formats = {name: _widest_format(name, m, tops.get(name, 0.0), acc_frac_bits, headroom_bits)
+                       for name, m in neurons}
         for name, m in neurons:
-            m.frac_bits, m.acc_frac_bits, m.x_queue = formats[name], acc_frac_bits, ()
+            m.frac_bits, m.acc_frac_bits, m.x_queue, m.layer_name = formats[name], acc_frac_bits, (), name
+            with m._naming_overflow():
+                m._accumulator_bits()
+        if calibrate is not None:
+            agreement(net, calibrate)  # (warns where the integer spikes differ; leaves the float path set)
+    except BaseException:
+        for name, m in neurons:
+            (m.frac_bits, m.acc_frac_bits, m.layer_name), m.x_queue = found[name], ()
+        raise
+    for name, m in neurons:
+        m.frac_bits, m.acc_frac_bits, m.x_queue = formats[name], acc_frac_bits, ()
     return net
 
 
@@ -455,11 +483,12 @@ def _input_magnitudes(net: nn.Module, x, neurons) -> dict[str, float]:
             for name, calls in _run_capturing(net, x, neurons).items()}
 
 
-def _widest_format(m: "FoldedMulFreePSN", top: float, acc_frac_bits: Optional[int], headroom_bits: int) -> int:
+def _widest_format(name: str, m: "FoldedMulFreePSN", top: float, acc_frac_bits: Optional[int],
+                   headroom_bits: int) -> int:
     """The largest F in [0, 62] for which inputs up to ``top * 2**headroom_bits`` and the bias fit the
     int64 accumulator of neuron ``m`` (the widths :func:`int_charge` and :func:`int_bias` check)."""
     if not math.isfinite(top):
-        raise ValueError(f"calibrate: a folded neuron's input holds NaN or inf (max |x| = {top})")
+        raise ValueError(f"calibrate: layer {name!r}'s input holds NaN or inf (max |x| = {top})")
     top_bits = math.frexp(top)[1] + headroom_bits if top > 0 else 0  # bits of the integer part, + headroom
     bias_top = float(m.bias.detach().abs().max()) if m.bias.numel() else 0.0
     bias_bits = math.frexp(bias_top)[1] if bias_top > 0 else 0
@@ -468,8 +497,10 @@ def _widest_format(m: "FoldedMulFreePSN", top: float, acc_frac_bits: Optional[in
         shifts = max(0, int(m.shift.max()) + extra) if m.shift.numel() else 0
         if top_bits + f + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS:
             return f
-    raise OverflowError(f"calibrate: inputs up to {top:g} do not fit an int64 accumulator with any fixed-point "
-                        f"format")
+    raise OverflowError(f"calibrate: layer {name!r}: inputs up to {top:g} do not fit an int64 accumulator with "
+                        f"any fixed-point format" + ("" if acc_frac_bits is not None else
+                        f" and exact taps (its weights span 2**{int(m.shift.min())} to 2**{int(m.shift.max())}); "
+                        f"pass acc_frac_bits to round the smallest taps down"))
 
 
 def set_float(net: nn.Module) -> nn.Module:

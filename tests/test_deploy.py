@@ -552,3 +552,66 @@ def test_unsigned_inputs_are_named_as_such():
     with pytest.raises(TypeError, match="unsigned"):
         f(torch.ones(4, 1, 3, dtype=torch.uint8))
 
+
+
+@pytest.mark.parametrize("call", [dict(dilation=0), dict(dilation=True), dict(dilation=1.0), dict(sign=2),
+                                  dict(sign=-3)])
+def test_int_charge_refuses_a_bad_dilation_or_sign(call):
+    """Regression: dilation 0 summed every tap at lag 0, and a sign of 2 counted as +1, silently."""
+    q = torch.ones(3, 1, 2, dtype=torch.int64)
+    shift, sign = torch.zeros(2, 2, dtype=torch.int8), torch.ones(2, 2, dtype=torch.int8)
+    if "sign" in call:
+        sign[1, 0] = call["sign"]
+    name = "sign" if "sign" in call else "dilation"
+    with pytest.raises(ValueError, match=f"{name} must"):
+        deploy.int_charge(q, shift, sign, call.get("dilation", 1))
+
+
+@pytest.mark.parametrize("headroom", [-5, 2.5, True, 63, "2"])
+def test_set_integer_refuses_a_bad_headroom_and_changes_nothing(headroom):
+    """Regression: a negative headroom fitted formats too narrow for the calibration data itself; the
+    agreement check then raised OverflowError and left the net in that format (every forward raised)."""
+    torch.manual_seed(4)
+    net = deploy.fold(random_net(2, 1, "param"))
+    x = torch.randn(6, 2, 2, 5)
+    functional.reset_net(net)
+    want = net(x)
+    with pytest.raises(ValueError, match="headroom_bits must be an int"):
+        deploy.set_integer(net, calibrate=x, headroom_bits=headroom)
+    functional.reset_net(net)
+    assert torch.equal(net(x), want)
+
+
+def tiny_weight_net():
+    sn = MulFreeChannelwisePSN(2, k=2, threshold="param", step_mode="m", v_threshold=0.3)
+    with torch.no_grad():
+        sn.weight.copy_(torch.tensor([[2.0 ** -60, 1.0], [0.5, 0.25]]))
+    return deploy.fold(nn.Sequential(layer.Linear(2, 2, step_mode="m"), sn))
+
+
+def test_a_format_that_cannot_hold_the_weights_is_refused_naming_the_layer():
+    """Regression: a folded weight of 2**-60 needs 24 + 60 exact accumulator bits; set_integer took the
+    default format and every forward then raised 'acc_frac_bits must be an int in [0, 62], got 84',
+    an argument the user never passed, naming no layer."""
+    torch.manual_seed(5)
+    net, x = tiny_weight_net(), torch.randn(6, 3, 2)
+    deploy.set_integer(net, frac_bits=8, acc_frac_bits=30)  # rounds the 2**-60 tap down
+    functional.reset_net(net)
+    in_format_8 = net(x)
+    for call in ({}, dict(calibrate=x)):
+        with pytest.raises(OverflowError, match=r"layer '1'.*2\*\*-60.*acc_frac_bits"):
+            deploy.set_integer(net, **call)
+        assert (net[1].frac_bits, net[1].acc_frac_bits) == (8, 30)  # the format it had
+        functional.reset_net(net)
+        assert torch.equal(net(x), in_format_8)
+
+
+def test_a_failed_calibration_keeps_the_formats_it_found():
+    """Regression: calibration switched every neuron to the float path before running the data, so a
+    calibration input the net cannot run left an integer network on the float path."""
+    torch.manual_seed(6)
+    net = deploy.fold(random_net(2, 1, "param"))
+    deploy.set_integer(net, frac_bits=10)
+    with pytest.raises(RuntimeError):
+        deploy.set_integer(net, calibrate=torch.randn(6, 2, 3, 5))  # 3 input channels, not 2
+    assert all(m.frac_bits == 10 for _, m in deploy.folded_neurons(net))

@@ -275,8 +275,9 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     if tracing.is_leaf(net) or _runs_time_last(net):  # (a network converted by module swapping: still so)
         return _swap_modules(net, conv, boundary)
     inputs = _probes(example_input) if example_input is not None else None
+    reads = []
     try:
-        graph, how, shapes = tracing.trace(net, inputs and inputs[0])
+        graph, how, shapes = tracing.trace(net, inputs and inputs[0], reads=reads)
     except tracing.TraceFailure as e:
         return _modules_only(net, conv, boundary, inputs, str(e), strict)
     if how == "concrete" and _steps_by_hand(net, graph):
@@ -294,7 +295,7 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         tracing.trace(net, inputs[0], every_mode=True)
     except tracing.TraceFailure as e:
         return _modules_only(net, conv, boundary, inputs, str(e), strict)
-    return _rewritten(net, (graph, how, shapes), inputs, conv, boundary, strict)
+    return _rewritten(net, (graph, how, shapes, reads), inputs, conv, boundary, strict)
 
 
 def _steps_by_hand(net: nn.Module, graph) -> bool:
@@ -408,7 +409,7 @@ def _same_steps(inputs: list) -> tuple:
 
 def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: bool, strict: bool) -> nn.Module:
     """Trace-based conversion: the modules converted, and the forward rewritten around them."""
-    graph, how, shapes_a = traced
+    graph, how, shapes_a, reads = traced
     if shapes_a is None:
         try:
             shapes_a = tracing.run_graph(net, graph, inputs[0])[1]
@@ -452,13 +453,13 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
     for parent, name, child in module_slots(net):
         if id(child) in swaps:
             parent._modules[name] = swaps[id(child)]
-    net.__dict__["forward"] = rewrite.GraphForward(checked, net, True, rewriter.time_first_calls, how)
+    net.__dict__["forward"] = rewrite.GraphForward(checked, net, True, rewriter.time_first_calls, how, reads)
     _compat.invalidate_reset_cache(net)
     _check(net, inputs[1], reference, "its forward rewritten")
     if not boundary:
         inner = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, lambda m, p: decided.get(p, False),
                                  False, grown).run()
-        net.__dict__["forward"] = rewrite.GraphForward(inner, net, False, rewriter.time_first_calls, how)
+        net.__dict__["forward"] = rewrite.GraphForward(inner, net, False, rewriter.time_first_calls, how, reads)
     return net
 
 

@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.node import map_arg
 
-from .tracing import time_axis
+from .tracing import changed_reads, time_axis
 
 TIME_LAST, ORIGINAL = "time_last", "original"
 
@@ -485,13 +485,16 @@ class GraphForward:
 
     Installed as the network's ``forward`` by :func:`~spikingjelly_mfpsn.to_time_last`; ``code`` is its
     Python source, ``time_first_calls`` the calls it runs on the original form, ``boundary`` whether it
-    takes and returns time-first tensors. It deep-copies and pickles with the network.
+    takes and returns time-first tensors. It deep-copies and pickles with the network. ``reads``: the
+    plain attribute values the traced forward read (:func:`~spikingjelly_mfpsn.tracing.trace`), which
+    the code holds as constants: a call after one of them changed raises ``RuntimeError``.
     """
 
-    def __init__(self, graph: fx.Graph, net, boundary: bool, time_first_calls=(), traced: str = "symbolic"):
+    def __init__(self, graph: fx.Graph, net, boundary: bool, time_first_calls=(), traced: str = "symbolic",
+                 reads=()):
         code = graph.python_code(root_module="self")
         self.code, self.net, self.boundary = code.src, net, boundary
-        self.time_first_calls, self.traced = list(time_first_calls), traced
+        self.time_first_calls, self.traced, self.reads = list(time_first_calls), traced, list(reads)
         self._globals = dict(code.globals)
         self._compile()
 
@@ -501,6 +504,10 @@ class GraphForward:
         self._fn = namespace["forward"]
 
     def __call__(self, *args, **kwargs):
+        if self.reads and changed_reads(self.reads):
+            raise RuntimeError(f"attributes the forward reads changed since to_time_last traced it "
+                               f"({', '.join(changed_reads(self.reads))}), and its time-last version holds the "
+                               f"values it read; convert again: to_time_first(net), then to_time_last(net, ...)")
         return self._fn(self.net, *args, **kwargs)
 
     def __getstate__(self):
@@ -510,7 +517,7 @@ class GraphForward:
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        self.__dict__.update({"reads": []}, **state)
         self._globals = {k: (importlib.import_module(v.name) if isinstance(v, _Module) else v)
                          for k, v in self._globals.items()}
         self._compile()

@@ -157,16 +157,81 @@ class TraceFailure(Exception):
     """Neither symbolic nor concrete tracing could record the forward (the message says why)."""
 
 
+_MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own attributes (training, hook flags...)
+
+
+def _plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or isinstance(v, tuple) and all(map(_plain, v))
+
+
+class _reads_recorded:
+    """While tracing, record in ``reads`` the plain Python values (numbers, strings, tuples of them) that
+    the traced forwards read from their modules' attributes (``self.T``): ``(path, module, name, value)``,
+    the value at the first read. A graph holds them as constants."""
+
+    def __init__(self, net: nn.Module, reads: list):
+        leaf = _Tracer().is_leaf_module
+        self.traced = [(p, m) for p, m in net.named_modules() if not p or not leaf(m, p)]
+        self.reads, self.seen = reads, {(id(m), name) for _, m, name, _ in reads}
+
+    def _record(self, path: str, m: nn.Module, name: str, value) -> None:
+        if (id(m), name) not in self.seen:
+            self.seen.add((id(m), name))
+            self.reads.append((path, m, name, value))
+
+    def _recording(self, cls: type, path: str) -> type:
+        record = self._record
+
+        def __getattribute__(m, name):
+            value = cls.__getattribute__(m, name)
+            if name not in _MODULE_OWN and name in object.__getattribute__(m, "__dict__") and _plain(value):
+                record(path, m, name, value)
+            return value
+        return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__})
+
+    def __enter__(self):
+        self.classes = [type(m) for _, m in self.traced]
+        for (path, m), cls in zip(self.traced, self.classes):
+            m.__class__ = self._recording(cls, path)
+
+    def __exit__(self, *exc):
+        for (_, m), cls in zip(self.traced, self.classes):
+            m.__class__ = cls
+
+
+def changed_reads(reads: list) -> list[str]:
+    """The recorded reads (see :func:`trace`) whose attribute no longer holds the value read."""
+    missing = object()
+    return [f"{path + '.' if path else 'self.'}{name}: {value!r} -> {now!r}" for path, m, name, value in reads
+            if (now := m.__dict__.get(name, missing)) is not value and not (_plain(now) and now == value)]
+
+
 def _graph(net: nn.Module, tracer: fx.Tracer) -> fx.Graph:
     return tracer.trace(net)
 
 
-def trace(net: nn.Module, example_input=None, every_mode: bool = False) -> tuple[fx.Graph, str, Optional[dict]]:
+def trace(net: nn.Module, example_input=None, every_mode: bool = False,
+          reads: Optional[list] = None) -> tuple[fx.Graph, str, Optional[dict]]:
     """``(graph, how, shapes)``: ``how`` is ``'symbolic'`` or ``'concrete'`` (then ``shapes`` holds every
     node's value's shape on ``example_input``, else None); :class:`TraceFailure` if neither works
     (concrete tracing needs ``example_input``), and with ``every_mode`` where the graph would not be the
     forward in every mode: the forward branches on ``self.training`` or switches gradient or autocast
-    mode."""
+    mode. ``reads``: a list that gets the plain attribute values the forwards read (see
+    :func:`changed_reads`); a forward that changes one it reads raises :class:`TraceFailure`."""
+    reads = [] if reads is None else reads
+    with _reads_recorded(net, reads):
+        traced = _trace(net, example_input, every_mode)
+    changed = changed_reads(reads)
+    if changed:  # (the trace's runs of the forward leave the values as they were)
+        for _, m, name, value in reads:
+            m.__dict__[name] = value
+        raise TraceFailure(f"its forward changes attributes it reads ({', '.join(changed)}), which a trace "
+                           f"records as constants")
+    return traced
+
+
+def _trace(net: nn.Module, example_input, every_mode: bool) -> tuple[fx.Graph, str, Optional[dict]]:
     def tracer(*args) -> _Tracer:
         t = _ConcreteTracer(*args) if args else _Tracer()
         t.watch_modes = every_mode

@@ -691,3 +691,62 @@ def test_a_forward_with_a_tensor_constant_converts():
     functional.reset_net(net)
     converted = to_time_last(copy.deepcopy(net), example_input=x, strict=True)
     assert torch.equal(converted(x), want)
+
+
+class StepsAttribute(nn.Module):
+    """A forward that reads its number of steps from ``self.T`` (a trace holds it as a constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.T = 4
+        self.fc = nn.Linear(3, 5)
+        self.sn = MulFreeChannelwisePSN(5, k=2, threshold="param", v_threshold=0.1, step_mode="m")
+
+    def forward(self, x):
+        return self.sn(self.fc(x.flatten(0, 1)).view(self.T, -1, 5)).mean(0)
+
+
+@pytest.mark.parametrize("steps, batch", [(8, 1), (8, 2), (2, 4)])
+def test_a_converted_forward_refuses_to_run_after_an_attribute_it_read_changed(steps, batch):
+    """Regression: the rewritten forward kept ``view(4, -1, 5)`` after ``net.T = 8``: with one sample it
+    returned two rows, silently; now it names the attribute, and converting again gives the original's
+    outputs."""
+    torch.manual_seed(0)
+    original = StepsAttribute()
+    net = to_time_last(copy.deepcopy(original), example_input=torch.randn(4, 2, 3))
+    original.T = net.T = steps
+    x = torch.randn(steps, batch, 3)
+    with pytest.raises(RuntimeError, match=rf"self\.T: 4 -> {steps}.*to_time_first"):
+        net(x)
+    net = to_time_last(to_time_first(net), example_input=x)
+    functional.reset_net(net)
+    torch.testing.assert_close(net(x), original(x))
+
+
+class CountsCalls(nn.Module):
+    """A forward that changes a Python value it reads (a trace would hold the first value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.fc = layer.Linear(3, 5, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(5, k=2, threshold="param", v_threshold=0.1, step_mode="m")
+
+    def forward(self, x):
+        self.calls += 1
+        return self.sn(self.fc(x)).flatten(1).mean(1) * (1.0 if self.calls < 3 else 2.0)
+
+
+def test_a_forward_that_changes_what_it_reads_is_not_rewritten():
+    """Regression: the rewritten forward held ``self.calls`` as the trace saw it, so from the third call on
+    it gave half the original's outputs, silently; now such a forward is not rewritten (here the modules
+    alone do not convert either: refused), and the traces leave the counter as it was."""
+    torch.manual_seed(0)
+    net, x = CountsCalls(), torch.randn(4, 2, 3)
+    with pytest.raises(UnconvertibleModuleError, match=r"changes attributes it reads \(self\.calls: 0 -> "):
+        to_time_last(net, example_input=x, strict=True)
+    assert net.calls == 0 and not has_time_last_boundary(net)
+    with pytest.warns(UserWarning, match=r"changes attributes it reads"), \
+            pytest.raises(UnconvertibleModuleError, match="left time-first"):
+        to_time_last(net, example_input=x)
+    assert not has_time_last_boundary(net)

@@ -3,6 +3,8 @@ stateless op on one step, BatchNorm folding, and the walk over a traced forward.
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 import operator
 from typing import Optional
 
@@ -16,7 +18,7 @@ from .neuron import MulFreeChannelwisePSN
 
 
 # SpikingJelly's containers that hand their children one step (or the steps as a batch) at a time.
-_STEP_CONTAINERS = tuple(c for c in map(_compat.sj_layer, ("SeqToANNContainer", "MultiStepContainer")) if c)
+STEP_CONTAINERS = tuple(c for c in map(_compat.sj_layer, ("SeqToANNContainer", "MultiStepContainer")) if c)
 
 
 def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[str, nn.Module]]:
@@ -25,32 +27,76 @@ def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[s
     MultiStepContainer, which hand them steps): a plain ``torch.nn.Flatten`` there is given as the same
     flatten of one step."""
     if isinstance(net, nn.Sequential):
-        out, whole = [], whole and not isinstance(net, _STEP_CONTAINERS)
-        for name, child in net.named_children():
-            out += layers(child, f"{prefix}{name}.", whole)
+        out, whole = [], whole and not isinstance(net, STEP_CONTAINERS)
+        for name, child in net._modules.items():  # (every place: a layer used twice is listed twice)
+            if child is not None:
+                out += layers(child, f"{prefix}{name}.", whole)
         return out
     name = prefix.rstrip(".") or type(net).__name__
-    return [(name, _one_step_flatten(name, net) if whole and type(net) is nn.Flatten else net)]
+    return [(name, _StepFlatten(name, net) if whole and type(net) is nn.Flatten else net)]
 
 
-def _one_step_flatten(name: str, module: nn.Flatten) -> nn.Flatten:
-    """The flatten of one step (N, ...) that ``module`` does on a whole time-first sequence (its dims
-    counted from 0 one lower); a ValueError where it would flatten the time or batch axis."""
-    start, end = module.start_dim, module.end_dim
-    if 0 <= start < 2 or 0 <= end < 2:
-        raise ValueError(f"layer {name!r}: torch.nn.Flatten(start_dim={start}, end_dim={end}) in a multi-step "
-                         f"network flattens the time or batch axis of the (T, N, ...) sequence, which no "
-                         f"per-step layer does; flatten from dim 2 on, or use SpikingJelly's layer.Flatten")
-    return nn.Flatten(start - 1 if start > 0 else start, end - 1 if end > 0 else end)
+def unique(seq: list, used: set) -> list:
+    """``seq`` (``layers``' list) renamed where a name is in ``used`` (a layer called twice, or named like
+    an exporter's own input and output): ``name_2``, ``name_3``...; ``used`` gets the names."""
+    out = []
+    for name, module in seq:
+        new, i = name, 1
+        while new in used:
+            i += 1
+            new = f"{name}_{i}"
+        used.add(new)
+        out.append((new, module))
+    return out
+
+
+class _StepFlatten(nn.Flatten):
+    """The flatten of one step (N, ...) that a ``torch.nn.Flatten`` does on a whole time-first sequence
+    (its dims counted from 0 one lower); a ValueError where it would flatten the time or batch axis."""
+
+    def __init__(self, name: str, module: nn.Flatten):
+        start, end = module.start_dim, module.end_dim
+        if 0 <= start < 2 or 0 <= end < 2:
+            raise _flattens_time_or_batch(name, module)
+        super().__init__(start - 1 if start > 0 else start, end - 1 if end > 0 else end)
+        self.name, self.whole = name, module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if any(d < 0 and x.dim() + d <= 0 for d in (self.start_dim, self.end_dim)):  # (reaches N, or T)
+            raise _flattens_time_or_batch(self.name, self.whole)
+        return super().forward(x)
+
+
+def _flattens_time_or_batch(name: str, module: nn.Flatten) -> ValueError:
+    return ValueError(f"layer {name!r}: torch.nn.Flatten(start_dim={module.start_dim}, end_dim={module.end_dim}) "
+                      f"in a multi-step network flattens the time or batch axis of the (T, N, ...) sequence, "
+                      f"which no per-step layer does; flatten from dim 2 on, or use SpikingJelly's layer.Flatten")
+
+
+def check_dt(dt, name: str = "dt") -> float:
+    """``dt`` as a float: a finite number > 0 (a Python or NumPy number, not a bool)."""
+    if not isinstance(dt, numbers.Real) or isinstance(dt, bool) or not (math.isfinite(dt) and dt > 0):
+        raise ValueError(f"{name} must be a positive number, got {dt!r}")
+    return float(dt)
 
 
 def per_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module``'s stateless op on one step ``x`` (N, ...), through its torch.nn base class's forward
-    (a SpikingJelly layer in multi-step mode expects a time axis)."""
+    (a SpikingJelly layer in multi-step mode expects a time axis); a dropout, in eval, passes ``x``."""
+    if is_dropout(module):
+        return x
+    if isinstance(module, _StepFlatten):
+        return module(x)
     for cls in type(module).__mro__:
-        if cls.__module__.startswith("torch.nn.modules") and "forward" in cls.__dict__:
+        if cls.__module__.startswith("torch.nn.modules") and "forward" in cls.__dict__ and cls is not nn.Module:
             return cls.forward(module, x)
     return module(x)
+
+
+def is_dropout(module: nn.Module) -> bool:
+    """torch's dropouts and SpikingJelly's (which pass their input unchanged in eval)."""
+    return isinstance(module, (nn.modules.dropout._DropoutNd, nn.Identity)) or \
+        type(module).__name__ in ("Dropout", "Dropout2d")
 
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)  # (SpikingJelly's subclass them)
@@ -65,9 +111,13 @@ def fold_bn(weight, bias, bn: nn.BatchNorm1d):
     return weight * scale.reshape(-1, *[1] * (weight.dim() - 1)), bias * scale + shift
 
 
-def bn_after(seq, i):
-    """The BatchNorm right after layer ``i`` of ``seq`` (``layers``' list), or None."""
+def bn_after(seq, i, error: type = ValueError):
+    """The BatchNorm right after layer ``i`` of ``seq`` (``layers``' list), or None; ``error`` where it has
+    no running statistics to fold."""
     nxt = seq[i + 1][1] if i + 1 < len(seq) else None
+    if isinstance(nxt, BATCH_NORMS) and nxt.running_mean is None:
+        raise error(f"layer {seq[i + 1][0]!r}: a BatchNorm without running statistics (track_running_stats=False) "
+                    f"cannot be folded")
     return nxt if isinstance(nxt, BATCH_NORMS) else None
 
 
@@ -101,7 +151,7 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
     BatchNorm appended to the Conv/Linear whose only user it is), ``out.sum(name, a, b)`` for an addition
     and ``out.flatten(name, value, start, feat)`` for a flatten to the end (``feat``: the per-step shape of
     the time-first value). Returns the output's value; anything else raises ``error`` naming the call."""
-    values, folded_into = {}, {}
+    values, folded_into, used = {}, {}, set(out.reserved)
     for node in graph.nodes:
         if node.op == "placeholder":
             values[node] = out.input()
@@ -117,12 +167,12 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
                     isinstance(net.get_submodule(user.target), BATCH_NORMS):
                 seq.append((user.target, net.get_submodule(user.target)))
                 folded_into[user] = node
-            values[node], _ = out.chain(seq, values[node.args[0]], tuple(shapes[node.args[0]][2:]))
+            values[node], _ = out.chain(unique(seq, used), values[node.args[0]], tuple(shapes[node.args[0]][2:]))
         elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
-            values[node] = out.sum(node.name, values[node.args[0]], values[node.args[1]])
+            values[node] = out.sum(unique([(node.name, None)], used)[0][0], values[node.args[0]], values[node.args[1]])
         elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
-            values[node] = out.flatten(node.name, values[node.args[0]], _flatten_start(node),
-                                       tuple(shapes[node.args[0]][2:]))
+            values[node] = out.flatten(unique([(node.name, None)], used)[0][0], values[node.args[0]],
+                                       _flatten_start(node), tuple(shapes[node.args[0]][2:]))
         else:
             raise error(f"{rewrite.describe(node)} cannot be exported: the exporters follow modules, "
                         f"additions (residual connections) and flatten")
@@ -134,7 +184,7 @@ def follow(net: nn.Module, example_input: torch.Tensor, out, error: type):
     layer for an ``nn.Sequential`` (or a lone neuron), else along its forward traced on ``example_input``."""
     feat = tuple(example_input.shape[2:])
     if isinstance(net, (nn.Sequential, deploy.FoldedMulFreePSN)):
-        return out.chain(layers(net), out.input(), feat)
+        return out.chain(unique(layers(net), set(out.reserved)), out.input(), feat)
     try:
         graph, _, _ = tracing.trace(net, example_input)
     except tracing.TraceFailure as e:

@@ -495,7 +495,8 @@ def _widest_format(name: str, m: "FoldedMulFreePSN", top: float, acc_frac_bits: 
     for f in range(_MAX_BITS, -1, -1):
         extra = (acc_frac_bits - f) if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, f) - f
         shifts = max(0, int(m.shift.max()) + extra) if m.shift.numel() else 0
-        if top_bits + f + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS:
+        if top_bits + f + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS \
+                and f + extra <= _MAX_BITS:
             return f
     raise OverflowError(f"calibrate: layer {name!r}: inputs up to {top:g} do not fit an int64 accumulator with "
                         f"any fixed-point format" + ("" if acc_frac_bits is not None else

@@ -19,7 +19,6 @@ call raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjelly
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
@@ -33,7 +32,7 @@ except ImportError:  # pragma: no cover (the message is tested by simulating a m
     _nir = None
 
 from . import deploy
-from ._export import bn_after, fold_bn, follow, per_step, prepared
+from ._export import bn_after, check_dt, fold_bn, follow, is_dropout, per_step, prepared
 
 __all__ = ["NIRExportError", "NIRImportError", "NIRNetwork", "export_to_nir", "import_from_nir"]
 
@@ -63,8 +62,6 @@ def _weighted(name, module, bn, feat):
     nir = _nir
     weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
     if bn is not None:
-        if bn.running_mean is None:
-            raise NIRExportError(f"layer {name!r}: a BatchNorm without running statistics cannot be folded")
         weight, bias = fold_bn(weight, bias, bn)
     if isinstance(module, nn.Linear):
         return nir.Linear(_np(weight)) if bias is None else nir.Affine(_np(weight), _np(bias))
@@ -92,7 +89,7 @@ def _ungrouped(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return dense
 
 
-def _avgpool1d(name, module, feat):
+def _avgpool1d(name, module, feat, dtype):
     """AvgPool1d as a Conv1d with weights 1/size on the diagonal: exact when the size is a power of two."""
     size, stride, pad = (v[0] if isinstance(v, tuple) else v for v in (module.kernel_size, module.stride,
                                                                       module.padding))
@@ -100,8 +97,8 @@ def _avgpool1d(name, module, feat):
         raise NIRExportError(f"layer {name!r}: AvgPool1d is exported as a Conv1d with weights 1/kernel_size, exact only "
                              f"for a power-of-two kernel_size without ceil_mode (got {module})")
     c = feat[0]
-    weight = _ungrouped(torch.full((c, 1, size), 1.0 / size), c)
-    return _nir.Conv1d(feat[-1], _np(weight), stride, pad, 1, 1, np.zeros(c, dtype=np.float32))
+    weight = _ungrouped(torch.full((c, 1, size), 1.0 / size, dtype=dtype), c)
+    return _nir.Conv1d(feat[-1], _np(weight), stride, pad, 1, 1, np.zeros(c, dtype=_np(weight).dtype))
 
 
 def _avgpool2d(name, module):
@@ -115,19 +112,19 @@ def _avgpool2d(name, module):
                           np.array(pair(module.padding)))
 
 
-def _stateless(name, module, seq, i, feat):
+def _stateless(name, module, seq, i, feat, dtype):
     """``(node or None, index of the last layer it covers)`` for a stateless layer; raises for the rest."""
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-        bn = bn_after(seq, i)
+        bn = bn_after(seq, i, NIRExportError)
         return _weighted(name, module, bn, feat), i + (bn is not None)
     if isinstance(module, nn.AvgPool1d):
-        return _avgpool1d(name, module, feat), i
+        return _avgpool1d(name, module, feat, dtype), i
     if isinstance(module, nn.AvgPool2d):
         return _avgpool2d(name, module), i
     if isinstance(module, nn.Flatten):  # (N, ...) -> NIR's per-sample dims; negative ones count from the end
         start, end = (d - 1 if d > 0 else d for d in (module.start_dim, module.end_dim))
         return _nir.Flatten({"input": np.array(feat)}, start, end), i
-    if isinstance(module, (nn.Dropout, nn.Identity)) or type(module).__name__ in ("Dropout", "Dropout2d"):
+    if is_dropout(module):
         return None, i
     raise NIRExportError(f"layer {name!r} ({type(module).__name__}) has no exact NIR 1.0 equivalent; export_to_nir "
                          f"takes MF-PSN neurons, Linear, Conv1d/Conv2d (+ BatchNorm), AvgPool1d/AvgPool2d, "
@@ -163,6 +160,8 @@ class _Builder:
     """The NIR nodes and edges of an export in progress. A value of the network is a list of node names
     whose outputs add up to it (NIR adds the edges that enter a node), so ``a + b`` needs no node."""
 
+    reserved = {"input", "output"}  # (names of its own; a layer named so is renamed)
+
     def __init__(self, dt: float, dtype: torch.dtype):
         self.dt, self.dtype, self.nodes, self.edges = dt, dtype, {}, []
 
@@ -178,7 +177,7 @@ class _Builder:
                 self.edges += [(src, dst) for src in sources for dst in entries] + more_edges
                 sources = [name]
             else:
-                node, j = _stateless(name, module, seq, i, feat)
+                node, j = _stateless(name, module, seq, i, feat, self.dtype)
                 with torch.no_grad():
                     for _, m in seq[i:j + 1]:
                         probe = per_step(m, probe)
@@ -225,8 +224,7 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
             cannot be traced.
     """
     nir = _require_nir()
-    if not (isinstance(dt, (int, float)) and math.isfinite(dt) and dt > 0):
-        raise ValueError(f"dt must be a positive number, got {dt!r}")
+    dt = check_dt(dt)
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3:
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
@@ -380,7 +378,8 @@ class NIRNetwork(nn.Module):
 
     def __init__(self, graph, dt: Optional[float] = None):
         super().__init__()
-        dt = float(graph.metadata.get("dt", 1.0)) if dt is None else float(dt)
+        dt = check_dt(graph.metadata.get("dt", 1.0) if dt is None else dt,
+                      "dt" if dt is not None else "the graph's metadata['dt']")
         inputs = [n for n, node in graph.nodes.items() if isinstance(node, _nir.Input)]
         outputs = [n for n, node in graph.nodes.items() if isinstance(node, _nir.Output)]
         if len(inputs) != 1 or len(outputs) != 1:

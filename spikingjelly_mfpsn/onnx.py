@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover (the message is tested with the package 
     _onnx = None
 
 from . import deploy
-from ._export import bn_after, fold_bn, follow, per_step, prepared
+from ._export import STEP_CONTAINERS, bn_after, fold_bn, follow, is_dropout, per_step, prepared
 
 __all__ = ["ONNXExportError", "export_onnx"]
 
@@ -51,6 +51,8 @@ def _require_onnx():
 class _Graph:
     """The nodes and constants of the ONNX graph under construction (value names are unique). A value of
     the network is a tensor of shape ``(B, ...)``: ``B = T * N`` (whole sequence) or ``N`` (streaming)."""
+
+    reserved = {"x", "x.flat", "x.flat_shape", "y", "y.shape"}  # (names of its own; a layer named so is renamed)
 
     def __init__(self, t: int, n: int, streaming: bool):
         self.nodes, self.constants, self.inputs, self.outputs = [], [], [], []
@@ -79,7 +81,8 @@ class _Graph:
             else:
                 with torch.no_grad():
                     probe = per_step(module, probe)
-                    if bn_after(seq, i) is not None and isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+                    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) and \
+                            bn_after(seq, i, ONNXExportError) is not None:
                         probe = per_step(seq[i + 1][1], probe)
                 feat = tuple(probe.shape[1:])
                 x, i = _stateless(self, name, module, seq, i, x, feat)
@@ -136,7 +139,7 @@ def _stateless(g: _Graph, name, module, seq, i, x, out_shape):
         return _pool(g, name, module, x), i
     if isinstance(module, nn.Flatten):
         return g.op("Reshape", [x, g.const(f"{name}.shape", np.array((-1,) + out_shape, dtype=np.int64))], name), i
-    if isinstance(module, (nn.Dropout, nn.Identity)) or type(module).__name__ in ("Dropout", "Dropout2d"):
+    if is_dropout(module):
         return x, i
     raise ONNXExportError(f"layer {name!r} ({type(module).__name__}) has no ONNX form here; export_onnx takes "
                           f"folded MF-PSN neurons, Linear, Conv1d/Conv2d (+ BatchNorm), average and max pooling, "
@@ -229,21 +232,33 @@ def _integer_copy(net: nn.Module, example_input: torch.Tensor) -> nn.Module:
     """A time-first, eval, folded copy of ``net`` in integer arithmetic (its neurons' formats, else
     calibrated on ``example_input`` as :func:`.deploy.set_integer` does)."""
     net = prepared(net)
-    neurons = deploy.folded_neurons(net)  # (raises where there is none)
+    if not any(isinstance(m, deploy.FoldedMulFreePSN) for m in net.modules()):
+        raise ONNXExportError("export_onnx writes networks of MF-PSN neurons (MulFreeChannelwisePSN), and net has none")
+    inside = {id(c) for m in net.modules() if isinstance(m, STEP_CONTAINERS) for c in m.modules() if c is not m}
+    single = [n or type(net).__name__ for n, m in net.named_modules() if getattr(m, "step_mode", "m") == "s"
+              and (id(m) not in inside or isinstance(m, deploy.FoldedMulFreePSN))]
+    if single:
+        raise ONNXExportError(f"export_onnx runs the network on whole (T, N, ...) sequences, and {', '.join(single)} "
+                              f"{'is' if len(single) == 1 else 'are'} in step_mode='s': functional.set_step_mode(net, "
+                              f"'m') first (a neuron inside a MultiStepContainer too)")
+    neurons = deploy.folded_neurons(net)
     if any(m.frac_bits is None for _, m in neurons):
         with torch.no_grad():
             deploy.set_integer(net, calibrate=example_input)
     return net
 
 
-def _check_args(example_input, opset):
+def _check_args(onnx, example_input, opset, streaming):
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3 \
             or example_input.dtype != torch.float32:
         raise ValueError("example_input must be a float32 time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'dtype', type(example_input).__name__)} "
                          f"{tuple(getattr(example_input, 'shape', ()))}")
-    if opset is not None and (not isinstance(opset, int) or opset < 13):
-        raise ValueError(f"opset must be an int >= 13, got {opset!r}")
+    newest = onnx.defs.onnx_opset_version()
+    if opset is not None and (not isinstance(opset, int) or isinstance(opset, bool) or not 13 <= opset <= newest):
+        raise ValueError(f"opset must be an int in [13, {newest}] (the installed onnx's newest), got {opset!r}")
+    if not isinstance(streaming, bool):
+        raise ValueError(f"streaming must be True or False, got {streaming!r}")
 
 
 def export_onnx(net: nn.Module, example_input: torch.Tensor, path: Optional[str] = None, streaming: bool = False,
@@ -267,7 +282,7 @@ def export_onnx(net: nn.Module, example_input: torch.Tensor, path: Optional[str]
             right shifts.
     """
     onnx = _require_onnx()
-    _check_args(example_input, opset)
+    _check_args(onnx, example_input, opset, streaming)
     net = _integer_copy(net, example_input)
     t, n, feat = example_input.shape[0], example_input.shape[1], tuple(example_input.shape[2:])
     g = _Graph(t, n, streaming)

@@ -38,6 +38,37 @@ def calibrated(net, x, steps=40):
     return net.eval()
 
 
+class SharedPool(nn.Module):
+    """Two conv-MF-PSN stages that call one pooling module each, and a readout attribute named ``output``."""
+
+    def __init__(self):
+        from spikingjelly.activation_based import layer
+        from spikingjelly_mfpsn import MulFreeChannelwisePSN
+        super().__init__()
+        self.c1, self.c2 = (layer.Conv2d(c, 2, 3, padding=1, step_mode="m") for c in (1, 2))
+        self.sn1, self.sn2 = (MulFreeChannelwisePSN(2, k=k, threshold="param", v_threshold=0.05, step_mode="m")
+                              for k in (2, 3))
+        self.pool = layer.AvgPool2d(2, step_mode="m")
+        self.output = layer.Linear(8, 3, step_mode="m")
+
+    def forward(self, x):
+        x = self.pool(self.sn1(self.c1(x)))
+        return self.output(torch.flatten(self.pool(self.sn2(self.c2(x))), 2))
+
+
+def shared_layers_net(names=("0", "1", "2", "3")) -> nn.Sequential:
+    """One Linear and one MF-PSN, each used twice in one Sequential, under ``names``; and SpikingJelly's
+    dropouts, which pass their input in eval."""
+    from collections import OrderedDict
+    from spikingjelly.activation_based import layer
+    from spikingjelly_mfpsn import MulFreeChannelwisePSN
+    torch.manual_seed(0)
+    lin = layer.Linear(4, 4, step_mode="m")
+    sn = MulFreeChannelwisePSN(4, k=2, threshold="param", v_threshold=0.0, step_mode="m")
+    modules = [lin, sn, layer.Dropout(0.5, step_mode="m"), lin, sn]
+    return nn.Sequential(OrderedDict(zip(names[:2] + ("drop",) + names[2:], modules))).eval()
+
+
 class Residual(nn.Module):
     """Conv-BN-MF-PSN twice with a residual addition, then torch.flatten, a readout and ``tail``."""
 

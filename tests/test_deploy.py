@@ -615,3 +615,22 @@ def test_a_failed_calibration_keeps_the_formats_it_found():
     with pytest.raises(RuntimeError):
         deploy.set_integer(net, calibrate=torch.randn(6, 2, 3, 5))  # 3 input channels, not 2
     assert all(m.frac_bits == 10 for _, m in deploy.folded_neurons(net))
+
+
+def test_calibration_keeps_the_exact_accumulator_inside_int64():
+    """Regression: small inputs and a 2**-3 weight got 60 fractional bits, whose exact accumulator needs
+    63; set_integer(calibrate=x) then raised OverflowError on its own calibration data."""
+    torch.manual_seed(0)
+    lin = layer.Linear(3, 2, step_mode="m")
+    sn = MulFreeChannelwisePSN(2, k=1, step_mode="m", threshold="param", v_threshold=-0.2)
+    with torch.no_grad():
+        lin.weight.mul_(0.01)
+        lin.bias.zero_()
+        sn.weight.fill_(0.125)
+    net, x = deploy.fold(nn.Sequential(lin, sn)), torch.rand(4, 2, 3)
+    functional.reset_net(net)
+    want = net(x)
+    deploy.set_integer(net, calibrate=x)
+    assert deploy.exact_acc_frac_bits(net[1].shift, net[1].frac_bits) <= 62
+    functional.reset_net(net)
+    assert torch.equal(net(x), want)

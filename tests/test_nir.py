@@ -10,7 +10,8 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import Residual, calibrated, digits_sequences, export_error_without, run_inference_example
+from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, run_inference_example,
+                  shared_layers_net)
 
 nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
 from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
@@ -234,3 +235,59 @@ def test_a_float64_network_with_valid_padding_round_trips_in_float64():
     assert {p.dtype for p in back.parameters()} == {torch.float64}
     got = run(back, x)
     assert got.dtype == torch.float64 and torch.equal(got, run(net, x))
+
+
+@pytest.mark.parametrize("names", [("0", "1", "2", "3"), ("input", "sn", "output", "sn2")])
+def test_a_layer_used_twice_is_exported_at_each_place(names):
+    """Regression: a Linear and a neuron used twice in one Sequential were exported once (the graph had one
+    Affine, and other outputs), layers named 'input' or 'output' overwrote the graph's own nodes, and
+    SpikingJelly's Dropout failed with 'missing forward'."""
+    net, x = shared_layers_net(names), torch.randn(5, 3, 4)
+    graph = export_to_nir(net, x)
+    assert sum(isinstance(n, nir.Affine) for n in graph.nodes.values()) == 2
+    assert torch.equal(run(import_from_nir(graph), x), run(net, x))
+
+
+def test_a_module_called_twice_in_a_forward_is_exported_at_each_call():
+    """Regression: a pooling module called twice gave two nodes of one name (a type inference error)."""
+    torch.manual_seed(0)
+    net, x = SharedPool().eval(), torch.randn(4, 2, 1, 8, 8)
+    graph = export_to_nir(net, x)
+    assert sum(isinstance(n, nir.AvgPool2d) for n in graph.nodes.values()) == 2
+    assert torch.equal(run(import_from_nir(graph), x), run(net, x))
+
+
+def test_a_float64_average_pool_keeps_float64():
+    """Regression: AvgPool1d was written as a float32 Conv1d into a float64 graph (a dtype error on import)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(1, 2, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(2, k=2, step_mode="m"),
+                        layer.AvgPool1d(2, step_mode="m"), MulFreeChannelwisePSN(2, k=2, step_mode="m")).eval().double()
+    x = torch.randn(4, 2, 1, 8, dtype=torch.float64)
+    graph = export_to_nir(net, x)
+    assert graph.nodes["2"].weight.dtype == np.float64
+    assert torch.equal(run(import_from_nir(graph), x), run(net, x))
+
+
+@pytest.mark.parametrize("start", [-2, -3])
+def test_a_negative_torch_flatten_reaching_the_batch_axis_is_named(start):
+    """Regression: nn.Flatten(-2) of a (T, N, C) sequence flattens N and C; only dims 0 and 1 were refused."""
+    net = nn.Sequential(layer.Linear(4, 2, step_mode="m"), MulFreeChannelwisePSN(2, k=2, step_mode="m"), nn.Flatten(start))
+    with pytest.raises(ValueError, match=rf"layer '2': torch.nn.Flatten\(start_dim={start}, end_dim=-1\).*time or batch"):
+        export_to_nir(net.eval(), torch.rand(3, 2, 4))
+
+
+def test_dt_arguments():
+    """A NumPy number is a number; a negative dt on import is refused (it was accepted)."""
+    net = boundary_neuron()
+    graph = export_to_nir(net, torch.rand(3, 1, 1), dt=np.float32(0.5))
+    assert graph.metadata["dt"] == 0.5
+    for bad in (-1, 0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="dt must be a positive number"):
+            import_from_nir(graph, dt=bad)
+
+
+def test_a_batch_norm_without_running_statistics_is_named():
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, track_running_stats=False, step_mode="m"),
+                        MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    with pytest.raises(NIRExportError, match="layer '1': a BatchNorm without running statistics"):
+        export_to_nir(net, torch.randn(4, 2, 3))

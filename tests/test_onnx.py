@@ -12,7 +12,8 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import Residual, calibrated, digits_sequences, export_error_without, run_inference_example
+from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, run_inference_example,
+                  shared_layers_net)
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
@@ -173,3 +174,71 @@ def test_valid_padding_and_a_torch_flatten_of_the_sequence_export():
     x = torch.rand(5, 2, 1, 6)
     y = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
     assert torch.equal(torch.from_numpy(y), run(net, x))
+
+
+def integer_reference(net, x):
+    """``net`` folded and calibrated on ``x`` by deploy (what export_onnx writes), run on ``x``."""
+    ref = deploy.fold(copy.deepcopy(net))
+    with torch.no_grad():
+        deploy.set_integer(ref, calibrate=x)
+    return run(ref, x)
+
+
+@pytest.mark.parametrize("names", [("0", "1", "2", "3"), ("x", "y", "y_2", "sn2")])
+def test_a_layer_used_twice_is_exported_at_each_place(names):
+    """Regression: a Linear and a neuron used twice in one Sequential were exported once (other outputs),
+    layers named like the model's input and output gave invalid models, and SpikingJelly's Dropout failed
+    with 'missing forward'."""
+    net, x = shared_layers_net(names), torch.randn(5, 3, 4)
+    got = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
+    assert torch.equal(torch.from_numpy(got), integer_reference(net, x))
+
+
+def test_a_module_called_twice_in_a_forward_is_exported_at_each_call():
+    """Regression: a pooling module called twice gave two nodes of one name (an invalid model)."""
+    torch.manual_seed(0)
+    net, x = SharedPool().eval(), torch.randn(4, 2, 1, 8, 8)
+    got = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(got), integer_reference(net, x))  # (a float readout last)
+
+
+def test_calibration_keeps_the_exact_accumulator_inside_int64():
+    """Regression: calibration took 60 fractional bits for small inputs and a 2**-3 weight, whose exact
+    accumulator needs 63 bits: export_onnx (and set_integer(calibrate=x)) raised OverflowError."""
+    torch.manual_seed(0)
+    lin = layer.Linear(3, 2, step_mode="m")
+    sn = MulFreeChannelwisePSN(2, k=1, step_mode="m", threshold="param", v_threshold=-0.2)
+    with torch.no_grad():
+        lin.weight.mul_(0.01)
+        lin.bias.zero_()
+        sn.weight.fill_(0.125)
+    net, x = nn.Sequential(lin, sn).eval(), torch.rand(4, 2, 3)
+    got = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
+    assert torch.equal(torch.from_numpy(got), integer_reference(net, x))
+
+
+def test_what_cannot_be_exported_is_named():
+    x = torch.randn(4, 2, 3)
+    good = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    for call, match in ((dict(opset=99), r"opset must be an int in \[13, "), (dict(opset=True), "opset"),
+                        (dict(streaming="no"), "streaming must be True or False")):
+        with pytest.raises(ValueError, match=match):
+            export_onnx(good, x, **call)
+    with pytest.raises(ONNXExportError, match="MF-PSN neurons.*and net has none"):
+        export_onnx(nn.Sequential(layer.Linear(3, 4, step_mode="m")).eval(), x)
+    single = nn.Sequential(layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2)).eval()
+    with pytest.raises(ONNXExportError, match=r"0, 1 are in step_mode='s'.*set_step_mode"):
+        export_onnx(single, x)
+    contained = nn.Sequential(layer.Linear(3, 4, step_mode="m"),
+                              layer.MultiStepContainer(MulFreeChannelwisePSN(4, k=2))).eval()
+    with pytest.raises(ONNXExportError, match=r"1\.0 is in step_mode='s'"):
+        export_onnx(contained, x)
+    no_stats = nn.Sequential(layer.Linear(3, 4, step_mode="m"),
+                             layer.BatchNorm1d(4, track_running_stats=False, step_mode="m"),
+                             MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    with pytest.raises(ONNXExportError, match="layer '1': a BatchNorm without running statistics"):
+        export_onnx(no_stats, x)
+    flat = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
+                         nn.Flatten(-2)).eval()
+    with pytest.raises(ValueError, match=r"layer '2': torch.nn.Flatten\(start_dim=-2.*time or batch"):
+        export_onnx(flat, x)

@@ -84,8 +84,9 @@ def _restore(net: nn.Module, snap) -> None:
         state = net.state_dict(keep_vars=True)
         for k, v in buffers.items():
             state[k].copy_(v)
-    for p in net.parameters():
-        p.grad = grads.get(id(p))
+    for p in net.parameters():  # (a copy: the next timed backward accumulates into .grad in place)
+        g = grads.get(id(p))
+        p.grad = None if g is None else g.clone()
     _compat.functional.reset_net(net)
 
 

@@ -1122,3 +1122,19 @@ def test_progress_bar_only_on_a_terminal_by_default(progress, bar, tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert ("autoselect time_first" in out.stderr) is bar, out.stderr[-2000:]
+
+
+def test_autoselect_leaves_accumulated_gradients_as_they_were():
+    """Regression: the first restore handed the saved gradient itself back to ``.grad``; the next timed
+    backward accumulated into it in place, so every later restore put back a sum of timing runs (a
+    bias gradient went from 2e-7 to 450), silently, in the middle of a gradient accumulation."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(2, 4, 3, padding=1), layer.BatchNorm1d(4), MulFreeChannelwisePSN(4, k=3),
+                        layer.Flatten(), layer.Linear(4 * 5, 3))
+    functional.set_step_mode(net, "m")
+    x = torch.randn(6, 3, 2, 5)
+    net(x).sum().backward()
+    functional.reset_net(net)
+    before = {n: p.grad.clone() for n, p in net.named_parameters()}
+    mf.autoselect(net, x, cache=False, progress=False, layouts=("time_first",))
+    assert all(torch.equal(p.grad, before[n]) for n, p in net.named_parameters())

@@ -73,10 +73,12 @@ class _PowerOfTwoRoundSTE(torch.autograd.Function):
     """Q with ``round'(x) = 1``: ``dQ/dw = 2 ** round(log2|w|) / |w|`` (0 at w = 0)."""
 
     @staticmethod
-    def forward(ctx, w):
-        q = quantize_pow2_(w)
-        ctx.save_for_backward(w, q)
-        return q
+    def forward(w):
+        return quantize_pow2_(w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form runs under torch.func transforms too)
+        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, grad):

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 from spikingjelly.activation_based import functional, neuron, surrogate
+from torch.func import functional_call
 
 import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
@@ -765,3 +766,35 @@ def test_a_constant_channel_has_no_batch_variance(method, layout, eps):
     h, _ = reference.mfpsn_charge(xr, w, 1, layout, "bn", gamma=gamma, beta=beta, eps=eps,
                                   stats=(w[:, 0] * xr.flatten()[0], torch.zeros(3, dtype=torch.float64)))
     assert torch.equal(s.double(), (h >= 0).double())
+
+
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+@pytest.mark.parametrize("threshold, ste", [("param", "whole"), ("param", "round"), ("bn", "whole")])
+def test_torch_func_grad_gives_the_reference_gradients_in_every_torch_method(layout, threshold, ste):
+    """Regression: ``torch.func.grad`` over ``functional_call`` failed in ``shift_add`` (the default
+    method on the CPU), and with ``ste='round'`` or a ``(N, C, 1)`` input, in every method: their autograd
+    functions had no ``setup_context``. A BN threshold runs in eval here: in training it updates the
+    running statistics in place, which torch.func refuses for torch.nn.BatchNorm alike."""
+    torch.manual_seed(3)
+    x = seq(6, 2, 3, (1,), layout)
+    for method in MulFreeChannelwisePSN(3, layout=layout).supported_methods:
+        if method in ("cpp", "triton", "cupy"):
+            continue  # (kernel backends: first-order autograd only, no torch.func; documented)
+        sn = smooth(channels=3, k=3, dilation=2, threshold=threshold, ste=ste, step_mode="m", layout=layout,
+                    method=method)
+        with torch.no_grad():
+            sn.weight.mul_(3)
+        sn.train(threshold == "param")
+        params = {n: p.detach() for n, p in sn.named_parameters()}
+        got, got_x = torch.func.grad(lambda p, x: functional_call(sn, p, (x,)).square().sum(), argnums=(0, 1))(params, x)
+        stats = None if threshold == "param" else (sn.running_mean, sn.running_var)
+        xr = x.clone().requires_grad_()
+        h, _ = reference.mfpsn_charge(xr, sn.weight, 2, layout, threshold, gamma=getattr(sn, "gamma", None),
+                                      beta=getattr(sn, "beta", None), v_threshold=getattr(sn, "v_threshold", None),
+                                      stats=stats, ste=ste)
+        names = [n for n, _ in sn.named_parameters()]
+        *want, want_x = torch.autograd.grad(reference.atan_primitive(h).square().sum(),
+                                            [getattr(sn, n) for n in names] + [xr])
+        for n, w in zip(names, want):
+            torch.testing.assert_close(got[n], w, msg=f"{method}: {n}")
+        torch.testing.assert_close(got_x, want_x, msg=f"{method}: x")

@@ -45,7 +45,7 @@ class BatchStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, channel_axis):
+    def forward(y, channel_axis):
         shape = [1] * y.dim()
         shape[channel_axis] = -1
         n = max(y.numel() // max(y.shape[channel_axis], 1), 1)  # an empty batch: mean 0, var 0, not NaN
@@ -53,10 +53,14 @@ class BatchStats(torch.autograd.Function):
         z = y - mean.view(shape)
         off = channel_sum(z, channel_axis) / n
         var = (channel_dot(z, z, channel_axis) / n - off * off).clamp_(min=0)
-        mean = mean + off
-        ctx.save_for_backward(y, mean)
-        ctx.shape, ctx.n = shape, n
-        return mean, var
+        return mean + off, var
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form runs under torch.func transforms too)
+        y, channel_axis = inputs
+        ctx.save_for_backward(y, output[0])
+        ctx.shape = [-1 if d == channel_axis % y.dim() else 1 for d in range(y.dim())]
+        ctx.n = max(y.numel() // max(y.shape[channel_axis], 1), 1)
 
     @staticmethod
     def backward(ctx, g_mean, g_var):

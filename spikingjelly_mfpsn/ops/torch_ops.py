@@ -154,11 +154,14 @@ class _ShiftAdd(torch.autograd.Function):
     """:func:`_shift_add` with its own backward; saves only X and W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dilation, layout):
-        h = _shift_add(x, weight, bias, dilation, layout)
+    def forward(x, weight, bias, dilation, layout):
+        return _shift_add(x, weight, bias, dilation, layout)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form runs under torch.func transforms too)
+        x, weight, bias, dilation, layout = inputs
         ctx.save_for_backward(x, weight)
         ctx.dilation, ctx.layout, ctx.has_bias = dilation, layout, bias is not None
-        return h
 
     @staticmethod
     def backward(ctx, grad_h):

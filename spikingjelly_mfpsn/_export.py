@@ -121,13 +121,31 @@ def bn_after(seq, i, error: type = ValueError):
     return nxt if isinstance(nxt, BATCH_NORMS) else None
 
 
-def prepared(net: nn.Module) -> nn.Module:
-    """A time-first, eval, folded copy of ``net``."""
+def prepared(net: nn.Module, example_input: torch.Tensor) -> nn.Module:
+    """A time-first, eval, folded copy of ``net``, checked to run on ``example_input`` (ValueError if
+    not, or where ``net`` has lazy parameters or parameters of another dtype)."""
+    if any(isinstance(t, nn.parameter.UninitializedTensorMixin) for t in list(net.parameters()) + list(net.buffers())):
+        raise ValueError("net has uninitialised (lazy) parameters, e.g. a neuron built with channels=None: run it "
+                         "once on an input first")
+    dtypes = sorted({str(p.dtype) for p in net.parameters() if p.is_floating_point()})
+    if dtypes and str(example_input.dtype) not in dtypes:
+        raise ValueError(f"example_input is {example_input.dtype} but net's parameters are {', '.join(dtypes)}: "
+                         f"give an example of the network's dtype")
     net = copy.deepcopy(net).eval()
     if any(getattr(m, "layout", "time_first") == "time_last" for m in net.modules()) or \
             getattr(net.forward, "time_first_calls", None) is not None:
         net = to_time_first(net)
-    return deploy.fold(net) if any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()) else net
+    net = deploy.fold(net) if any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()) else net
+    try:
+        with torch.no_grad():
+            net(example_input)
+    except Exception as e:  # noqa: BLE001  (any failure of the user's network on the example)
+        raise ValueError(f"net does not run on example_input of shape {tuple(example_input.shape)} "
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                         f"give one input of the network, time-first (T, N, ...)") from e
+    finally:
+        _compat.functional.reset_net(net)
+    return net
 
 
 def _is_add(node: fx.Node) -> bool:

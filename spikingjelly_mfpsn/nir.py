@@ -228,7 +228,7 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3:
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
-    net = prepared(net)
+    net = prepared(net, example_input)
     b = _Builder(float(dt), example_input.dtype)
     b.nodes["input"] = nir.Input({"input": np.array(example_input.shape[2:])})
     sources, feat = follow(net, example_input, b, NIRExportError)

@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover (the message is tested with the package 
 
 from . import deploy
 from ._export import STEP_CONTAINERS, bn_after, fold_bn, follow, is_dropout, per_step, prepared
+from .neuron import MulFreeChannelwisePSN
 
 __all__ = ["ONNXExportError", "export_onnx"]
 
@@ -231,21 +232,30 @@ def _neuron_step(g: _Graph, name, m, x, shape):
 def _integer_copy(net: nn.Module, example_input: torch.Tensor) -> nn.Module:
     """A time-first, eval, folded copy of ``net`` in integer arithmetic (its neurons' formats, else
     calibrated on ``example_input`` as :func:`.deploy.set_integer` does)."""
-    net = prepared(net)
-    if not any(isinstance(m, deploy.FoldedMulFreePSN) for m in net.modules()):
-        raise ONNXExportError("export_onnx writes networks of MF-PSN neurons (MulFreeChannelwisePSN), and net has none")
-    inside = {id(c) for m in net.modules() if isinstance(m, STEP_CONTAINERS) for c in m.modules() if c is not m}
-    single = [n or type(net).__name__ for n, m in net.named_modules() if getattr(m, "step_mode", "m") == "s"
-              and (id(m) not in inside or isinstance(m, deploy.FoldedMulFreePSN))]
-    if single:
-        raise ONNXExportError(f"export_onnx runs the network on whole (T, N, ...) sequences, and {', '.join(single)} "
-                              f"{'is' if len(single) == 1 else 'are'} in step_mode='s': functional.set_step_mode(net, "
-                              f"'m') first (a neuron inside a MultiStepContainer too)")
+    _check_net(net)
+    net = prepared(net, example_input)
     neurons = deploy.folded_neurons(net)
     if any(m.frac_bits is None for _, m in neurons):
         with torch.no_grad():
             deploy.set_integer(net, calibrate=example_input)
     return net
+
+
+def _check_net(net: nn.Module) -> None:
+    """ONNXExportError where ``net`` is not float32, has no MF-PSN, or has single-step modules."""
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in net.parameters()):
+        raise ONNXExportError("export_onnx writes float32 layers, and net has parameters of another dtype: "
+                              "export a float32 copy (copy.deepcopy(net).float())")
+    neuron_types = (MulFreeChannelwisePSN, deploy.FoldedMulFreePSN)
+    if not any(isinstance(m, neuron_types) for m in net.modules()):
+        raise ONNXExportError("export_onnx writes networks of MF-PSN neurons (MulFreeChannelwisePSN), and net has none")
+    inside = {id(c) for m in net.modules() if isinstance(m, STEP_CONTAINERS) for c in m.modules() if c is not m}
+    single = [n or type(net).__name__ for n, m in net.named_modules() if getattr(m, "step_mode", "m") == "s"
+              and (id(m) not in inside or isinstance(m, neuron_types))]
+    if single:
+        raise ONNXExportError(f"export_onnx runs the network on whole (T, N, ...) sequences, and {', '.join(single)} "
+                              f"{'is' if len(single) == 1 else 'are'} in step_mode='s': functional.set_step_mode(net, "
+                              f"'m') first (a neuron inside a MultiStepContainer too)")
 
 
 def _check_args(onnx, example_input, opset, streaming):

@@ -291,3 +291,16 @@ def test_a_batch_norm_without_running_statistics_is_named():
                         MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
     with pytest.raises(NIRExportError, match="layer '1': a BatchNorm without running statistics"):
         export_to_nir(net, torch.randn(4, 2, 3))
+
+
+def test_an_example_input_the_network_cannot_run_is_named():
+    """Regression: a mismatch gave a raw matmul, NumPy broadcasting or deepcopy error naming no argument."""
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    for bad, match in ((torch.randn(4, 2, 5), r"net does not run on example_input of shape \(4, 2, 5\)"),
+                       (torch.randn(4, 2, 1, 3), "net does not run on example_input"),
+                       (torch.randn(4, 2, 3, dtype=torch.float64), "example_input is torch.float64 but net's")):
+        with pytest.raises(ValueError, match=match):
+            export_to_nir(net, bad)
+    lazy = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(k=2, step_mode="m")).eval()
+    with pytest.raises(ValueError, match="uninitialised \\(lazy\\) parameters"):
+        export_to_nir(lazy, torch.randn(4, 2, 3))

@@ -238,6 +238,10 @@ def test_what_cannot_be_exported_is_named():
                              MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
     with pytest.raises(ONNXExportError, match="layer '1': a BatchNorm without running statistics"):
         export_onnx(no_stats, x)
+    with pytest.raises(ONNXExportError, match="float32 layers"):
+        export_onnx(copy.deepcopy(good).double(), x)
+    with pytest.raises(ValueError, match=r"net does not run on example_input of shape \(4, 2, 5\)"):
+        export_onnx(good, torch.randn(4, 2, 5))
     flat = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
                          nn.Flatten(-2)).eval()
     with pytest.raises(ValueError, match=r"layer '2': torch.nn.Flatten\(start_dim=-2.*time or batch"):

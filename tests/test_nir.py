@@ -287,10 +287,11 @@ def test_dt_arguments():
 
 
 def test_a_batch_norm_without_running_statistics_is_named():
-    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, track_running_stats=False, step_mode="m"),
+    net = nn.Sequential(layer.Conv1d(3, 4, 1, step_mode="m"),
+                        layer.BatchNorm1d(4, track_running_stats=False, step_mode="m"),
                         MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
     with pytest.raises(NIRExportError, match="layer '1': a BatchNorm without running statistics"):
-        export_to_nir(net, torch.randn(4, 2, 3))
+        export_to_nir(net, torch.randn(4, 2, 3, 5))
 
 
 def test_an_example_input_the_network_cannot_run_is_named():

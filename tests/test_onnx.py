@@ -233,11 +233,11 @@ def test_what_cannot_be_exported_is_named():
                               layer.MultiStepContainer(MulFreeChannelwisePSN(4, k=2))).eval()
     with pytest.raises(ONNXExportError, match=r"1\.0 is in step_mode='s'"):
         export_onnx(contained, x)
-    no_stats = nn.Sequential(layer.Linear(3, 4, step_mode="m"),
+    no_stats = nn.Sequential(layer.Conv1d(3, 4, 1, step_mode="m"),
                              layer.BatchNorm1d(4, track_running_stats=False, step_mode="m"),
                              MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
     with pytest.raises(ONNXExportError, match="layer '1': a BatchNorm without running statistics"):
-        export_onnx(no_stats, x)
+        export_onnx(no_stats, torch.randn(4, 2, 3, 5))
     with pytest.raises(ONNXExportError, match="float32 layers"):
         export_onnx(copy.deepcopy(good).double(), x)
     with pytest.raises(ValueError, match=r"net does not run on example_input of shape \(4, 2, 5\)"):

@@ -798,3 +798,25 @@ def test_torch_func_grad_gives_the_reference_gradients_in_every_torch_method(lay
         for n, w in zip(names, want):
             torch.testing.assert_close(got[n], w, msg=f"{method}: {n}")
         torch.testing.assert_close(got_x, want_x, msg=f"{method}: x")
+
+
+@pytest.mark.parametrize("method", ["auto"] + sorted(set(ops.names()) - {"cupy"}))
+def test_training_after_an_inference_mode_call_of_a_new_shape(method):
+    """Regression: vmap_mm (method='auto' on the CPU for large k) cached the index of its Toeplitz
+    matrix as made by the first call; made under torch.inference_mode, every later training call of
+    that shape, in any neuron, raised 'Inference tensors cannot be saved for backward'. Every method
+    (Triton with a fused input batch norm) is run the same way."""
+    bn = torch.nn.BatchNorm1d(3)
+    for threshold in ("bn", "param"):
+        sn = MulFreeChannelwisePSN(3, k=9, threshold=threshold, step_mode="m", method=method)
+        if method not in sn.supported_methods:
+            continue
+        x = torch.randn(23, 2, 3)  # (a length no other test uses)
+        if method == "triton":
+            spikingjelly_mfpsn.fuse_batchnorm(torch.nn.Sequential(bn, sn))
+        with torch.inference_mode():
+            sn(x)
+        functional.reset_net(sn)
+        x.requires_grad_()
+        sn(x).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -71,11 +71,13 @@ def vmap_conv1d(x, weight, bias, dilation, layout):
 # ---------------------------------------------------------------- Vmap + MM (both layouts)
 @functools.lru_cache(maxsize=64)
 def _toeplitz_index(t: int, k: int, dilation: int, device: torch.device) -> torch.Tensor:
-    """(T, T) index into a zero-padded weight row: A[t, j] = w[idx[t, j]] (idx == k means 0)."""
-    lag = torch.arange(t).view(-1, 1) - torch.arange(t).view(1, -1)  # t - j
-    tap = (k - 1) - torch.div(lag, dilation, rounding_mode="floor")
-    valid = (lag >= 0) & (lag % dilation == 0) & (tap >= 0)
-    return torch.where(valid, tap, torch.full_like(tap, k)).to(device)
+    """(T, T) index into a zero-padded weight row: A[t, j] = w[idx[t, j]] (idx == k means 0). Built as
+    a normal tensor even under ``torch.inference_mode`` (it is cached for later calls with autograd)."""
+    with torch.inference_mode(False):
+        lag = torch.arange(t).view(-1, 1) - torch.arange(t).view(1, -1)  # t - j
+        tap = (k - 1) - torch.div(lag, dilation, rounding_mode="floor")
+        valid = (lag >= 0) & (lag % dilation == 0) & (tap >= 0)
+        return torch.where(valid, tap, torch.full_like(tap, k)).to(device)
 
 
 def toeplitz_weight(weight: torch.Tensor, t: int, dilation: int) -> torch.Tensor:

@@ -989,8 +989,10 @@ def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=16)
 def _ones(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (C, 1) weight of ones: the input batch norm's statistics are the moments of its charge."""
-    return torch.ones((c, 1), dtype=dtype, device=device)
+    """A (C, 1) weight of ones: the input batch norm's statistics are the moments of its charge (a normal
+    tensor even under ``torch.inference_mode``: it is cached for later calls with autograd)."""
+    with torch.inference_mode(False):
+        return torch.ones((c, 1), dtype=dtype, device=device)
 
 
 def _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved) -> torch.Tensor:

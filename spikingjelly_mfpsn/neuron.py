@@ -364,6 +364,38 @@ class CheckpointConfig:
                 + f": build it with {', '.join(f'{n}={saved[n]}' for n in wrong)} to load this checkpoint")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_config(*, channels, k, dilation, quantize, ste, threshold, surrogate_function, momentum, eps, exp_init,
+                 v_threshold) -> None:
+    """ValueError naming the first of :class:`MulFreeChannelwisePSN`'s arguments that is not valid."""
+    sg_ok = surrogate_function is None or callable(surrogate_function) and not isinstance(surrogate_function, type)
+    for ok, message in (
+            (_is_int(k) and k >= 1, f"k (the order) must be an int >= 1, got {k!r}"),
+            (_is_int(dilation) and dilation >= 1, f"dilation must be an int >= 1, got {dilation!r}"),
+            (channels is None or _is_int(channels) and channels >= 1,
+             f"channels must be a positive int or None, got {channels!r}"),
+            (isinstance(quantize, bool), f"quantize must be True or False, got {quantize!r}"),
+            (isinstance(exp_init, bool), f"exp_init must be True or False, got {exp_init!r}"),
+            (ste in STE_MODES, f"ste must be one of {STE_MODES}, got {ste!r}"),
+            (threshold in THRESHOLDS, f"threshold must be one of {THRESHOLDS}, got {threshold!r}"),
+            (momentum is None or _is_number(momentum) and 0.0 <= momentum <= 1.0,
+             f"momentum must be a number in [0, 1] or None, got {momentum!r}"),
+            (_is_number(eps) and 0.0 < eps < math.inf, f"eps must be a number > 0 (added to the variance), got {eps!r}"),
+            (_is_number(v_threshold) and math.isfinite(v_threshold),
+             f"v_threshold must be a finite number, got {v_threshold!r}"),
+            (sg_ok, f"surrogate_function must be a surrogate function instance (e.g. surrogate.ATan()) or None, got "
+                    f"{surrogate_function!r}")):
+        if not ok:
+            raise ValueError(message)
+
+
 class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase):
     """Multiplication-free channel-wise Parallel Spiking Neuron.
 
@@ -394,25 +426,12 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
                  method: str = "auto", layout: str = "time_first", momentum: Optional[float] = 0.1,
                  eps: float = 1e-5, exp_init: bool = True, v_threshold: float = 1.0):
         super().__init__()
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"k (the order) must be an int >= 1, got {k!r}")
-        if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
-            raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
-        if channels is not None and (not isinstance(channels, int) or channels < 1):
-            raise ValueError(f"channels must be a positive int or None, got {channels!r}")
-        if ste not in STE_MODES:
-            raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
-        if threshold not in THRESHOLDS:
-            raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
-        if momentum is not None and not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"momentum must be in [0, 1] or None, got {momentum!r}")
-        if not (isinstance(eps, (int, float)) and 0.0 < eps < math.inf):
-            raise ValueError(f"eps must be a number > 0 (added to the variance), got {eps!r}")
-        if not (isinstance(v_threshold, (int, float)) and math.isfinite(v_threshold)):
-            raise ValueError(f"v_threshold must be a finite number, got {v_threshold!r}")
+        _check_config(channels=channels, k=k, dilation=dilation, quantize=quantize, ste=ste, threshold=threshold,
+                     surrogate_function=surrogate_function, momentum=momentum, eps=eps, exp_init=exp_init,
+                     v_threshold=v_threshold)
         self.k = k
         self.dilation = dilation
-        self.quantize = bool(quantize)
+        self.quantize = quantize
         self.ste = ste
         self.threshold = threshold
         self.momentum = momentum

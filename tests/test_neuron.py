@@ -645,7 +645,17 @@ def test_a_folding_that_overflows_from_finite_tensors_is_not_refused(step_mode):
                                           (dict(eps=-1e-5), "eps must be a number > 0"),
                                           (dict(eps=float("nan")), "eps must be a number > 0"),
                                           (dict(v_threshold=float("nan")), "v_threshold must be a finite number"),
-                                          (dict(v_threshold=float("inf")), "v_threshold must be a finite number")])
+                                          (dict(v_threshold=float("inf")), "v_threshold must be a finite number"),
+                                          # regressions: accepted, or refused later naming no argument
+                                          (dict(eps=True), "eps must be a number > 0"),
+                                          (dict(v_threshold=True), "v_threshold must be a finite number"),
+                                          (dict(momentum=True), "momentum must be a number in"),
+                                          (dict(momentum="a"), "momentum must be a number in"),
+                                          (dict(quantize="False"), "quantize must be True or False"),
+                                          (dict(quantize=None), "quantize must be True or False"),
+                                          (dict(exp_init="no"), "exp_init must be True or False"),
+                                          (dict(surrogate_function="atan"), "surrogate_function must be"),
+                                          (dict(surrogate_function=surrogate.ATan), "surrogate_function must be")])
 def test_bad_eps_and_threshold_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MulFreeChannelwisePSN(3, k=2, **kwargs)
@@ -820,3 +830,9 @@ def test_training_after_an_inference_mode_call_of_a_new_shape(method):
         x.requires_grad_()
         sn(x).sum().backward()
         assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_channels_given_as_a_bool_is_named():
+    """Regression: channels=True failed inside torch.empty, naming no argument."""
+    with pytest.raises(ValueError, match="channels must be a positive int or None, got True"):
+        MulFreeChannelwisePSN(True)

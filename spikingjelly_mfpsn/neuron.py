@@ -444,6 +444,10 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         self._backend = ops.check_backend(backend)
         self._method = "auto"
         self.method = method
+        if method != "auto" and layout not in ops.get(method).layouts:
+            raise ValueError(f"method {method!r} runs the layouts {ops.get(method).layouts}, not layout={layout!r}; "
+                             f"pass layout={ops.get(method).layouts[0]!r} or another method "
+                             f"({', '.join(ops.names(layout=layout))})")
         # Single-step state: the last (k-1)*d inputs, oldest first (a tuple of tensors).
         self.register_memory("x_queue", ())
 

@@ -36,18 +36,20 @@ def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[s
     return [(name, _StepFlatten(name, net) if whole and type(net) is nn.Flatten else net)]
 
 
+def fresh(name: str, used: set) -> str:
+    """``name``, or ``name_2``, ``name_3``... where it is in ``used`` (a layer called twice, or named like
+    an exporter's own input and output); ``used`` gets the name returned."""
+    new, i = name, 1
+    while new in used:
+        i += 1
+        new = f"{name}_{i}"
+    used.add(new)
+    return new
+
+
 def unique(seq: list, used: set) -> list:
-    """``seq`` (``layers``' list) renamed where a name is in ``used`` (a layer called twice, or named like
-    an exporter's own input and output): ``name_2``, ``name_3``...; ``used`` gets the names."""
-    out = []
-    for name, module in seq:
-        new, i = name, 1
-        while new in used:
-            i += 1
-            new = f"{name}_{i}"
-        used.add(new)
-        out.append((new, module))
-    return out
+    """``seq`` (``layers``' list) with each name :func:`fresh`."""
+    return [(fresh(name, used), module) for name, module in seq]
 
 
 class _StepFlatten(nn.Flatten):
@@ -187,10 +189,10 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
                 folded_into[user] = node
             values[node], _ = out.chain(unique(seq, used), values[node.args[0]], tuple(shapes[node.args[0]][2:]))
         elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
-            values[node] = out.sum(unique([(node.name, None)], used)[0][0], values[node.args[0]], values[node.args[1]])
+            values[node] = out.sum(fresh(node.name, used), values[node.args[0]], values[node.args[1]])
         elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
-            values[node] = out.flatten(unique([(node.name, None)], used)[0][0], values[node.args[0]],
-                                       _flatten_start(node), tuple(shapes[node.args[0]][2:]))
+            values[node] = out.flatten(fresh(node.name, used), values[node.args[0]], _flatten_start(node),
+                                       tuple(shapes[node.args[0]][2:]))
         else:
             raise error(f"{rewrite.describe(node)} cannot be exported: the exporters follow modules, "
                         f"additions (residual connections) and flatten")

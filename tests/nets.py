@@ -69,6 +69,21 @@ def shared_layers_net(names=("0", "1", "2", "3")) -> nn.Sequential:
     return nn.Sequential(OrderedDict(zip(names[:2] + ("drop",) + names[2:], modules))).eval()
 
 
+def small_inputs_net() -> nn.Sequential:
+    """A Linear of tiny weights into an MF-PSN of weight 2**-3 (eval): calibration on its inputs wants many
+    fractional bits, more than the exact accumulator can take."""
+    from spikingjelly.activation_based import layer
+    from spikingjelly_mfpsn import MulFreeChannelwisePSN
+    torch.manual_seed(0)
+    lin = layer.Linear(3, 2, step_mode="m")
+    sn = MulFreeChannelwisePSN(2, k=1, step_mode="m", threshold="param", v_threshold=-0.2)
+    with torch.no_grad():
+        lin.weight.mul_(0.01)
+        lin.bias.zero_()
+        sn.weight.fill_(0.125)
+    return nn.Sequential(lin, sn).eval()
+
+
 class Residual(nn.Module):
     """Conv-BN-MF-PSN twice with a residual addition, then torch.flatten, a readout and ``tail``."""
 

@@ -15,7 +15,7 @@ from spikingjelly_mfpsn import functional as mf_functional
 from spikingjelly_mfpsn.deploy import FoldedMulFreePSN
 
 import reference
-from nets import Gained
+from nets import Gained, small_inputs_net
 
 GRID = 3  # test inputs and synaptic weights are multiples of 2**-GRID
 FRAC_BITS = 8  # enough for every neuron input of the test networks (multiples of 2**-2*GRID)
@@ -620,14 +620,7 @@ def test_a_failed_calibration_keeps_the_formats_it_found():
 def test_calibration_keeps_the_exact_accumulator_inside_int64():
     """Regression: small inputs and a 2**-3 weight got 60 fractional bits, whose exact accumulator needs
     63; set_integer(calibrate=x) then raised OverflowError on its own calibration data."""
-    torch.manual_seed(0)
-    lin = layer.Linear(3, 2, step_mode="m")
-    sn = MulFreeChannelwisePSN(2, k=1, step_mode="m", threshold="param", v_threshold=-0.2)
-    with torch.no_grad():
-        lin.weight.mul_(0.01)
-        lin.bias.zero_()
-        sn.weight.fill_(0.125)
-    net, x = deploy.fold(nn.Sequential(lin, sn)), torch.rand(4, 2, 3)
+    net, x = deploy.fold(small_inputs_net()), torch.rand(4, 2, 3)
     functional.reset_net(net)
     want = net(x)
     deploy.set_integer(net, calibrate=x)

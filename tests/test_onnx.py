@@ -13,7 +13,7 @@ from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
 from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, run_inference_example,
-                  shared_layers_net)
+                  shared_layers_net, small_inputs_net)
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
@@ -205,14 +205,7 @@ def test_a_module_called_twice_in_a_forward_is_exported_at_each_call():
 def test_calibration_keeps_the_exact_accumulator_inside_int64():
     """Regression: calibration took 60 fractional bits for small inputs and a 2**-3 weight, whose exact
     accumulator needs 63 bits: export_onnx (and set_integer(calibrate=x)) raised OverflowError."""
-    torch.manual_seed(0)
-    lin = layer.Linear(3, 2, step_mode="m")
-    sn = MulFreeChannelwisePSN(2, k=1, step_mode="m", threshold="param", v_threshold=-0.2)
-    with torch.no_grad():
-        lin.weight.mul_(0.01)
-        lin.bias.zero_()
-        sn.weight.fill_(0.125)
-    net, x = nn.Sequential(lin, sn).eval(), torch.rand(4, 2, 3)
+    net, x = small_inputs_net(), torch.rand(4, 2, 3)
     got = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
     assert torch.equal(torch.from_numpy(got), integer_reference(net, x))
 

@@ -291,19 +291,23 @@ def test_checkpoints_load_across_layouts_methods_and_versions():
         net(4, 2, 2).load_state_dict(old)
 
 
+@pytest.mark.parametrize("k,surrogate", [(2, "ATan"), (1, "ATan"), (1, "Erf")])
 @pytest.mark.parametrize("eps", [1e-30, 1e-45])
-def test_a_constant_channel_with_a_tiny_eps_gives_the_same_spikes_and_finite_gradients(eps):
-    """BN training on a channel whose charge is constant (variance 0), eps down to float32's smallest
-    subnormal: every method gives the same spikes and finite gradients; eps = 0 is refused."""
+def test_a_constant_channel_with_a_tiny_eps_gives_the_same_spikes_and_finite_gradients(eps, k, surrogate):
+    """BN training on a channel whose charge is constant (variance 0: with k = 1 over every step), eps down
+    to float32's smallest subnormal, with a surrogate inside the fused kernels (ATan) and one outside
+    (Erf): every method gives the same spikes and finite gradients; eps = 0 is refused."""
+    from spikingjelly.activation_based import surrogate as sg
     torch.manual_seed(2)
     x = torch.randn(6, 4, 3, 2)
     x[:, :, 1] = 0.7
     results = []
     for method in methods("time_first"):
-        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method, eps=eps)
+        sn = MulFreeChannelwisePSN(3, k=k, step_mode="m", method=method, eps=eps,
+                                   surrogate_function=getattr(sg, surrogate)())
         xr = x.clone().requires_grad_()
         s = sn(xr)
-        s.sum().backward()
+        (s * torch.linspace(-1, 1, s.numel()).view_as(s)).sum().backward()
         grads = (xr.grad, sn.weight.grad, sn.gamma.grad, sn.beta.grad)
         assert all(torch.isfinite(g).all() for g in grads), method
         results.append((method, s))

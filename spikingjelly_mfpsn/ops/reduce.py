@@ -81,6 +81,12 @@ def batch_stats(y: torch.Tensor, channel_axis: int) -> tuple[torch.Tensor, torch
 def fold_bn(weight: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, mean: torch.Tensor,
             var: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch normalisation of the charge folded into its ``(C, k)`` weight and a bias:
-    ``(gamma / sqrt(var + eps) * W, beta - gamma * mean / sqrt(var + eps))``."""
+    ``(gamma / sqrt(var + eps) * W, beta - gamma * mean / sqrt(var + eps))``.
+
+    Where the variance is 0 (a constant channel: every deviation from the mean is 0, and so is the
+    variance's derivative w.r.t. the charge) it passes no gradient: d/dvar of ``(var + eps) ** -0.5``
+    overflows for a tiny eps, and inf times those zero deviations would be NaN."""
+    if var.requires_grad:
+        var = torch.where(var > 0, var, var.detach())
     scale = gamma * torch.rsqrt(var + eps)
     return weight * scale.unsqueeze(1), beta - mean * scale

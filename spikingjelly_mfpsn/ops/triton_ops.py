@@ -591,7 +591,7 @@ def _bn_grad_fold_kernel(PART, n_split, W, GAMMA, MEAN, VAR, WQ, P0, GW, GGAMMA,
         if IN_BN:
             h_m = _split_sum(PART, n_split, c, cmask, C, 4, ROWS, BK, BC, BS)
         coef_a = -a64 * g_0 / n
-        coef_b = -g_a * gamma.to(tl.float64) * inv64 * inv64 * inv64 / n
+        coef_b = tl.where(var > 0, -g_a * gamma.to(tl.float64) * inv64 * inv64 * inv64 / n, 0.0)  # (as fold_bn)
         g_w += coef_a[:, None] * _through_input_bn(s_z, reach, a0, b0, IN_BN) + \
             coef_b[:, None] * _through_input_bn(q_z, h_m, a0, b0, IN_BN)
         tl.store(COEF + c * 2, coef_a.to(COEF.dtype.element_ty), mask=cmask)

@@ -970,7 +970,8 @@ void bn_backward(const Geometry& g, int KP, const S* x, const S* w, const S* gam
         g_gamma[c] = S(g_scale * rstd);
         g_beta[c] = g_b[c];
         g_mean[c] = S(-double(g_b[c]) * scale);
-        g_var[c] = S(-0.5 * g_scale * double(gamma[c]) * rstd * rstd * rstd);
+        // (none through a variance of 0: a constant channel's deviations, its derivative, are all 0)
+        g_var[c] = var[c] > S(0) ? S(-0.5 * g_scale * double(gamma[c]) * rstd * rstd * rstd) : S(0);
     }
     if (given) return;
     backward<S, KT>(g, KP, x, w, nullptr, nullptr, MODE_STATS, S(0), mean, g_mean.data(), g_var.data(), gx, 1,

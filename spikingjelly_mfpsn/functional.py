@@ -179,12 +179,21 @@ def _settings_of(old: nn.Module) -> dict:
     return {**{name: getattr(old, name) for name in _MF_PSN_SETTINGS}, "v_threshold": old.v_threshold_init}
 
 
+# Settings an existing MF-PSN takes as they are (no new weights): set in place by a repeated replace_neurons.
+_IN_PLACE = ("layout", "backend", "method", "step_mode", "surrogate_function")
+
+
 def _already(old: nn.Module, k: int, dilation: int, neuron_kwargs: dict) -> bool:
-    """Whether ``old`` is an MF-PSN of order ``k`` and ``dilation`` that has every setting of ``neuron_kwargs``."""
+    """Whether ``old`` is an MF-PSN of order ``k`` and ``dilation`` that has every setting of ``neuron_kwargs``
+    but those it can take in place (:data:`_IN_PLACE`, which it then takes)."""
     if not isinstance(old, MulFreeChannelwisePSN) or (old.k, old.dilation) != (k, dilation):
         return False
-    current = {**_settings_of(old), "step_mode": old.step_mode, "surrogate_function": old.surrogate_function}
-    return all(name in current and current[name] == value for name, value in neuron_kwargs.items())
+    current = _settings_of(old)
+    if not all(name in _IN_PLACE or name in current and current[name] == value
+               for name, value in neuron_kwargs.items()):
+        return False
+    old.configure(**{name: neuron_kwargs[name] for name in _IN_PLACE if name in neuron_kwargs})
+    return True
 
 
 def _replacement(old: nn.Module, k: int, dilation: int, channels: Optional[int], device, dtype,
@@ -229,7 +238,8 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         ``(net, summary)``; each new neuron keeps the old one's ``step_mode``, surrogate function
         (where it had one, unless ``surrogate_function`` is given), device and dtype, and a re-configured
         MF-PSN its channels and other settings; one that already has ``k``, its dilation and every
-        setting of ``neuron_kwargs`` is kept as it is
+        setting of ``neuron_kwargs`` but the run-time ones is kept, its weights too, and takes those
+        (layout, backend, method, step_mode, surrogate_function) in place
     """
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
@@ -241,7 +251,9 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     new_of: dict[int, MulFreeChannelwisePSN] = {}
     for (name, old), d in zip(found, dilations):
         if _already(old, k, d, neuron_kwargs):
-            summary.skipped.append(Skipped(name, type(old).__name__, f"already k={k}, dilation={d}"))
+            taken = ", ".join(f"{n}={neuron_kwargs[n]!r}" for n in _IN_PLACE if n in neuron_kwargs)
+            summary.skipped.append(Skipped(name, type(old).__name__, f"already k={k}, dilation={d}"
+                                           + (f" (set {taken} in place)" if taken else "")))
             continue
         new = _replacement(old, k, d, channels.get(id(old)), *_device_dtype(net, old, example_input), neuron_kwargs)
         new_of[id(old)] = new

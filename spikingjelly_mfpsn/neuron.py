@@ -174,6 +174,28 @@ class ChargeNeuronBase(MemoryModule):
                 self._backend = impl.backend
         self._method = value
 
+    def configure(self, *, layout=None, backend=None, method=None, step_mode=None, surrogate_function=None):
+        """Set the run-time settings given (the rest stay), checked as the constructor checks them; the
+        weights and state stay. ``method`` must run ``layout`` (the new or the current one)."""
+        if surrogate_function is not None or not hasattr(self, "surrogate_function"):
+            if not _surrogate_ok(surrogate_function):
+                raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
+            self.surrogate_function = surrogate_function if surrogate_function is not None else default_surrogate()
+        layout = ops.check_layout(layout if layout is not None else self._layout)
+        pinned = method if method is not None else self._method
+        if pinned != "auto" and layout not in ops.get(pinned).layouts and method is not None:
+            raise ValueError(f"method {pinned!r} runs the layouts {ops.get(pinned).layouts}, not layout={layout!r}; "
+                             f"pass layout={ops.get(pinned).layouts[0]!r} or another method "
+                             f"({', '.join(ops.names(layout=layout))})")
+        if step_mode is not None:
+            self.step_mode = step_mode
+        self.layout = layout
+        if backend is not None:
+            self.backend = backend
+        if method is not None:
+            self.method = method
+        return self
+
     @property
     def supported_methods(self) -> list[str]:
         """Names of the charge implementations of this neuron's backend and layout."""
@@ -372,10 +394,16 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+_SURROGATE_EXPECTED = "surrogate_function must be a surrogate function instance (e.g. surrogate.ATan()) or None, got "
+
+
+def _surrogate_ok(sg) -> bool:
+    return sg is None or callable(sg) and not isinstance(sg, type)
+
+
 def _check_config(*, channels, k, dilation, quantize, ste, threshold, surrogate_function, momentum, eps, exp_init,
                  v_threshold) -> None:
     """ValueError naming the first of :class:`MulFreeChannelwisePSN`'s arguments that is not valid."""
-    sg_ok = surrogate_function is None or callable(surrogate_function) and not isinstance(surrogate_function, type)
     for ok, message in (
             (_is_int(k) and k >= 1, f"k (the order) must be an int >= 1, got {k!r}"),
             (_is_int(dilation) and dilation >= 1, f"dilation must be an int >= 1, got {dilation!r}"),
@@ -390,8 +418,7 @@ def _check_config(*, channels, k, dilation, quantize, ste, threshold, surrogate_
             (_is_number(eps) and 0.0 < eps < math.inf, f"eps must be a number > 0 (added to the variance), got {eps!r}"),
             (_is_number(v_threshold) and math.isfinite(v_threshold),
              f"v_threshold must be a finite number, got {v_threshold!r}"),
-            (sg_ok, f"surrogate_function must be a surrogate function instance (e.g. surrogate.ATan()) or None, got "
-                    f"{surrogate_function!r}")):
+            (_surrogate_ok(surrogate_function), _SURROGATE_EXPECTED + f"{surrogate_function!r}")):
         if not ok:
             raise ValueError(message)
 
@@ -438,16 +465,9 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         self.eps = eps
         self.exp_init = exp_init
         self.v_threshold_init = v_threshold
-        self.surrogate_function = surrogate_function if surrogate_function is not None else default_surrogate()
-        self.step_mode = step_mode
-        self._layout = ops.check_layout(layout)
-        self._backend = ops.check_backend(backend)
-        self._method = "auto"
-        self.method = method
-        if method != "auto" and layout not in ops.get(method).layouts:
-            raise ValueError(f"method {method!r} runs the layouts {ops.get(method).layouts}, not layout={layout!r}; "
-                             f"pass layout={ops.get(method).layouts[0]!r} or another method "
-                             f"({', '.join(ops.names(layout=layout))})")
+        self._layout, self._backend, self._method = "time_first", "torch", "auto"
+        self.configure(layout=layout, backend=backend, method=method, step_mode=step_mode,
+                       surrogate_function=surrogate_function)
         # Single-step state: the last (k-1)*d inputs, oldest first (a tuple of tensors).
         self.register_memory("x_queue", ())
 

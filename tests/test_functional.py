@@ -264,6 +264,31 @@ def test_neuron_kwargs_override_the_settings_of_a_reconfigured_mf_psn():
     assert net[1] is kept and net[3].threshold == "param" and [r.name for r in summary] == ["3"]
 
 
+@pytest.mark.parametrize("kwargs", [dict(surrogate_function=surrogate.Sigmoid(alpha=2.0)),
+                                    dict(method="conv1d"), dict(backend="torch", layout="time_last"),
+                                    dict(step_mode="s", method="auto")])
+def test_a_second_replace_neurons_takes_run_time_settings_without_new_weights(kwargs, recwarn):
+    """Same k and dilation, settings a neuron can take as it is (its surrogate, method, backend, layout or
+    step mode; e.g. the same replace_neurons call run again after autoselect picked other methods): the
+    trained weights stay and the neuron takes the settings; before, it was rebuilt with new weights."""
+    net = mf_psn_net(k=2)
+    with torch.no_grad():
+        for m in (net[1], net[3]):
+            m.weight.mul_(3.0)
+    trained = [m.weight.clone() for m in (net[1], net[3])]
+    set_method(net, "shift_add")
+    net, summary = replace_neurons(net, k=2, **kwargs)
+    assert [torch.equal(m.weight, w) for m, w in zip((net[1], net[3]), trained)] == [True, True]
+    assert len(summary) == 0 and not [w for w in recwarn if issubclass(w.category, UserWarning)]
+    for m in (net[1], net[3]):
+        for name, value in kwargs.items():
+            assert getattr(m, name) is value or getattr(m, name) == value, name
+    with pytest.raises(ValueError, match="method 'conv2d' runs the layouts"):
+        replace_neurons(net, k=2, method="conv2d", layout="time_first")
+    with pytest.raises(ValueError, match="surrogate_function must be"):
+        replace_neurons(net, k=2, surrogate_function=surrogate.ATan)
+
+
 def test_mf_psn_of_the_requested_k_and_dilation_is_kept_without_warning(recwarn):
     net = mf_psn_net(k=2)
     olds = [net[1], net[3]]

@@ -370,6 +370,13 @@ class CheckpointConfig:
     def _checkpoint_mismatch(self, state_dict, prefix: str) -> str:
         """Why a checkpoint does not fit this neuron (order, dilation, channels), naming both; or ''."""
         shaped, config = state_dict.get(prefix + self.SHAPE_KEY), state_dict.get(prefix + self.CONFIG_KEY)
+        where = f"layer {prefix[:-1]!r}" if prefix else "neuron"
+        if nn.parameter.is_lazy(shaped):  # (saved before its first forward: channels unknown)
+            if nn.parameter.is_lazy(getattr(self, self.SHAPE_KEY, None)):
+                shaped = None
+            else:
+                return (f"the checkpoint's {where} is uninitialised (channels=None, saved before its first "
+                        f"forward): load it into a neuron built with channels=None, or save after a forward")
         saved = {}
         if isinstance(config, torch.Tensor) and config.numel() == 2:
             saved["k"], saved["dilation"] = (int(v) for v in config.tolist())
@@ -380,7 +387,6 @@ class CheckpointConfig:
         wrong = [name for name, v in saved.items() if ours[name] is not None and v != ours[name]]
         if not wrong:
             return ""
-        where = f"layer {prefix[:-1]!r}" if prefix else "neuron"
         return (f"the checkpoint's {where} has " + ", ".join(f"{n}={saved[n]}" for n in wrong)
                 + f" but this {type(self).__name__} has " + ", ".join(f"{n}={ours[n]}" for n in wrong)
                 + f": build it with {', '.join(f'{n}={saved[n]}' for n in wrong)} to load this checkpoint")

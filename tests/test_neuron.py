@@ -365,6 +365,21 @@ def test_lazy_neuron_loads_a_checkpoint():
     assert dst.channels == 4 and torch.equal(dst.weight, src.weight)
 
 
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_an_uninitialised_neurons_checkpoint_loads_into_a_lazy_one_and_is_refused_by_name_elsewhere(threshold):
+    """A state dict saved before the first forward (channels=None) loads into another lazy neuron, which
+    then runs as a fresh one (as torch's lazy modules allow); into an initialised neuron it is refused
+    with a message saying so, not torch's "uninitialized parameter" error from inside the check."""
+    src = MulFreeChannelwisePSN(k=2, threshold=threshold)
+    dst = MulFreeChannelwisePSN(k=2, threshold=threshold)
+    dst.load_state_dict(src.state_dict())
+    assert dst(torch.rand(3, 5)).shape == (3, 5) and dst.channels == 5
+    with pytest.raises(RuntimeError, match="checkpoint's neuron is uninitialised"):
+        MulFreeChannelwisePSN(5, k=2, threshold=threshold).load_state_dict(src.state_dict())
+    with pytest.raises(RuntimeError, match="has k=2 but"):
+        MulFreeChannelwisePSN(k=3, threshold=threshold).load_state_dict(src.state_dict())
+
+
 def test_neuron_built_with_channels_has_no_lazy_hooks():
     """Given channels, the neuron is initialised at construction: no lazy-initialisation hooks (a forward
     pre-hook sends every call down nn.Module's slower path), and it still loads checkpoints and copies."""

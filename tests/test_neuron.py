@@ -380,6 +380,19 @@ def test_an_uninitialised_neurons_checkpoint_loads_into_a_lazy_one_and_is_refuse
         MulFreeChannelwisePSN(k=3, threshold=threshold).load_state_dict(src.state_dict())
 
 
+@pytest.mark.parametrize("step_mode", ["s", "m"])
+@pytest.mark.parametrize("dilation", [0, -1, 1.5, "2", True])
+def test_a_dilation_set_after_construction_is_checked_in_both_step_modes(step_mode, dilation):
+    """``sn.dilation = 0`` made every single-step tap read the current input (wrong spikes, no error) and
+    other bad values failed with an unrelated IndexError/TypeError; both step modes now name it."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode)
+    sn.dilation = dilation
+    x = torch.rand(4, 2, 3) if step_mode == "m" else torch.rand(2, 3)
+    with pytest.raises(ValueError, match="dilation must be an int >= 1"):
+        sn(x)
+        sn(x)  # (single step: the second call has a history to tap)
+
+
 def test_neuron_built_with_channels_has_no_lazy_hooks():
     """Given channels, the neuron is initialised at construction: no lazy-initialisation hooks (a forward
     pre-hook sends every call down nn.Module's slower path), and it still loads checkpoints and copies."""

@@ -23,8 +23,8 @@ import torch
 from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
-from .registry import (Implementation, channel_dim, check_charge_args, choose, find, get, input_dtype_error, supported,
-                       tap_schedule)
+from .registry import (Implementation, channel_dim, check_charge_args, check_dilation, choose, find, get,
+                       input_dtype_error, supported, tap_schedule)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -490,7 +490,7 @@ def _check_step_args(taps: list, weight, bias, v_threshold, bn) -> None:
 def step_taps(history: tuple, k: int, dilation: int) -> list:
     """The ``taps`` of :func:`mf_psn_step` for the newest of ``history`` (inputs oldest first)."""
     taps: list = [None] * k
-    for i, lag, _ in tap_schedule(len(history), k, dilation, start=len(history) - 1):
+    for i, lag, _ in tap_schedule(len(history), k, check_dilation(dilation), start=len(history) - 1):
         taps[i] = history[-1 - lag]
     return taps
 

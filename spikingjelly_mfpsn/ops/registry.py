@@ -338,8 +338,14 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                          f"({channel_dim(layout)}) for layout {layout!r}")
     if bias is not None and tuple(bias.shape) != (c,):
         raise ValueError(f"bias must have shape ({c},), got {tuple(bias.shape)}")
-    if not isinstance(dilation, int) or dilation < 1:
+    check_dilation(dilation)
+
+
+def check_dilation(dilation) -> int:
+    """``dilation`` itself, or ValueError unless it is an int >= 1."""
+    if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
         raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
+    return dilation
 
 
 # Backends and the library each needs; an implementation's ``backend`` is one of these names.

@@ -14,6 +14,10 @@ def build() -> int:
     try:
         if reason is not None:
             raise cpp_ops.BuildError(f"backend 'cpp' cannot run here: {reason}")
+        unwritable = cpp_ops.unwritable(cpp_ops.build_dir())
+        if unwritable is not None:  # (a build for this process only would be gone when the command ends)
+            raise cpp_ops.BuildError(f"the build cache {cpp_ops.build_dir()} cannot be written ({unwritable}): set "
+                                     f"${cpp_ops.BUILD_ENV} to a writable directory")
         directory = cpp_ops.load()
     except cpp_ops.BuildError as e:
         print(f"spikingjelly_mfpsn build: {e}", file=sys.stderr)
@@ -30,7 +34,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       "print where they are",
                         description="Build the C++ kernels of backend 'cpp' (or load them from the build cache, "
                                     "$SPIKINGJELLY_MFPSN_BUILD or ~/.cache/spikingjelly_mfpsn/build) and print "
-                                    "their directory. Exits 1, with the reason, where they cannot build.")
+                                    "their directory. Exits 1, with the reason, where they cannot build or the cache "
+                                    "cannot be written.")
     args = parser.parse_args(argv)
     return {"build": build}[args.command]()
 

@@ -164,3 +164,17 @@ def test_the_build_command_without_a_compiler_or_ninja():
         assert len(no_ninja.stderr.strip().splitlines()) == 1 and "needs ninja" in no_ninja.stderr, no_ninja.stderr
     helped = run_main("--help")
     assert helped.returncode == 0 and "build" in helped.stdout, helped.stderr
+
+
+@needs_compiler
+def test_the_build_command_refuses_a_build_cache_it_cannot_write(tmp_path):
+    """``build`` with an unwritable cache ($SPIKINGJELLY_MFPSN_BUILD below a regular file): exit status 1
+    and the reason, before compiling; it compiled into a temporary directory, deleted when the command
+    ended, and reported success."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = run_main("build", SPIKINGJELLY_MFPSN_BUILD=str(blocker / "build"))
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot be written" in lines[0] and "SPIKINGJELLY_MFPSN_BUILD" in lines[0], lines
+    assert not out.stdout

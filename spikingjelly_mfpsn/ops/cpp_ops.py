@@ -38,6 +38,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import threading
 import warnings
@@ -85,24 +86,38 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def _installation() -> list[str]:
+    """What the build reads besides the sources: torch's version and headers and Python's (two environments
+    with one torch version and their own copies of it get a build each, rather than rebuilding one in turn)."""
+    return [torch.__version__, os.path.dirname(os.path.realpath(torch.__file__)), sysconfig.get_paths()["include"]]
+
+
 def _flags() -> list[str]:
     return ["-O3", "-march=native", *surrogate.cpp_defines(), *shlex.split(os.environ.get(FLAGS_ENV, ""))]
+
+
+def unwritable(path: Path) -> Optional[str]:
+    """Why ``path`` (a directory, created where missing) cannot hold a build, or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return None
+    except OSError as e:
+        return str(e)
 
 
 def _writable(path: Path) -> Path:
     """``path``, or a new temporary directory (removed at exit) where ``path`` cannot be written, e.g. a
     read-only home: the operators still build, for this process only, with a warning."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
+    reason = unwritable(path)
+    if reason is None:
         return path
-    except OSError as e:
-        fallback = tempfile.TemporaryDirectory(prefix="spikingjelly_mfpsn-build-")
-        _KEEP.append(fallback)
-        warnings.warn(f"backend 'cpp': the operators cannot be built in {path} ({e}); building them in "
-                      f"{fallback.name} for this process only. Set ${BUILD_ENV} to a writable directory to "
-                      f"build them once.")
-        return Path(fallback.name)
+    fallback = tempfile.TemporaryDirectory(prefix="spikingjelly_mfpsn-build-")
+    _KEEP.append(fallback)
+    warnings.warn(f"backend 'cpp': the operators cannot be built in {path} ({reason}); building them in "
+                  f"{fallback.name} for this process only. Set ${BUILD_ENV} to a writable directory to "
+                  f"build them once.")
+    return Path(fallback.name)
 
 
 @contextlib.contextmanager
@@ -123,7 +138,8 @@ def _toolchain(cxx: str):
 def _build(cxx: str, flags: list[str], openmp: bool) -> Path:
     """Build (where not cached) and load the library; returns its directory."""
     flags = flags + (["-fopenmp"] if openmp else [])
-    name = "mfpsn_cpu_" + hashlib.sha256("\0".join([cxx, *flags, torch.__version__, _cpu_id()]).encode()).hexdigest()[:12]
+    key = "\0".join([cxx, *flags, *_installation(), _cpu_id()])
+    name = "mfpsn_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     directory = _writable(build_dir() / name)
     try:
         _load_from(directory, name, flags, openmp)

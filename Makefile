@@ -33,7 +33,7 @@ endef
 # The main job: the paper's sequential image task on the bundled handwritten digits (autoselected).
 train: .venv-train/.ready
 	.venv-train/bin/python -m spikingjelly_mfpsn build
-	.venv-train/bin/python examples/train_sequential.py --out-dir runs/sequential_digits
+	.venv-train/bin/python examples/train_sequential.py --out-dir runs/sequential_digits --overwrite
 
 # A one-minute demo: a SpikingJelly LIF network, its neurons switched to MF-PSN, trained briefly.
 demo: .venv-sj2/.ready

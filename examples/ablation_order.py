@@ -7,7 +7,8 @@ With k = 1 the dilation has no effect, so that order is trained once and reporte
     python examples/ablation_order.py                                  # pixel digits (T = 64)
     python examples/ablation_order.py --dataset cifar10 --data-dir DIR --widths 128 256 --epochs 128
 
-Other options (--epochs, --batch-size, --lr, --seed, --method, ...) are passed to every training run.
+Other options (--epochs, --batch-size, --lr, --seed, --method, ...) are passed to every training run, except
+those the sweep sets itself (--k, --neuron, --sawtooth/--no-sawtooth, --pixel) and --resume.
 """
 from __future__ import annotations
 
@@ -34,23 +35,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SWEPT = ("--k", "--neuron", "--sawtooth", "--no-sawtooth", "--pixel", "--resume")  # set by the sweep itself
+
+
+def passed_options(rest: list[str]) -> set[str]:
+    """The train_sequential.py options that ``rest`` names, abbreviations and ``--opt=value`` resolved
+    as its parser resolves them."""
+    known = [o for a in train_sequential.build_parser()._actions for o in a.option_strings]
+    names = set()
+    for token in rest:
+        name = token.split("=", 1)[0]
+        if name.startswith("--"):
+            matches = [name] if name in known else [o for o in known if o.startswith(name)]
+            names.update(matches if len(matches) == 1 else [])
+    return names
+
+
 def parse_args(argv=None):
     p = build_parser()
     args, rest = p.parse_known_args(argv)
     if not args.orders or min(args.orders) < 1:
         p.error("--orders must list orders >= 1")
+    passed = passed_options(rest)
+    swept = [o for o in SWEPT if o in passed]
+    if swept:
+        p.error(f"{', '.join(swept)}: leave out; the sweep sets --k (from --orders), --sawtooth/--no-sawtooth, "
+                f"--neuron mfpsn and --pixel itself in every run, and cannot --resume")
     common.check_data_dir(p, args.dataset, args.data_dir)
+    if "--overwrite" not in passed:
+        held = [d for d in (os.path.join(args.out_dir, tag(k, s)) for k in args.orders for s in (True, False))
+                if any(os.path.isfile(os.path.join(d, n)) for n in (common.CHECKPOINT, common.METRICS))]
+        if held:
+            p.error(f"--out-dir {args.out_dir} already holds runs ({', '.join(sorted(set(held)))}): pass "
+                    f"--overwrite to replace them, or choose another --out-dir")
     return args, rest
 
 
+def tag(k: int, sawtooth: bool) -> str:
+    return f"k{k}_{'sawtooth' if sawtooth else 'no_sawtooth'}"
+
+
 def run(k: int, sawtooth: bool, args, rest) -> float:
-    tag = f"k{k}_{'sawtooth' if sawtooth else 'no_sawtooth'}"
+    name = tag(k, sawtooth)
     argv = ["--pixel", "--neuron", "mfpsn", "--k", str(k), "--sawtooth" if sawtooth else "--no-sawtooth",
             "--widths", *map(str, args.widths), "--blocks", str(args.blocks), "--epochs", str(args.epochs),
-            "--dataset", args.dataset, "--out-dir", os.path.join(args.out_dir, tag), *rest]
+            "--dataset", args.dataset, "--out-dir", os.path.join(args.out_dir, name), *rest]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
-    print(f"--- {tag}: train_sequential.py {' '.join(argv)}", flush=True)
+    print(f"--- {name}: train_sequential.py {' '.join(argv)}", flush=True)
     return train_sequential.main(argv)["final_test_acc"]
 
 

@@ -89,7 +89,10 @@ def add_common_args(p: argparse.ArgumentParser, epochs: int, batch_size: int, lr
                         "cost more than they give on a busy CPU; raise it for CIFAR-sized networks)")
     g = p.add_argument_group("output")
     g.add_argument("--out-dir", default=out_dir, help="folder for the metrics, curves and checkpoint")
-    g.add_argument("--resume", action="store_true", help=f"continue from OUT_DIR/{CHECKPOINT}")
+    g.add_argument("--resume", action="store_true",
+                   help=f"continue from OUT_DIR/{CHECKPOINT} (with the training options it was started with)")
+    g.add_argument("--overwrite", action="store_true",
+                   help=f"start a new run even where OUT_DIR holds one ({CHECKPOINT}, {METRICS}), replacing it")
     g.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop after N epochs of this run (the schedule still spans --epochs; continue with "
                         "--resume) (default: run to --epochs)")
@@ -147,20 +150,32 @@ def _cifar_files(dataset: str, data_dir: Optional[str]) -> tuple[str, str, bool,
 def check_data_dir(p: argparse.ArgumentParser, dataset: str, data_dir: Optional[str]) -> None:
     """Exit with status 2 and one line (:func:`data_dir_problem`) when the data files are not there,
     before anything is built or timed."""
+    if dataset == "digits" and data_dir is not None:
+        p.error(f"--data-dir {data_dir}: --dataset digits is bundled with scikit-learn and reads no folder; "
+                f"--data-dir is for cifar10/cifar100")
     problem = data_dir_problem(dataset, data_dir)
     if problem is not None:
         p.exit(2, f"{p.prog}: error: {problem}\n")
+
+
+MAX_THREADS = 4 * (os.cpu_count() or 256)
 
 
 def check_common_args(p: argparse.ArgumentParser, args) -> None:
     for name in ("k", "epochs", "batch_size", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads > MAX_THREADS:
+        p.error(f"--threads must be at most {MAX_THREADS} (4 per CPU core here), got {args.threads}")
     for name in ("limit_train", "limit_test", "stop_after"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if not args.weight_decay >= 0:
+        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not 0 <= args.label_smoothing < 1:
+        p.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     if args.method != "auto":
         try:
             ops.get(args.method)
@@ -174,6 +189,18 @@ def check_common_args(p: argparse.ArgumentParser, args) -> None:
     if args.neuron in ("psn", "sliding_psn") and not models.psn_available(args.neuron):
         p.error(f"--neuron {args.neuron} needs SpikingJelly >= 2.0 (the installed one has no PSN family); "
                 f"use mfpsn, lif or plif")
+    check_out_dir(p, args)
+
+
+def check_out_dir(p: argparse.ArgumentParser, args) -> None:
+    """--out-dir must be a folder (or not there yet); a new run does not replace a run already in it
+    unless --overwrite is given."""
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        p.error(f"--out-dir {args.out_dir} is a file, not a folder")
+    held = [n for n in (CHECKPOINT, METRICS) if os.path.isfile(os.path.join(args.out_dir, n))]
+    if held and not (args.resume or args.overwrite):
+        p.error(f"--out-dir {args.out_dir} already holds a run ({', '.join(held)}): pass --resume to continue it, "
+                f"--overwrite to replace it, or choose another --out-dir")
 
 
 # ------------------------------------------------------------------------------------------- setup
@@ -401,7 +428,8 @@ def fit(task: Task, args, env: Env) -> dict:
     test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
 
     ckpt_path = os.path.join(args.out_dir, CHECKPOINT)
-    ckpt = load_checkpoint(ckpt_path, task.config, env) if args.resume else None
+    options = training_options(args, env)
+    ckpt = load_checkpoint(ckpt_path, task.config, env, options) if args.resume else None
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
 
@@ -458,7 +486,7 @@ def fit(task: Task, args, env: Env) -> dict:
             save_checkpoint(ckpt_path, dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                                             scheduler=scheduler.state_dict(), epoch=epoch + 1, history=history,
                                             scaler=scaler.state_dict() if scaler is not None else None,
-                                            config=task.config))
+                                            config=task.config, options=options))
             write_json(os.path.join(args.out_dir, METRICS), dict(run_info, history=history))
             plot_curves(history, os.path.join(args.out_dir, CURVES), task.name)
 
@@ -482,8 +510,33 @@ def fit(task: Task, args, env: Env) -> dict:
 
 # ------------------------------------------------------------------------------------------- files
 
-def load_checkpoint(path: str, config: dict, env: Env) -> dict:
-    """The checkpoint at ``path``, after checking that it was trained with the network ``config``."""
+# Options the optimiser, the schedule or the data order depend on: a resumed run must keep them.
+TRAINING_OPTIONS = ("lr", "weight_decay", "batch_size", "limit_train", "label_smoothing", "seed",
+                    "delay_lr", "dropout", "duration")
+
+
+def training_options(args, env: Env) -> dict:
+    """The run's :data:`TRAINING_OPTIONS` (those its script has) and its number of processes."""
+    options = {name: getattr(args, name) for name in TRAINING_OPTIONS if hasattr(args, name)}
+    return dict(options, processes=env.world)
+
+
+def check_training_options(path: str, saved: Optional[dict], now: dict) -> None:
+    """Refuse to resume with other training options than the checkpoint's (one from before they were
+    saved has none to compare)."""
+    if saved is None:
+        return
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        flag = {k: "torchrun --nproc_per_node" if k == "processes" else f"--{k.replace('_', '-')}" for k in changed}
+        raise SystemExit(f"--resume: {path} was trained with other training options: "
+                         + ", ".join(f"{flag[k]} {saved[k]!r} (now {now[k]!r})" for k in changed)
+                         + "; resume with the saved values, or start a new run in another --out-dir")
+
+
+def load_checkpoint(path: str, config: dict, env: Env, options: Optional[dict] = None) -> dict:
+    """The checkpoint at ``path``, after checking that it was trained with the network ``config`` (and,
+    when given and saved, the training ``options``)."""
     if not os.path.isfile(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     try:  # tensors, numbers, strings and containers only: no code from the file runs
@@ -499,6 +552,8 @@ def load_checkpoint(path: str, config: dict, env: Env) -> dict:
     if changed:
         raise SystemExit(f"--resume: {path} was trained with a different network: "
                          + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in changed.items()))
+    if options is not None:
+        check_training_options(path, ckpt.get("options"), options)
     return ckpt
 
 

@@ -15,6 +15,7 @@ ONNX model, whole-sequence to OUT.onnx and streaming to OUT.stream.onnx (pip ins
 "spikingjelly_mfpsn[onnx]"), and runs the first with onnxruntime.
 """
 import argparse
+import os
 
 import torch
 from spikingjelly.activation_based import functional
@@ -76,6 +77,10 @@ def main():
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
+    for flag, path in (("--nir", args.nir), ("--onnx", args.onnx)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            parser.error(f"{flag} {path}: the folder {folder} is not there; create it first")
     torch.manual_seed(args.seed)
     net = sequential_cifar_net(mfpsn(k=16, sawtooth=True))
     calibrate(net, 2)

@@ -45,6 +45,15 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     common.check_common_args(p, args)
+    for name in ("channels", "convs", "stages", "hidden", "blocks", "time_pool"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.widths) < 1:
+        p.error(f"--widths must all be >= 1, got {args.widths}")
+    height = 8 if args.dataset == "digits" else 32
+    if not args.pixel and height % 2 ** args.stages:
+        p.error(f"--stages {args.stages}: {args.dataset} images are {height} pixels high, which {args.stages} "
+                f"halvings do not divide (at most {height.bit_length() - 1} stages)")
     common.check_data_dir(p, args.dataset, args.data_dir)
     return args
 

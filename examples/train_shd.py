@@ -12,6 +12,7 @@ Writes OUT_DIR/metrics.json, OUT_DIR/curves.png and OUT_DIR/checkpoint.pt (every
 from __future__ import annotations
 
 import argparse
+import math
 
 import common
 from spikingjelly_mfpsn.paper import data, models
@@ -43,7 +44,13 @@ def parse_args(argv=None):
     common.check_common_args(p, args)
     for name in ("bins", "unit_bin", "hidden", "layers", "max_delay"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.dropout < 1:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not args.delay_lr >= 0:
+        p.error(f"--delay-lr must be >= 0, got {args.delay_lr}")
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        p.error(f"--duration must be a finite number of seconds > 0, got {args.duration}")
     if args.delays == "on" and not models.dcls_available():
         p.error("--delays on needs the dcls package (pip install dcls); use --delays off")
     common.check_data_dir(p, "shd", args.data_dir)

@@ -746,3 +746,209 @@ def test_cifar_without_data_dir_exits_2_without_a_traceback():
                        text=True, env=_env(), timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--data-dir" in r.stderr
+
+
+# ------------------------------------------------------------------------------- refused inputs
+
+MINI = [str(a) for a in ("--limit-train", 32, "--limit-test", 16, "--channels", 4, "--hidden", 8, "--convs", 1,
+                         "--epochs", 2, "--batch-size", 16, "--method", "shift_add", "--no-progress")]
+
+
+@pytest.mark.parametrize("extra,named", [(["--k", "3"], "--k"), (["--neuron=lif"], "--neuron"),
+                                         (["--no-saw"], "--no-sawtooth"), (["--sawtooth"], "--sawtooth"),
+                                         (["--pixel"], "--pixel"), (["--resume"], "--resume")])
+def test_ablation_order_refuses_the_options_it_sweeps(extra, named, capsys):
+    """An extra --k / --neuron / --no-sawtooth came after the sweep's own and won: every run trained the
+    same network under the sweep's labels."""
+    ablation_order = _import_example("ablation_order")
+    with pytest.raises(SystemExit) as e:
+        ablation_order.parse_args(["--epochs", "1", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {named}: leave out" in err, err
+
+
+def test_resume_refuses_other_training_options(tmp_path, capsys):
+    """--resume with another --batch-size trained at lr 0; another --lr was ignored (metrics said otherwise)."""
+    train_sequential = _import_example("train_sequential")
+    out = str(tmp_path / "run")
+    train_sequential.main([*MINI, "--out-dir", out, "--stop-after", "1"])
+    with pytest.raises(SystemExit) as e:
+        train_sequential.main([*MINI, "--out-dir", out, "--resume", "--batch-size", "8", "--lr", "0.5"])
+    msg = str(e.value.code)
+    assert "--batch-size 16 (now 8)" in msg and "--lr 0.002 (now 0.5)" in msg and "another --out-dir" in msg, msg
+    path = os.path.join(out, "checkpoint.pt")  # a checkpoint from before the options were saved still resumes
+    torch.save({k: v for k, v in torch.load(path, weights_only=True).items() if k != "options"}, path)
+    assert len(train_sequential.main([*MINI, "--out-dir", out, "--resume", "--threads", "1"])["history"]) == 2
+
+
+def test_a_new_run_does_not_replace_the_one_in_its_out_dir(tmp_path, capsys):
+    train_sequential = _import_example("train_sequential")
+    out = str(tmp_path / "run")
+    train_sequential.main([*MINI, "--out-dir", out, "--epochs", "1"])
+    with pytest.raises(SystemExit) as e:
+        train_sequential.main([*MINI, "--out-dir", out])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "already holds a run" in err and "--resume" in err and "--overwrite" in err, err
+    assert len(train_sequential.main([*MINI, "--out-dir", out, "--overwrite"])["history"]) == 2
+    ablation_order = _import_example("ablation_order")
+    os.makedirs(tmp_path / "abl" / "k2_no_sawtooth")
+    (tmp_path / "abl" / "k2_no_sawtooth" / "metrics.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        ablation_order.parse_args(["--orders", "2", "--out-dir", str(tmp_path / "abl")])
+    assert "k2_no_sawtooth" in capsys.readouterr().err
+    ablation_order.parse_args(["--orders", "2", "--out-dir", str(tmp_path / "abl"), "--overwrite"])
+
+
+@pytest.mark.parametrize("split", ["test", "train"])
+def test_an_empty_split_is_refused_by_name(tmp_path, split):
+    """An empty test split was reported as a measured 0 % accuracy; an empty training split as torch's
+    'num_samples should be a positive integer'."""
+    _write_cifar10(str(tmp_path), archive=False)
+    empty = {b"data": np.zeros((0, 3072), np.uint8), b"labels": []}
+    for name in ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]:
+        with open(tmp_path / "cifar-10-batches-py" / name, "wb") as f:
+            pickle.dump(empty, f)
+    train_sequential = _import_example("train_sequential")
+    with pytest.raises(SystemExit) as e:
+        train_sequential.main([*MINI, "--dataset", "cifar10", "--data-dir", str(tmp_path),
+                               "--out-dir", str(tmp_path / "run")])
+    assert ("test_batch: the test batch holds no images" if split == "test" else "training batches") \
+        in str(e.value.code)
+    _write_shd(str(tmp_path / "shd_train.h5"), [[0.1]], [[3]], [1])
+    _write_shd(str(tmp_path / "shd_test.h5"), [], [], [])
+    with pytest.raises(data.DataError, match="shd_test.h5 holds no samples"):
+        data.load_shd(str(tmp_path))
+
+
+@pytest.mark.parametrize("key,value,says", [
+    (b"data", lambda b: b / 255.0, "b'data' must hold integers in 0..255, got dtype float64"),
+    (b"data", lambda b: b.astype(np.int64) + 256, "b'data' must hold integers in 0..255, got values"),
+    (b"data", lambda b: "not an array", "b'data' must hold integers"),
+    (b"labels", lambda b: [1.9, 2.5, 3.99], "must hold integers in 0..9, got dtype float64"),
+    (b"labels", lambda b: [0, 10, 1], "must hold integers in 0..9, got values 0..10"),
+    (b"labels", lambda b: [0, -1, 1], "must hold integers in 0..9, got values -1..1"),
+    (b"labels", lambda b: 3, "must be a list of 3 labels, one per image, got shape ()"),
+    (b"labels", lambda b: [1, [2, 3], 4], "is not an array of integers"),
+    (b"labels", lambda b: ["cat", "dog", "cat"], "must hold integers in 0..9, got dtype <U3"),
+    (b"labels", lambda b: [[1], [2], [3]], "got shape (3, 1)"),
+])
+def test_the_cifar_reader_refuses_what_it_would_cast(tmp_path, key, value, says):
+    """Float pixels became black images, pixels over 255 wrapped, float labels were truncated, labels
+    out of range or of the wrong shape crashed later (or inside the error message)."""
+    _write_cifar10(str(tmp_path), archive=False)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    batch = _cifar_batch(3, b"labels", 2)
+    batch[key] = value(batch[key])
+    path.write_bytes(pickle.dumps(batch))
+    with pytest.raises(data.DataError) as e:
+        data.load_cifar(str(tmp_path), "cifar10")
+    assert "data_batch_2" in str(e.value) and says in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("times,labels,says", [
+    ([[0.1, float("inf")]], [1], "sample 0 has a spike time that is not a finite number"),
+    ([[0.1, float("nan")]], [1], "sample 0 has a spike time that is not a finite number"),
+    ([[0.1, 0.2]], np.array([-1], np.int16), "labels must hold integers in 0..")
+])
+def test_the_shd_reader_refuses_non_finite_times_and_bad_labels(tmp_path, times, labels, says):
+    import h5py
+    path = str(tmp_path / "shd_train.h5")
+    _write_shd(path, times, [[3, 4]], [1])
+    with h5py.File(path, "r+") as f:
+        del f["labels"]
+        f.create_dataset("labels", data=np.asarray(labels))
+    with pytest.raises(data.DataError, match=re.escape(says)):
+        data.SHD(path)
+
+
+def test_the_shd_reader_refuses_labels_of_another_shape_and_a_non_finite_duration(tmp_path):
+    import h5py
+    path = str(tmp_path / "shd_train.h5")
+    _write_shd(path, [[0.1], [0.2]], [[3], [4]], [1, 2])
+    for duration in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="duration must be a finite number"):
+            data.SHD(path, duration=duration)
+    with h5py.File(path, "r+") as f:
+        del f["labels"]
+        f.create_dataset("labels", data=np.array([[1], [2]], np.uint16))
+    with pytest.raises(data.DataError, match=re.escape("labels must be one label per sample (shape (N,)), got "
+                                                       "shape (2, 1)")):
+        data.SHD(path)
+
+
+@pytest.mark.parametrize("script,argv,says", [
+    ("train_shd", ["--delay-lr", "-1"], "--delay-lr must be >= 0"),
+    ("train_shd", ["--dropout", "1"], "--dropout must be in [0, 1)"),
+    ("train_shd", ["--duration", "inf"], "--duration must be a finite number of seconds > 0"),
+    ("train_shd", ["--duration", "0"], "--duration must be a finite number of seconds > 0"),
+    ("train_sequential", ["--label-smoothing", "-1"], "--label-smoothing must be in [0, 1)"),
+    ("train_sequential", ["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
+    ("train_sequential", ["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    ("train_sequential", ["--threads", "100000"], "--threads must be at most"),
+    ("train_sequential", ["--channels", "0"], "--channels must be >= 1"),
+    ("train_sequential", ["--pixel", "--time-pool", "0"], "--time-pool must be >= 1"),
+    ("train_sequential", ["--widths", "8", "0"], "--widths must all be >= 1"),
+    ("train_sequential", ["--stages", "4"], "--stages 4: digits images are 8 pixels high"),
+    ("train_sequential", ["--data-dir", "somewhere"], "--dataset digits is bundled"),
+    ("ablation_order", ["--data-dir", "somewhere"], "--dataset digits is bundled"),
+])
+def test_out_of_range_options_are_usage_errors(script, argv, says, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data_dir = _data_argv(script, "shd", "ok", tmp_path) if script == "train_shd" else []
+    with pytest.raises(SystemExit) as e:
+        _import_example(script).parse_args([*argv, *data_dir])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err, err
+
+
+@pytest.mark.parametrize("script,args,says", [
+    ("demo.py", ["--epochs", "0"], "--epochs must be >= 1"),
+    ("mulfree_inference.py", ["--onnx", "/nonexistent_folder_mfpsn/x.onnx"], "the folder /nonexistent_folder_mfpsn"),
+    ("mulfree_inference.py", ["--nir", "/nonexistent_folder_mfpsn/x.nir"], "the folder /nonexistent_folder_mfpsn"),
+])
+def test_demo_and_inference_refuse_bad_arguments_before_computing(script, args, says):
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 2 and says in r.stderr, (r.returncode, r.stdout[-500:], r.stderr[-500:])
+
+
+def test_a_damaged_shd_file_that_opens_is_refused_by_name(tmp_path):
+    """Bytes overwritten inside the file (not truncated): the reads after h5py.File() raised h5py's
+    own errors."""
+    rng = np.random.default_rng(0)
+    good = tmp_path / "good.h5"
+    _write_shd(str(good), [rng.random(20) for _ in range(20)], [rng.integers(0, 700, 20) for _ in range(20)],
+               rng.integers(0, 20, 20))
+    raw, path = good.read_bytes(), tmp_path / "shd_train.h5"
+    for _ in range(40):
+        damaged = bytearray(raw)
+        for i in rng.integers(0, len(raw), 8):
+            damaged[i] = int(rng.integers(0, 256))
+        path.write_bytes(bytes(damaged))
+        try:
+            data.SHD(str(path), bins=10)
+        except data.DataError as e:
+            assert str(path) in str(e)
+
+
+def test_a_cifar_archive_member_that_is_a_folder_is_refused_by_name(tmp_path):
+    with tarfile.open(tmp_path / "cifar-10-python.tar.gz", "w:gz") as tar:
+        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            if name == "data_batch_3":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+                continue
+            raw = pickle.dumps(_cifar_batch(2, b"labels", 0))
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+    with pytest.raises(data.DataError, match="cifar-10-batches-py/data_batch_3 is not a file"):
+        data.load_cifar(str(tmp_path), "cifar10")
+
+
+def test_a_broken_scikit_learn_is_not_reported_as_missing(monkeypatch):
+    """Any ImportError (e.g. a shared object that failed to load) said 'needs scikit-learn: pip install'."""
+    monkeypatch.setitem(sys.modules, "sklearn.model_selection", None)  # importing it fails; sklearn is there
+    with pytest.raises(ImportError) as e:
+        data.load_digits()
+    assert "pip install scikit-learn" not in str(e.value), str(e.value)

@@ -6,6 +6,8 @@ sequential and pixel tasks.
 """
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import pickle
 import tarfile
@@ -53,6 +55,8 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
         from sklearn.datasets import load_digits as sk_load_digits
         from sklearn.model_selection import train_test_split
     except ImportError as e:
+        if importlib.util.find_spec("sklearn") is not None:  # installed, but broken: its own error says why
+            raise
         raise ImportError("the digits data set needs scikit-learn: pip install scikit-learn") from e
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
@@ -65,17 +69,34 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Split:
     return x[i_train], y[i_train], x[i_test], y[i_test]
 
 
-def _cifar_arrays(batch: dict, label_key: bytes, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _integers(value, where: str, what: str, low: int, high: int) -> np.ndarray:
+    """``value`` as an integer array with every entry in ``low..high``; anything else (floats, strings,
+    ragged lists, values out of range) raises :class:`DataError` naming ``where`` and ``what``."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError) as e:  # ragged nested lists
+        raise DataError(f"{where}: {what} is not an array of integers ({e})") from e
+    if a.size == 0 and a.dtype.kind == "f":  # an empty list reads as float64
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "ui":
+        raise DataError(f"{where}: {what} must hold integers in {low}..{high}, got dtype {a.dtype}")
+    if a.size and (a.min() < low or a.max() > high):
+        raise DataError(f"{where}: {what} must hold integers in {low}..{high}, got values {a.min()}..{a.max()}")
+    return a
+
+
+def _cifar_arrays(batch: dict, label_key: bytes, classes: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     if b"data" not in batch or label_key not in batch:
         raise DataError(f"{where} is not a CIFAR python batch: it lacks the keys b'data' and {label_key!r}")
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
+    data = _integers(batch[b"data"], where, "b'data'", 0, 255)
     if data.ndim != 2 or data.shape[1] != 3072:
         raise DataError(f"{where}: b'data' must be (N, 3072) uint8, got shape {data.shape}")
-    labels = np.asarray(batch[label_key], dtype=np.int64)
+    labels = _integers(batch[label_key], where, f"{label_key!r} (the labels)", 0, classes - 1)
     if labels.shape != (data.shape[0],):
-        raise DataError(f"{where}: {data.shape[0]} images but {labels.shape[0]} labels")
-    x = torch.from_numpy(data.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
-    return x, torch.from_numpy(labels)
+        raise DataError(f"{where}: {label_key!r} must be a list of {data.shape[0]} labels, one per image, "
+                        f"got shape {labels.shape}")
+    x = torch.from_numpy(data.astype(np.uint8).reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
+    return x, torch.from_numpy(labels.astype(np.int64))
 
 
 def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
@@ -89,7 +110,7 @@ def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
     """
     if name not in CIFAR:
         raise ValueError(f"name must be one of {sorted(CIFAR)}, got {name!r}")
-    archive, folder, train_members, test_member, label_key, _ = CIFAR[name]
+    archive, folder, train_members, test_member, label_key, classes = CIFAR[name]
     archive_path = os.path.join(data_dir, archive)
     members = train_members + [test_member]
     folders = [p for p in (os.path.join(data_dir, folder), data_dir)
@@ -109,8 +130,8 @@ def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
                 if missing:
                     raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python "
                                             f"archive?")
-                batches = {m: _unpickle(tar.extractfile(f"{folder}/{m}").read, f"{archive_path}:{folder}/{m}", name)
-                           for m in members}
+                batches = {m: _unpickle(_member(tar, f"{folder}/{m}", archive_path).read,
+                                        f"{archive_path}:{folder}/{m}", name) for m in members}
         except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
             if isinstance(e, FileNotFoundError):
                 raise
@@ -121,9 +142,22 @@ def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
             f"{name} not found in --data-dir {data_dir!r}: put the python version of the data set there, either "
             f"the archive {archive} or its extracted folder {folder}/ (with {', '.join(members)}). "
             f"It is published at {CIFAR_URL}; nothing is downloaded automatically.")
-    train = [_cifar_arrays(batches[m], label_key, f"{name}/{m}") for m in train_members]
-    x_test, y_test = _cifar_arrays(batches[test_member], label_key, f"{name}/{test_member}")
+    train = [_cifar_arrays(batches[m], label_key, classes, f"{name}/{m}") for m in train_members]
+    x_test, y_test = _cifar_arrays(batches[test_member], label_key, classes, f"{name}/{test_member}")
+    if not sum(len(y) for _, y in train):
+        raise DataError(f"{name}: the training batches ({', '.join(train_members)}) hold no images")
+    if not len(y_test):
+        raise DataError(f"{name}/{test_member}: the test batch holds no images")
     return torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), x_test, y_test
+
+
+def _member(tar: tarfile.TarFile, member: str, archive_path: str):
+    """The open file of ``member`` in ``tar``; a member that is not a regular file raises :class:`DataError`."""
+    f = tar.extractfile(member)
+    if f is None:
+        raise DataError(f"{archive_path}:{member} is not a file (a folder or a link): the archive is not the "
+                        f"CIFAR python archive; fetch it again ({CIFAR_URL})")
+    return f
 
 
 def num_classes(name: str) -> int:
@@ -195,26 +229,20 @@ class SHD(torch.utils.data.Dataset):
         except OSError as e:
             raise DataError(f"{path} cannot be read as HDF5 ({e}): it is damaged, truncated or still gzipped; "
                             f"gunzip the .h5.gz published at {SHD_URL} again") from e
-        with f:
-            for key in ("spikes/times", "spikes/units", "labels"):
-                if key not in f:
-                    raise DataError(f"{path} is not an SHD file: it has no dataset {key!r}")
-            self.times = [np.asarray(t, dtype=np.float64) for t in f["spikes/times"]]
-            self.units = [np.asarray(u, dtype=np.int64) for u in f["spikes/units"]]
-            self.labels = np.asarray(f["labels"], dtype=np.int64)
-        if not len(self.times) == len(self.units) == len(self.labels):
-            raise DataError(f"{path}: {len(self.times)} spike-time lists, {len(self.units)} unit lists and "
-                            f"{len(self.labels)} labels; they must match")
-        for i, (t, u) in enumerate(zip(self.times, self.units)):
-            if t.shape != u.shape:
-                raise DataError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")
-            if u.size and (u.min() < 0 or u.max() >= units):
-                raise DataError(f"{path}: sample {i} has a unit outside 0..{units - 1}")
+        try:
+            with f:
+                self.times, self.units, labels = _read_shd(f, path)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001  (damage inside the file raises almost anything from h5py)
+            raise DataError(f"{path} cannot be read as an SHD file ({type(e).__name__}: {e}): it is damaged; "
+                            f"gunzip the .h5.gz published at {SHD_URL} again") from e
+        self.labels = _checked_samples(path, self.times, self.units, labels, units)
         latest = max((t.max() for t in self.times if t.size), default=0.0)
         if duration is None:
             duration = float(np.nextafter(latest, np.inf)) if latest > 0 else 1.0
-        if not duration > 0:
-            raise ValueError(f"duration must be > 0 seconds, got {duration!r}")
+        if not (math.isfinite(duration) and duration > 0):
+            raise ValueError(f"duration must be a finite number of seconds > 0, got {duration!r}")
         self.bins, self.duration, self.unit_bin = bins, float(duration), unit_bin
         self.features = -(-units // unit_bin)
         self.dropped_spikes = int(sum(((t < 0) | (t >= self.duration)).sum() for t in self.times))
@@ -235,11 +263,45 @@ class SHD(torch.utils.data.Dataset):
         return torch.from_numpy(frames), torch.tensor(self.labels[i])
 
 
+def _read_shd(f, path: str) -> tuple[list, list, np.ndarray]:
+    """(spike times, units, labels) of the open SHD file ``f``, as read (checked by the caller)."""
+    for key in ("spikes/times", "spikes/units", "labels"):
+        if key not in f:
+            raise DataError(f"{path} is not an SHD file: it has no dataset {key!r}")
+    times = [np.asarray(t, dtype=np.float64) for t in f["spikes/times"]]
+    units = [np.asarray(u, dtype=np.int64) for u in f["spikes/units"]]
+    return times, units, np.asarray(f["labels"])
+
+
+def _checked_samples(path: str, times: list, units: list, labels: np.ndarray, channels: int) -> np.ndarray:
+    """The int64 labels of an SHD file, after checking its samples; what does not fit raises :class:`DataError`."""
+    labels = _integers(labels, path, "labels", 0, np.iinfo(np.int64).max).astype(np.int64)
+    if labels.ndim != 1:
+        raise DataError(f"{path}: labels must be one label per sample (shape (N,)), got shape {labels.shape}")
+    if not len(times) == len(units) == len(labels):
+        raise DataError(f"{path}: {len(times)} spike-time lists, {len(units)} unit lists and "
+                        f"{len(labels)} labels; they must match")
+    for i, (t, u) in enumerate(zip(times, units)):
+        if t.shape != u.shape:
+            raise DataError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")
+        if not np.isfinite(t).all():
+            raise DataError(f"{path}: sample {i} has a spike time that is not a finite number (NaN or inf)")
+        if u.size and (u.min() < 0 or u.max() >= channels):
+            raise DataError(f"{path}: sample {i} has a unit outside 0..{channels - 1}")
+    return labels
+
+
 def load_shd(data_dir: str, **kwargs) -> tuple[SHD, SHD]:
-    """``(train, test)`` :class:`SHD` sets from ``data_dir``; both are binned over the same duration."""
+    """``(train, test)`` :class:`SHD` sets from ``data_dir``, binned over the same duration.
+
+    A file without samples raises :class:`DataError`."""
     train = SHD(os.path.join(data_dir, SHD_FILES[0]), **kwargs)
     kwargs["duration"] = train.duration
-    return train, SHD(os.path.join(data_dir, SHD_FILES[1]), **kwargs)
+    test = SHD(os.path.join(data_dir, SHD_FILES[1]), **kwargs)
+    for ds, name in ((train, SHD_FILES[0]), (test, SHD_FILES[1])):
+        if not len(ds):
+            raise DataError(f"{os.path.join(data_dir, name)} holds no samples")
+    return train, test
 
 
 __all__ = ["CIFAR", "SHD", "DataError", "load_cifar", "load_digits", "load_images", "load_shd", "num_classes", "standardize", "to_columns",

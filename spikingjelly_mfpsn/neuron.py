@@ -177,16 +177,16 @@ class ChargeNeuronBase(MemoryModule):
     def configure(self, *, layout=None, backend=None, method=None, step_mode=None, surrogate_function=None):
         """Set the run-time settings given (the rest stay), checked as the constructor checks them; the
         weights and state stay. ``method`` must run ``layout`` (the new or the current one)."""
-        if surrogate_function is not None or not hasattr(self, "surrogate_function"):
-            if not _surrogate_ok(surrogate_function):
-                raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
-            self.surrogate_function = surrogate_function if surrogate_function is not None else default_surrogate()
+        if not _surrogate_ok(surrogate_function):
+            raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
         layout = ops.check_layout(layout if layout is not None else self._layout)
         pinned = method if method is not None else self._method
         if pinned != "auto" and layout not in ops.get(pinned).layouts and method is not None:
             raise ValueError(f"method {pinned!r} runs the layouts {ops.get(pinned).layouts}, not layout={layout!r}; "
                              f"pass layout={ops.get(pinned).layouts[0]!r} or another method "
                              f"({', '.join(ops.names(layout=layout))})")
+        if surrogate_function is not None:
+            self.surrogate_function = surrogate_function
         if step_mode is not None:
             self.step_mode = step_mode
         self.layout = layout
@@ -472,6 +472,7 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         self.exp_init = exp_init
         self.v_threshold_init = v_threshold
         self._layout, self._backend, self._method = "time_first", "torch", "auto"
+        self.surrogate_function = default_surrogate()
         self.configure(layout=layout, backend=backend, method=method, step_mode=step_mode,
                        surrogate_function=surrogate_function)
         # Single-step state: the last (k-1)*d inputs, oldest first (a tuple of tensors).

@@ -122,6 +122,24 @@ class ChargeNeuronBase(MemoryModule):
     here, so that conversion and autoselect treat every variant alike.
     """
 
+    #: Settings a built neuron keeps, because its parameters' shapes or kinds follow them: name -> why.
+    FIXED = {"k": "its taps have one column each", "channels": "its parameters have one entry per channel"}
+    #: Those of :attr:`FIXED` that ``functional.replace_neurons`` rebuilds a network's neurons with.
+    REBUILT = ()
+
+    def __setattr__(self, name, value):
+        """A setting assigned to a built neuron is checked as the constructor checks it; one of
+        :attr:`FIXED` is refused (it would leave the parameters computing another neuron)."""
+        if name in self.FIXED and hasattr(self, name):
+            if getattr(self, name) == value:
+                return
+            rebuild = f", or a network's with functional.replace_neurons(net, {name}=...)" if name in self.REBUILT else ""
+            raise AttributeError(f"{name} of a built {type(self).__name__} cannot change ({self.FIXED[name]}): "
+                                 f"build a new neuron{rebuild}")
+        if name in _SETTINGS:
+            _check_settings(**{name: value})
+        super().__setattr__(name, value)
+
     def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
         """The implementation that will run ``x_seq`` (``'auto'`` resolved by ``ops.choose``)."""
         layout = layout or self._layout
@@ -407,26 +425,30 @@ def _surrogate_ok(sg) -> bool:
     return sg is None or callable(sg) and not isinstance(sg, type)
 
 
-def _check_config(*, channels, k, dilation, quantize, ste, threshold, surrogate_function, momentum, eps, exp_init,
-                 v_threshold) -> None:
-    """ValueError naming the first of :class:`MulFreeChannelwisePSN`'s arguments that is not valid."""
-    for ok, message in (
-            (_is_int(k) and k >= 1, f"k (the order) must be an int >= 1, got {k!r}"),
-            (_is_int(dilation) and dilation >= 1, f"dilation must be an int >= 1, got {dilation!r}"),
-            (channels is None or _is_int(channels) and channels >= 1,
-             f"channels must be a positive int or None, got {channels!r}"),
-            (isinstance(quantize, bool), f"quantize must be True or False, got {quantize!r}"),
-            (isinstance(exp_init, bool), f"exp_init must be True or False, got {exp_init!r}"),
-            (ste in STE_MODES, f"ste must be one of {STE_MODES}, got {ste!r}"),
-            (threshold in THRESHOLDS, f"threshold must be one of {THRESHOLDS}, got {threshold!r}"),
-            (momentum is None or _is_number(momentum) and 0.0 <= momentum <= 1.0,
-             f"momentum must be a number in [0, 1] or None, got {momentum!r}"),
-            (_is_number(eps) and 0.0 < eps < math.inf, f"eps must be a number > 0 (added to the variance), got {eps!r}"),
-            (_is_number(v_threshold) and math.isfinite(v_threshold),
-             f"v_threshold must be a finite number, got {v_threshold!r}"),
-            (_surrogate_ok(surrogate_function), _SURROGATE_EXPECTED + f"{surrogate_function!r}")):
-        if not ok:
-            raise ValueError(message)
+# What each setting of a neuron may be: name -> (test, what is expected). The constructor checks its
+# arguments with it, and a built neuron checks a setting assigned later (``sn.eps = 0``) the same way.
+_SETTINGS = {
+    "k": (lambda v: _is_int(v) and v >= 1, "k (the order) must be an int >= 1"),
+    "dilation": (lambda v: _is_int(v) and v >= 1, "dilation must be an int >= 1"),
+    "quantize": (lambda v: isinstance(v, bool), "quantize must be True or False"),
+    "exp_init": (lambda v: isinstance(v, bool), "exp_init must be True or False"),
+    "ste": (lambda v: isinstance(v, str) and v in STE_MODES, f"ste must be one of {STE_MODES}"),
+    "threshold": (lambda v: isinstance(v, str) and v in THRESHOLDS, f"threshold must be one of {THRESHOLDS}"),
+    "momentum": (lambda v: v is None or _is_number(v) and 0.0 <= v <= 1.0,
+                 "momentum must be a number in [0, 1] or None"),
+    "eps": (lambda v: _is_number(v) and 0.0 < v < math.inf, "eps must be a number > 0 (added to the variance)"),
+    "v_threshold_init": (lambda v: _is_number(v) and math.isfinite(v), "v_threshold must be a finite number"),
+    "surrogate_function": (lambda v: callable(v) and not isinstance(v, type),
+                           "surrogate_function must be a surrogate function instance (e.g. surrogate.ATan())"),
+}
+
+
+def _check_settings(**settings) -> None:
+    """ValueError naming the first of ``settings`` that is not valid."""
+    for name, value in settings.items():
+        ok, expected = _SETTINGS[name]
+        if not ok(value):
+            raise ValueError(f"{expected}, got {value!r}")
 
 
 class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase):
@@ -453,15 +475,22 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         v_threshold: initial V_th for ``threshold='param'``
     """
 
+    FIXED = {**ChargeNeuronBase.FIXED, "threshold": "it decides the parameters: gamma, beta and the running "
+                                                      "statistics, or v_threshold"}
+    REBUILT = ("k", "threshold")
+
     def __init__(self, channels: Optional[int] = None, k: int = 2, dilation: int = 1,
                  quantize: bool = True, ste: str = "whole", threshold: str = "bn",
                  surrogate_function=None, step_mode: str = "s", backend: str = "torch",
                  method: str = "auto", layout: str = "time_first", momentum: Optional[float] = 0.1,
                  eps: float = 1e-5, exp_init: bool = True, v_threshold: float = 1.0):
         super().__init__()
-        _check_config(channels=channels, k=k, dilation=dilation, quantize=quantize, ste=ste, threshold=threshold,
-                     surrogate_function=surrogate_function, momentum=momentum, eps=eps, exp_init=exp_init,
-                     v_threshold=v_threshold)
+        if not (channels is None or _is_int(channels) and channels >= 1):
+            raise ValueError(f"channels must be a positive int or None, got {channels!r}")
+        if not _surrogate_ok(surrogate_function):
+            raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
+        _check_settings(k=k, dilation=dilation, quantize=quantize, exp_init=exp_init, ste=ste, threshold=threshold,
+                        momentum=momentum, eps=eps, v_threshold_init=v_threshold)
         self.k = k
         self.dilation = dilation
         self.quantize = quantize

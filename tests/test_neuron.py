@@ -386,11 +386,51 @@ def test_a_dilation_set_after_construction_is_checked_in_both_step_modes(step_mo
     """``sn.dilation = 0`` made every single-step tap read the current input (wrong spikes, no error) and
     other bad values failed with an unrelated IndexError/TypeError; both step modes now name it."""
     sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode)
-    sn.dilation = dilation
     x = torch.rand(4, 2, 3) if step_mode == "m" else torch.rand(2, 3)
     with pytest.raises(ValueError, match="dilation must be an int >= 1"):
+        sn.dilation = dilation
         sn(x)
         sn(x)  # (single step: the second call has a history to tap)
+
+
+@pytest.mark.parametrize("step_mode", ["s", "m"])
+@pytest.mark.parametrize("name, value", [("k", 3), ("threshold", "param"), ("channels", 5)])
+def test_a_setting_the_parameters_follow_cannot_change_after_construction(step_mode, name, value):
+    """``sn.k = 3`` was ignored by multi-step forwards (the weight keeps its k columns) and recorded in the
+    state dict as k=3, so the checkpoint then loaded nowhere; single-step forwards failed. ``threshold`` and
+    ``channels`` likewise. Refused by name; the neuron still computes what it did."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode)
+    x = torch.rand(4, 2, 3) if step_mode == "m" else torch.rand(2, 3)
+    before = sn(x)
+    functional.reset_net(sn)
+    with pytest.raises(AttributeError, match=f"{name} of a built MulFreeChannelwisePSN cannot change"):
+        setattr(sn, name, value)
+    assert torch.equal(sn(x), before)
+    setattr(sn, name, getattr(sn, name))  # (the same value: nothing changes)
+    assert MulFreeChannelwisePSN(3, k=2).load_state_dict(sn.state_dict())
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("quantize", "no", "quantize must be True or False"),
+    ("ste", "floor", "ste must be one of"),
+    ("eps", 0.0, "eps must be a number > 0"),
+    ("momentum", 1.5, r"momentum must be a number in \[0, 1\]"),
+    ("surrogate_function", None, "surrogate_function must be a surrogate function instance"),
+    ("surrogate_function", surrogate.ATan, "surrogate_function must be a surrogate function instance")])
+def test_a_setting_assigned_after_construction_is_checked_as_the_constructor_checks_it(name, value, expected):
+    """``sn.quantize = 'no'`` quantised silently (a truthy string); other bad values failed later, inside a
+    forward, or not at all (momentum 1.5 made the running statistics overshoot)."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m")
+    with pytest.raises(ValueError, match=expected):
+        setattr(sn, name, value)
+    if name != "surrogate_function":
+        with pytest.raises(ValueError, match=expected):
+            MulFreeChannelwisePSN(3, k=2, **{name: value})
+    x, sn = torch.randn(6, 4, 3, dtype=torch.float64), sn.double()
+    sn.quantize, sn.eps, sn.momentum = False, 1e-3, None  # (valid values are taken)
+    h_ref, _ = reference.mfpsn_charge(x, sn.weight, 1, "time_first", "bn", gamma=sn.gamma, beta=sn.beta,
+                                      eps=1e-3, quantize=False)
+    assert torch.equal(sn(x), (h_ref >= 0).to(x.dtype))
 
 
 def test_neuron_built_with_channels_has_no_lazy_hooks():

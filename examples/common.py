@@ -186,6 +186,8 @@ def check_common_args(p: argparse.ArgumentParser, args) -> None:
             torch.empty(0, device=torch.device(args.device))
         except (RuntimeError, AssertionError) as e:  # unknown type, or not here (e.g. no CUDA build/device)
             p.error(f"--device {args.device}: cannot put a tensor there ({e})")
+        if torch.device(args.device).type == "meta":
+            p.error("--device meta: a meta tensor holds no data to train on or measure; use cpu or cuda")
     if args.neuron in ("psn", "sliding_psn") and not models.psn_available(args.neuron):
         p.error(f"--neuron {args.neuron} needs SpikingJelly >= 2.0 (the installed one has no PSN family); "
                 f"use mfpsn, lif or plif")
@@ -414,10 +416,8 @@ def run_epoch(net, model, loader, task, env, criterion, desc, optimizer=None, sc
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
-def fit(task: Task, args, env: Env) -> dict:
-    """Train ``task.net`` for ``args.epochs``; returns the metrics written to ``OUT_DIR/metrics.json``."""
-    start_time = time.time()
-    model = task.net.to(env.device)
+def make_loaders(task: Task, args, env: Env):
+    """The training set, its sampler (several processes) and generator, and both data loaders."""
     train_set = limit(task.train_set, args.limit_train)
     test_set = Sharded(limit(task.test_set, args.limit_test), env.rank, env.world)
     sampler = torch.utils.data.DistributedSampler(train_set, env.world, env.rank, shuffle=True, seed=args.seed) \
@@ -425,8 +425,30 @@ def fit(task: Task, args, env: Env) -> dict:
     gen = torch.Generator()
     train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=sampler is None, sampler=sampler,
                                                generator=gen, drop_last=False)
-    test_loader = torch.utils.data.DataLoader(test_set, args.batch_size)
+    return train_set, sampler, gen, train_loader, torch.utils.data.DataLoader(test_set, args.batch_size)
 
+
+def make_optimizer(task: Task, model: nn.Module, args, env: Env, total_steps: int, ckpt: Optional[dict]):
+    """AdamW, its cosine schedule and the fp16 gradient scaler, in the checkpoint's state when resuming."""
+    params = task.param_groups(model) if task.param_groups is not None else model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    # Cosine annealing per step, in closed form so that a resumed run with more epochs follows the new schedule.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
+    scaler = torch.amp.GradScaler(env.device.type) if args.amp == "fp16" else None
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+    return optimizer, scheduler, scaler
+
+
+def fit(task: Task, args, env: Env) -> dict:
+    """Train ``task.net`` for ``args.epochs``; returns the metrics written to ``OUT_DIR/metrics.json``."""
+    start_time = time.time()
+    model = task.net.to(env.device)
+    train_set, sampler, gen, train_loader, test_loader = make_loaders(task, args, env)
     ckpt_path = os.path.join(args.out_dir, CHECKPOINT)
     options = training_options(args, env)
     ckpt = load_checkpoint(ckpt_path, task.config, env, options) if args.resume else None
@@ -439,22 +461,10 @@ def fit(task: Task, args, env: Env) -> dict:
     net = model
     if env.world > 1:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[env.device] if env.device.type == "cuda" else None)
-
-    params = task.param_groups(model) if task.param_groups is not None else model.parameters()
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    total_steps = args.epochs * len(train_loader)
-    # Cosine annealing per step, in closed form so that a resumed run with more epochs follows the new schedule.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
+    optimizer, scheduler, scaler = make_optimizer(task, model, args, env, args.epochs * len(train_loader), ckpt)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    scaler = torch.amp.GradScaler(env.device.type) if args.amp == "fp16" else None
-    history, first_epoch = [], 0
+    history, first_epoch = ([], 0) if ckpt is None else (ckpt["history"], ckpt["epoch"])
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        if scaler is not None and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        history, first_epoch = ckpt["history"], ckpt["epoch"]
         env.log(f"resumed from {ckpt_path} after epoch {first_epoch}")
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -489,9 +499,13 @@ def fit(task: Task, args, env: Env) -> dict:
                                             config=task.config, options=options))
             write_json(os.path.join(args.out_dir, METRICS), dict(run_info, history=history))
             plot_curves(history, os.path.join(args.out_dir, CURVES), task.name)
+    return finish(run_info, history, time.time() - start_time, task, args, env)
 
-    wall = time.time() - start_time
+
+def finish(run_info: dict, history: list, wall: float, task: Task, args, env: Env) -> dict:
+    """The run's metrics (final and best accuracy, autoselect's share of an epoch), logged and written."""
     metrics = dict(run_info, history=history, wall_seconds=wall)
+    select_seconds = run_info["autoselect_seconds"]
     if history:
         metrics.update(final_test_acc=history[-1]["test_acc"], best_test_acc=max(h["test_acc"] for h in history))
         if select_seconds:
@@ -500,7 +514,7 @@ def fit(task: Task, args, env: Env) -> dict:
             env.log(f"autoselect took {select_seconds:.2f}s, {metrics['autoselect_percent_of_epoch']:.1f}% of a "
                     f"mean epoch ({epoch_seconds:.1f}s)")
         env.log(f"summary: {task.name} neuron={args.neuron} k={args.k} sawtooth={'on' if args.sawtooth else 'off'} "
-                f"method={method} epochs={len(history)} final test acc {metrics['final_test_acc']:.4f} "
+                f"method={run_info['method']} epochs={len(history)} final test acc {metrics['final_test_acc']:.4f} "
                 f"(best {metrics['best_test_acc']:.4f}) in {wall:.1f}s on {env.world} process(es) "
                 f"-> {os.path.join(args.out_dir, METRICS)}")
     if env.main:

@@ -72,6 +72,16 @@ def test_a_device_that_is_not_here_is_refused_by_the_argument_check(script, devi
     assert module.parse_args(["--device", "cpu", *data_dir]).device == "cpu"
 
 
+@pytest.mark.parametrize("script", ["train_sequential", "train_shd"])
+def test_the_meta_device_is_refused_by_the_argument_check(script, capsys, tmp_path):
+    """--device meta passed the check and failed with a raw torch error once the first batch was read."""
+    module = _import_example(script)
+    data_dir = _data_argv(script, "shd", "ok", tmp_path) if script == "train_shd" else []
+    with pytest.raises(SystemExit):
+        module.parse_args(["--device", "meta", *data_dir])
+    assert "--device meta: a meta tensor holds no data" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", sorted(TINY))
 @pytest.mark.parametrize("neuron", NEURONS)
 def test_builder_forward_backward(name, neuron):

@@ -2,11 +2,20 @@
 the device it runs on."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from . import _compat
+
+
+def cache_home(*parts: str) -> str:
+    """A path under ``$XDG_CACHE_HOME/spikingjelly_mfpsn`` (``~/.cache`` where that is unset or empty, as
+    the XDG specification says)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "spikingjelly_mfpsn",
+                        *parts)
 
 
 def as_args(x) -> tuple:
@@ -66,7 +75,7 @@ def agree(a, b, mismatch: float = 1e-3) -> bool:
     if isinstance(a, torch.Tensor):
         if not isinstance(b, torch.Tensor) or a.shape != b.shape:
             return False
-        close = torch.isclose(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+        close = torch.isclose(a.double(), b.double(), rtol=1e-4, atol=1e-5, equal_nan=True)
         return bool((~close).float().mean() <= mismatch)
     if isinstance(a, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(agree(x, y, mismatch) for x, y in zip(a, b))

@@ -9,8 +9,8 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
-import tempfile
 import warnings
 from typing import Optional
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, ops
-from ._util import device_type, tensors
+from ._util import cache_home, device_type, tensors
 from .timing import candidates, is_tunable
 
 CACHE_SCHEMA = 1
@@ -153,8 +153,7 @@ def default_cache_path() -> str:
         The path in the ``SPIKINGJELLY_MFPSN_CACHE`` environment variable if set, else
         ``spikingjelly_mfpsn/autoselect.json`` under ``$XDG_CACHE_HOME`` (default ``~/.cache``).
     """
-    return os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "spikingjelly_mfpsn", "autoselect.json")
+    return os.environ.get(CACHE_ENV) or cache_home("autoselect.json")
 
 
 class TimingCache:
@@ -169,7 +168,7 @@ class TimingCache:
     """
 
     def __init__(self, path: Optional[str]):
-        self.path = path
+        self.path = path = os.fspath(path) if path else None
         what = _not_a_regular_file(path) if path else ""
         if what:
             warnings.warn(f"autoselect cache {path} is {what}, not a file: running without the cache "
@@ -226,34 +225,37 @@ class TimingCache:
         if not self.path:
             return
         try:
-            directory = os.path.dirname(os.path.abspath(self.path))
-            os.makedirs(directory, exist_ok=True)
+            target = os.path.realpath(self.path)  # (through a symlink: its target gets the entries)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
             timeout = lock_timeout()
-            with filelock.FileLock(self.path + ".lock", timeout=timeout):
-                self._write_merged(directory)
+            with filelock.FileLock(target + ".lock", timeout=timeout):
+                self._write_merged(target)
         except filelock.Timeout:  # (an OSError too)
-            warnings.warn(f"autoselect cache {self.path}: its lock ({self.path}.lock) was held by another "
+            warnings.warn(f"autoselect cache {self.path}: its lock ({target}.lock) was held by another "
                           f"process for {timeout:g} s; the choice is applied but not cached "
                           f"(${LOCK_TIMEOUT_ENV} sets the wait)")
         except OSError as e:
             warnings.warn(f"autoselect cache {self.path} cannot be written ({e}); the choice is applied but "
                           f"not cached (cache=False stops this warning, cache='path' picks another file)")
 
-    def _write_merged(self, directory: str) -> None:
-        """Write what the file holds now with this object's entries over it (under the lock)."""
+    def _write_merged(self, target: str) -> None:
+        """Write what the file holds now with this object's entries over it (under the lock), in the
+        file's own permissions (a new file: those the umask gives, not a temporary file's 0600)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             layers_, plans = self._read()
         layers_ = _newest(layers_, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
         plans = _newest(plans, self.plans, self.put_plan_keys, MAX_PLANS)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoselect-", suffix=".json")
+        tmp = os.path.join(os.path.dirname(target), f".autoselect-{os.getpid()}-{secrets.token_hex(8)}.json")
         try:
-            with os.fdopen(fd, "w") as f:  # dumps: one C-encoded string (dump encodes in Python)
+            with open(tmp, "x") as f:  # dumps: one C-encoded string (dump encodes in Python)
                 f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": layers_, "plans": plans}))
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
             # Not fsynced (0.2-0.4 ms a save here): the rename keeps readers from a torn file, and a file
             # a system crash leaves empty only makes the next call rebuild the cache, as it does any
             # unreadable one (it holds timings and choices, nothing that cannot be measured again).
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
             self.put_keys, self.put_plan_keys = set(), set()  # on the file now, as its newest
         except BaseException:
             with contextlib.suppress(OSError):
@@ -290,7 +292,8 @@ def _not_a_regular_file(path: str) -> str:
 
 def _is_time(v) -> bool:
     """A timing as autoselect writes it: seconds, a number >= 0 (inf: the candidate could not run)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0  # (False for NaN)
+    return (isinstance(v, float) or isinstance(v, int) and not isinstance(v, bool) and v < 2 ** 53) \
+        and v >= 0  # (False for NaN; an int beyond a float's range is no timing this code writes)
 
 
 def _str_dict(d, value_ok) -> bool:

@@ -21,6 +21,7 @@ public names (``measure``, ``TimingCache``, ``LOCK_TIMEOUT``...) are read and se
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -72,36 +73,61 @@ def _convert(net: nn.Module, layout: str, fallback: Optional[str] = None, x=None
 
 
 def _state_snapshot(net: nn.Module):
-    buffers = {k: v.detach().clone() for k, v in net.state_dict(keep_vars=True).items()
-               if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
-    grads = {id(p): (p.grad.clone() if p.grad is not None else None) for p in net.parameters()}
+    """Every buffer (persistent or not) and gradient of ``net``, copied; outside inference mode, so that
+    the gradients put back are tensors a later training step can accumulate into."""
+    with torch.inference_mode(False), torch.no_grad():
+        buffers = {k: v.clone() for k, v in net.named_buffers()}
+        grads = {id(p): (p.grad.clone() if p.grad is not None else None) for p in net.parameters()}
     return buffers, grads
 
 
 def _restore(net: nn.Module, snap) -> None:
     buffers, grads = snap
-    with torch.no_grad():
-        state = net.state_dict(keep_vars=True)
-        for k, v in buffers.items():
-            state[k].copy_(v)
-    for p in net.parameters():  # (a copy: the next timed backward accumulates into .grad in place)
-        g = grads.get(id(p))
-        p.grad = None if g is None else g.clone()
+    with torch.inference_mode(False), torch.no_grad():
+        for k, v in net.named_buffers():
+            saved = buffers.get(k)
+            if saved is not None and not torch.equal(v, saved):  # (an unchanged one may be an expanded view)
+                v.copy_(saved)
+        for p in net.parameters():  # (a copy: the next timed backward accumulates into .grad in place)
+            g = grads.get(id(p))
+            p.grad = None if g is None else g.clone()
     _compat.functional.reset_net(net)
+
+
+@contextlib.contextmanager
+def _modes_kept(net: nn.Module):
+    """Every module's own train/eval flag put back on leaving (``net.train(flag)`` would set them all
+    to one: a frozen batch norm, kept in eval inside a training network, would train again)."""
+    modes = [(m, m.training) for m in net.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _rng_kept(net: nn.Module, x):
+    """torch's random state (the CPU's, and that of the devices ``net`` and ``x`` are on) put back on
+    leaving: the timed training runs draw from it (dropout), a cached call runs none, and a seeded
+    script must draw the same numbers after either."""
+    on = {t.device for t in [*tensors(x), *net.parameters(), *net.buffers()] if t.device.type not in ("cpu", "meta")}
+    kind = min((d.type for d in on), default="cuda")
+    backend = getattr(torch, kind, None)
+    devices = sorted({d.index if d.index is not None else backend.current_device() for d in on if d.type == kind})
+    return torch.random.fork_rng(devices=devices, device_type=kind)
 
 
 def _outputs(net: nn.Module, x) -> torch.Tensor:
     """Eval-mode outputs (deterministic: running statistics, no dropout), in full precision even
     under autocast: the check compares configurations, and reduced precision rounds each one its
     own way."""
-    was_training = net.training
-    net.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device_type(tensors(x)), enabled=False):
-            return net(*as_args(x))
-    finally:
-        net.train(was_training)
-        _compat.functional.reset_net(net)
+    with _modes_kept(net):
+        net.eval()
+        try:
+            with torch.no_grad(), torch.autocast(device_type(tensors(x)), enabled=False):
+                return net(*as_args(x))
+        finally:
+            _compat.functional.reset_net(net)
 
 
 def _distributed() -> bool:
@@ -171,8 +197,9 @@ class _Selection:
             if not (self._plan_applied_unchecked(start_layout, start_methods) or self._plan_applied_checked()):
                 self.snap = _state_snapshot(self.net)
                 plans = {layout: plan for layout in self.layouts if (plan := self._time_layout(layout)) is not None}
-                self.cache.save()
-                if not self._choose(plans):  # none reproduces the outputs: the network as it came
+                chosen = self._choose(plans)
+                self.cache.save()  # (the timings, and the plan chosen)
+                if not chosen:  # none reproduces the outputs: the network as it came
                     _apply(self.net, start_layout, start_methods, self.fallback, self.x)
             return self.report
         except BaseException:
@@ -323,7 +350,6 @@ class _Selection:
                 plan = {"layout": layout, "methods": plans[layout], "totals": self.report.totals,
                         "compiled": self.report.compiled}
                 self.cache.put_plan(self.key, with_check(plan, self.digest))
-                self.cache.save()
                 return True
             msg = f"{layout} configuration {plans[layout]} does not reproduce the network's outputs"
             self._skip(msg, msg)
@@ -377,11 +403,17 @@ def _compile(net: nn.Module, backend: str) -> None:
         return call_impl(*args, **kwargs)
 
     call.__code__ = call.__code__.replace()  # a new code object: dynamo caches per code object
-    net._compiled_call_impl = torch.compile(call, backend=backend)
+    compiled = torch.compile(call, backend=backend)
+    compiled.autoselect_compiled = True  # (told apart from the user's own net.compile())
+    net._compiled_call_impl = compiled
 
 
-def _uncompile(net: nn.Module) -> None:
+def _uncompile(net: nn.Module) -> Optional[Callable]:
+    """``net`` eager again; returns the compiled call the user gave it (``net.compile()``), to put back
+    where autoselect does not compile it itself, or None."""
+    call = getattr(net, "_compiled_call_impl", None)
     net._compiled_call_impl = None
+    return None if getattr(call, "autoselect_compiled", False) else call
 
 
 def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional[str] = None, x=None) -> None:
@@ -394,9 +426,17 @@ def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional
             raise ValueError(f"layer {name!r} has no choice of method, got {method!r}")
 
 
-def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallback: Optional[str]) -> None:
+def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallback: Optional[str],
+                compile: Union[bool, str]) -> None:
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"m must be an int >= 1, got {m!r}")
+    if not isinstance(layouts, (tuple, list)):
+        raise ValueError(f"layouts must be a tuple or list of layouts, e.g. ('time_first',), got {layouts!r}")
+    if not (isinstance(compile, bool) or callable(compile) or compile in torch.compiler.list_backends(exclude_tags=())):
+        raise ValueError(f"compile must be True, False or a torch.compile backend (a callable, or one of "
+                         f"{', '.join(torch.compiler.list_backends())}), got {compile!r}")
     for layout in layouts:
         ops.check_layout(layout)
     if not layouts:
@@ -413,6 +453,9 @@ def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallb
                          f"autoselect takes a network fed (T, N, ...), so call to_time_first(net) first, "
                          f"or convert it with the boundary")
     for t in tensors(x_example):
+        if t.device.type == "meta":
+            raise ValueError("x_example is on the meta device: autoselect times real runs, so give it a batch "
+                             "on the device the network will train on")
         if not t.numel():
             raise ValueError(f"x_example has an empty tensor (shape {tuple(t.shape)}): autoselect times the "
                              f"shapes training runs, so give it a batch of real samples and steps")
@@ -461,17 +504,25 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
 
     Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
     """
-    _check_args(net, x_example, m, layouts, fallback)
+    _check_args(net, x_example, m, layouts, fallback, compile)
     if not isinstance(cache, (bool, str, os.PathLike)):
         raise TypeError(f"cache must be True, False or a path, got {type(cache).__name__}")
+    if cache is not False:
+        lock_timeout()  # (a bad $SPIKINGJELLY_MFPSN_LOCK_TIMEOUT: refused before the timing, not after it)
     backend = ("inductor" if compile is True else compile) or None
     _prebuild(x_example)
     t0 = time.perf_counter()
     path = default_cache_path() if cache is True else (cache or None)
-    _uncompile(net)  # a previous pass may have compiled it; every configuration is timed eager first
+    own = _uncompile(net)  # (compiled by a previous pass or the user: every configuration is timed eager first)
     selects = not _distributed() or dist.get_rank() == 0
-    report = _Selection(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
-                        progress, backend, fallback).run() if selects else None
+    try:
+        with _rng_kept(net, x_example):
+            report = _Selection(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
+                                progress, backend, fallback).run() if selects else None
+    except BaseException:
+        if own is not None:
+            net._compiled_call_impl = own
+        raise
     if _distributed():  # rank 0's report on every rank
         box = [report]
         dist.broadcast_object_list(box, src=0)
@@ -482,6 +533,8 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
             _apply(net, report.layout, report.methods, fallback, x_example)
         if report.compiled:  # (compiled already on rank 0)
             _compile(net, report.compile_backend)
+    if own is not None and not report.compiled:
+        net._compiled_call_impl = own
     _compat.invalidate_reset_cache(net)
     report.seconds = time.perf_counter() - t0
     if verbose:

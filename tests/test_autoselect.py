@@ -253,9 +253,10 @@ def test_a_stuck_lock_holder_delays_autoselect_a_bounded_time(tmp_path, monkeypa
         assert held.wait(60)
         monkeypatch.setenv(tuner.LOCK_TIMEOUT_ENV, "0.5")
         net, t0 = seq_net(), time.perf_counter()
-        with pytest.warns(UserWarning, match="lock .*was held by another process for 0.5 s; the choice is applied"):
+        with pytest.warns(UserWarning, match="lock .*was held by another process for 0.5 s; the choice is applied") as w:
             report = mf.autoselect(net, example(), cache=str(path), measure_fn=FakeTimes(), progress=False)
         assert time.perf_counter() - t0 < 30 and report.layout is not None and not path.exists()
+        assert sum("was held" in str(r.message) for r in w) == 1  # (one save: it waited twice, warned twice)
     finally:
         release.set()
         holder.join(60)
@@ -1138,3 +1139,157 @@ def test_autoselect_leaves_accumulated_gradients_as_they_were():
     before = {n: p.grad.clone() for n, p in net.named_parameters()}
     mf.autoselect(net, x, cache=False, progress=False, layouts=("time_first",))
     assert all(torch.equal(p.grad, before[n]) for n, p in net.named_parameters())
+
+
+# ------------------------------------------------------------------ what autoselect leaves as it was
+
+def _fast(net, x, **kw):
+    return mf.autoselect(net, x, m=1, progress=False, layouts=("time_first",), measure_fn=lambda *a: 1.0,
+                         **{"cache": False, **kw})
+
+
+def _with_dropout():
+    net = nn.Sequential(layer.Linear(8, 4), layer.BatchNorm1d(4), MulFreeChannelwisePSN(k=2), layer.Dropout(0.5),
+                        layer.Linear(4, 3))
+    functional.set_step_mode(net, "m")
+    return net
+
+
+@pytest.mark.parametrize("top", [True, False])
+def test_autoselect_keeps_every_module_in_its_own_mode(top):
+    """A frozen batch norm (eval inside a training network) came back training, and an eval network's
+    dropout kept in training came back in eval: the output check put every module in the top's mode."""
+    net = _with_dropout().train(top)
+    net[1 if top else 3].train(not top)
+    before = [m.training for m in net.modules()]
+    _fast(net, torch.rand(6, 5, 8))
+    assert [m.training for m in net.modules()] == before
+
+
+def test_a_first_and_a_cached_autoselect_leave_the_random_state_alike(tmp_path):
+    """A seeded script drew other numbers after a first (timing, dropout drawing) autoselect than after a
+    cached one, which times nothing."""
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = _with_dropout()
+        x = torch.rand(6, 5, 8)
+        _fast(net, x, cache=str(tmp_path / "c.json"))
+        draws.append(torch.rand(3))
+    torch.manual_seed(0)
+    _with_dropout(), torch.rand(6, 5, 8)
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], torch.rand(3))
+
+
+class _RunningInputMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8), persistent=False)
+        self.register_buffer("one", torch.ones(1).expand(8), persistent=False)  # (a constant, stride 0)
+
+    def forward(self, x):
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean((0, 1)))
+        return x * self.one
+
+
+def test_autoselect_puts_back_non_persistent_buffers_and_leaves_expanded_ones():
+    """A non-persistent buffer (left out of the state dict) kept the values of the timing runs, and an
+    expanded constant buffer made the restore fail ("more than one element of the written-to tensor")."""
+    net = nn.Sequential(_RunningInputMean(), layer.Linear(8, 4), MulFreeChannelwisePSN(k=2))
+    functional.set_step_mode(net, "m")
+    _fast(net, torch.rand(6, 5, 8))
+    assert torch.equal(net[0].mean, torch.zeros(8))
+
+
+def test_an_inference_autoselect_leaves_gradients_training_can_accumulate_into():
+    """Under torch.inference_mode the gradients put back were inference tensors: the next backward of a
+    gradient accumulation failed with "Inplace update to inference tensor outside InferenceMode"."""
+    net = _with_dropout()
+    x = torch.rand(6, 5, 8)
+    net(x).sum().backward()
+    functional.reset_net(net)
+    before = {n: p.grad.clone() for n, p in net.named_parameters()}
+    with torch.inference_mode():
+        _fast(net, x)
+    net(x).sum().backward()
+    assert all(not p.grad.is_inference() and not torch.equal(p.grad, before[n]) for n, p in net.named_parameters())
+
+
+def test_autoselect_keeps_the_users_own_compile():
+    """net.compile() was undone (the network ran eager afterwards) by every autoselect."""
+    net = _with_dropout()
+    net.compile(backend="eager")
+    compiled = net._compiled_call_impl
+    _fast(net, torch.rand(6, 5, 8))
+    assert net._compiled_call_impl is compiled
+
+
+def test_a_network_whose_outputs_hold_nan_gets_a_plan():
+    """NaN outputs never matched themselves: every configuration "did not reproduce the outputs"."""
+    class NanHead(nn.Module):
+        def forward(self, x):
+            return torch.cat([x, torch.full_like(x[..., :1], math.nan)], -1)
+
+    net = nn.Sequential(layer.Linear(8, 4), MulFreeChannelwisePSN(k=2), NanHead())
+    functional.set_step_mode(net, "m")
+    assert _fast(net, torch.rand(6, 5, 8)).layout == "time_first"
+
+
+def test_the_cache_takes_a_path_object_a_symlink_and_keeps_the_files_mode(tmp_path):
+    """cache=pathlib.Path(...) failed when saving, after all the timing; a symlinked cache was replaced by
+    a file, and a shared (0664) cache became 0600."""
+    target = tmp_path / "shared" / "c.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    target.chmod(0o664)
+    link = tmp_path / "c.json"
+    link.symlink_to(target)
+    with pytest.warns(UserWarning, match="rebuilt|not what autoselect writes|cannot be read"):
+        _fast(_with_dropout(), torch.rand(6, 5, 8), cache=link)
+    assert link.is_symlink() and json.loads(target.read_text())["plans"]
+    assert target.stat().st_mode & 0o777 == 0o664
+
+
+def test_a_huge_integer_in_the_cache_is_dropped_with_a_warning(tmp_path):
+    """A valid JSON integer beyond a float's range raised OverflowError instead of being dropped."""
+    path = tmp_path / "c.json"
+    _fast(_with_dropout(), torch.rand(6, 5, 8), cache=str(path))
+    data = json.loads(path.read_text())
+    key = next(iter(data["layers"]))
+    method = next(iter(data["layers"][key]))
+    path.write_text(json.dumps(data).replace(f'"{method}": ', f'"{method}": 1{"0" * 400}, "x": ', 1))
+    with pytest.warns(UserWarning, match="not what autoselect writes"):
+        _fast(_with_dropout(), torch.rand(6, 5, 8), cache=str(path))
+
+
+def test_an_empty_xdg_cache_home_means_the_default(monkeypatch):
+    """XDG_CACHE_HOME='' put the autoselect cache and the C++ build in the current directory."""
+    monkeypatch.delenv(tuner.CACHE_ENV, raising=False)
+    monkeypatch.delenv("SPIKINGJELLY_MFPSN_BUILD", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    home = os.path.expanduser("~/.cache")
+    assert tuner.default_cache_path() == os.path.join(home, "spikingjelly_mfpsn", "autoselect.json")
+    assert str(ops.cpp_ops.build_dir()).startswith(os.path.join(home, "spikingjelly_mfpsn"))
+
+
+def test_bad_arguments_are_refused_before_any_timing(monkeypatch):
+    """Each of these failed with an unrelated error, or only after every layer was timed."""
+    timed = []
+
+    def count(*args):
+        timed.append(1)
+        return 1.0
+
+    for kwargs, error, match in [(dict(layouts="time_first"), ValueError, "layouts must be a tuple or list"),
+                                 (dict(layouts=None), ValueError, "layouts must be a tuple or list"),
+                                 (dict(compile="nope"), ValueError, "compile must be True, False or a torch.compile"),
+                                 (dict(x_example=example().to("meta")), ValueError, "x_example is on the meta device"),
+                                 (dict(net=lambda x: x), TypeError, "net must be a torch.nn.Module")]:
+        kwargs = {"net": seq_net(), "x_example": example(), **kwargs}
+        with pytest.raises(error, match=match):
+            mf.autoselect(cache=False, measure_fn=count, progress=False, **kwargs)
+    monkeypatch.setenv(tuner.LOCK_TIMEOUT_ENV, "10s")
+    with pytest.raises(ValueError, match="LOCK_TIMEOUT must be a number of seconds"):
+        mf.autoselect(seq_net(), example(), measure_fn=count, progress=False)
+    assert not timed

@@ -49,6 +49,7 @@ import filelock
 import torch
 
 from .._compat import logger
+from .._util import cache_home
 from . import surrogate
 from .registry import LAYOUTS, Implementation, note_unavailable, register
 
@@ -73,8 +74,7 @@ def compiler() -> Optional[str]:
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get(BUILD_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "spikingjelly_mfpsn", "build"))
+    return Path(os.environ.get(BUILD_ENV) or cache_home("build"))
 
 
 def _cpu_id() -> str:

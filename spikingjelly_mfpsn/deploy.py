@@ -108,7 +108,8 @@ def int_bias(bias: torch.Tensor, acc_frac_bits: int) -> torch.Tensor:
     """
     scaled = torch.floor(bias.detach().double() * 2.0 ** _check_bits(acc_frac_bits, "acc_frac_bits"))
     if not torch.isfinite(scaled).all() or (scaled.abs() >= 2.0 ** _MAX_BITS).any():
-        raise OverflowError(f"bias * 2**{acc_frac_bits} does not fit int64; lower acc_frac_bits")
+        raise OverflowError(f"bias * 2**{acc_frac_bits} does not fit int64 (|bias| up to "
+                            f"{float(bias.detach().abs().max()):g})" + ("; lower acc_frac_bits" if acc_frac_bits else ""))
     return scaled.to(torch.int64)
 
 
@@ -124,6 +125,11 @@ def _check_taps(shift: torch.Tensor, sign: torch.Tensor, channels: int, dilation
         raise ValueError(f"sign must hold -1, 0 or +1, got values up to {int(sign.abs().max())} in magnitude")
     if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
         raise ValueError(f"dilation must be an int >= 1, got {dilation!r}")
+
+
+def _check_int(value, name: str, least: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or least is not None and value < least:
+        raise ValueError(f"{name} must be an int" + (f" >= {least}" if least is not None else "") + f", got {value!r}")
 
 
 def _check_range(q: torch.Tensor, amount: torch.Tensor) -> None:
@@ -167,6 +173,9 @@ def int_charge(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, dilatio
         raise ValueError(f"q must have at least 3 dims (a sequence), got shape {tuple(q.shape)}")
     qt = (q.movedim(-1, 0) if layout == "time_last" else q).to(torch.int64)
     _check_taps(shift, sign, qt.shape[2], dilation)
+    _check_int(extra_bits, "extra_bits")
+    if last is not None:
+        _check_int(last, "last", 1)
     t_len, k = qt.shape[0], shift.shape[1]
     start = 0 if last is None else max(0, t_len - last)
     amount = shift.to(torch.int64) + extra_bits
@@ -197,6 +206,8 @@ def int_fire(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, bias_int:
     """
     check_fixed(bias_int, "bias_int")
     acc = int_charge(q, shift, sign, dilation, layout, extra_bits, last, tally)
+    if bias_int.shape != shift.shape[:1]:
+        raise ValueError(f"bias_int must have shape (C,) = ({shift.shape[0]},), got {tuple(bias_int.shape)}")
     acc += bias_int.to(torch.int64).view(channel_view_shape(acc.dim(), layout))
     if tally is not None:
         tally["add"] = tally.get("add", 0) + acc.numel()
@@ -238,6 +249,15 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
         self.layer_name: Optional[str] = None  # its name in the network (set_integer sets it), for errors
         self.register_memory("x_queue", ())
         self.eval()
+
+    def _checkpoint_mismatch(self, state_dict, prefix: str) -> str:
+        """As the neuron's, and a ``sign`` other than -1, 0 or +1 (the float path would run ``sign * 2**shift``,
+        not a power of two, where the integer path refuses it)."""
+        sign = state_dict.get(prefix + "sign")
+        if isinstance(sign, torch.Tensor) and sign.numel() and bool((sign.abs() > 1).any()):
+            return (f"the checkpoint's {f'layer {prefix[:-1]!r}' if prefix else 'neuron'} has a sign that is not "
+                    f"-1, 0 or +1 (values up to {float(sign.abs().max()):g} in magnitude): not a folded MF-PSN's")
+        return super()._checkpoint_mismatch(state_dict, prefix)
 
     @classmethod
     def from_neuron(cls, neuron: MulFreeChannelwisePSN) -> "FoldedMulFreePSN":
@@ -498,6 +518,10 @@ def _widest_format(name: str, m: "FoldedMulFreePSN", top: float, acc_frac_bits: 
         if top_bits + f + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS \
                 and f + extra <= _MAX_BITS:
             return f
+    if bias_bits + (acc_frac_bits if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, 0)) >= _MAX_BITS:
+        raise OverflowError(f"calibrate: layer {name!r}: its folded bias (up to {bias_top:g} in magnitude) does not "
+                            f"fit an int64 accumulator with any fixed-point format; such a bias (e.g. from batch-norm "
+                            f"running statistics far from the charge) leaves the neuron always or never firing")
     raise OverflowError(f"calibrate: layer {name!r}: inputs up to {top:g} do not fit an int64 accumulator with "
                         f"any fixed-point format" + ("" if acc_frac_bits is not None else
                         f" and exact taps (its weights span 2**{int(m.shift.min())} to 2**{int(m.shift.max())}); "

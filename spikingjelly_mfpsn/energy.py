@@ -84,6 +84,7 @@ def neuron_ops(kind: str, t: int, k: Optional[int] = None, dilation: int = 1) ->
     ``kind``: ``'mfpsn'`` (SHIFT), ``'channelwise_psn'`` (the unquantised MF-PSN: MUL) or ``'psn'``.
     """
     if kind == "psn":
+        taps_in_sequence(t, 1)  # (checks t as the other kinds do)
         return {"shift": 0, "add": t * t + t, "mul": t * t}
     if kind not in ("mfpsn", "channelwise_psn"):
         raise ValueError(f"kind must be 'mfpsn', 'channelwise_psn' or 'psn', got {kind!r}")

@@ -627,3 +627,53 @@ def test_calibration_keeps_the_exact_accumulator_inside_int64():
     assert deploy.exact_acc_frac_bits(net[1].shift, net[1].frac_bits) <= 62
     functional.reset_net(net)
     assert torch.equal(net(x), want)
+
+
+def test_a_folded_checkpoint_with_a_sign_beyond_one_is_refused():
+    """sign = 3 loaded without a word, and the float path then ran Wq = 3 * 2**shift (no power of two)
+    where the integer path refused the same neuron."""
+    folded = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, step_mode="m")).eval())
+    state = folded.state_dict()
+    state["sign"] = state["sign"].clone()
+    state["sign"][1, 0] = 3
+    before = folded.state_dict()
+    with pytest.raises(RuntimeError, match="sign that is not -1, 0 or \\+1"):
+        folded.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in folded.state_dict().items())
+
+
+def test_a_folded_neuron_with_the_smallest_int8_shift_unfolds_and_folds_again():
+    """shift = -128 (a valid int8) ran, but after unfold the neuron could not be folded again ("a shift
+    amount does not fit in int8")."""
+    folded = deploy.fold(MulFreeChannelwisePSN(2, k=2, step_mode="m").eval())
+    with torch.no_grad():
+        folded.shift[0, 0] = -128
+    x = on_grid(5, 3, 2).double()
+    again = deploy.fold(deploy.unfold(copy.deepcopy(folded)).double())
+    assert torch.equal(again.shift, folded.shift) and torch.equal(again(x), folded.double()(x))
+
+
+def test_a_bias_that_fits_no_format_is_named_by_the_calibration():
+    """The error blamed the inputs and the weights' span and advised acc_frac_bits, which cannot help."""
+    sn = MulFreeChannelwisePSN(1, k=2, step_mode="m").eval()
+    with torch.no_grad():
+        sn.running_mean.fill_(1e21)
+    folded = deploy.fold(sn)
+    for kwargs in ({}, {"acc_frac_bits": 10}):
+        with pytest.raises(OverflowError, match="its folded bias \\(up to 9.9999"):
+            deploy.set_integer(folded, calibrate=torch.rand(4, 1, 1), **kwargs)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, sh, sg: deploy.int_charge(q, sh, sg, 1, last=-1), "last must be an int >= 1"),
+    (lambda q, sh, sg: deploy.int_charge(q, sh, sg, 1, extra_bits=1.5), "extra_bits must be an int"),
+    (lambda q, sh, sg: deploy.int_fire(q, sh, sg, torch.zeros(5, dtype=torch.int64), 1),
+     "bias_int must have shape \\(C,\\) = \\(3,\\)"),
+    (lambda q, sh, sg: energy.neuron_ops("psn", -3), "t must be an int >= 0"),
+    (lambda q, sh, sg: energy.neuron_energy_pj("psn", 2.5), "t must be an int >= 0")])
+def test_the_integer_and_energy_functions_name_a_bad_argument(call, match):
+    """Each gave a raw torch error, or (psn) counts for a negative or fractional number of steps."""
+    q = torch.randint(-8, 8, (4, 2, 3))
+    shift, sign = torch.zeros(3, 2, dtype=torch.int8), torch.ones(3, 2, dtype=torch.int8)
+    with pytest.raises(ValueError, match=match):
+        call(q, shift, sign)

@@ -116,6 +116,14 @@ def _has_hooks(m: nn.Module, enter, exit_) -> bool:
     return enter in m._forward_pre_hooks.values() and exit_ in m._forward_hooks.values()
 
 
+def runs_time_first_inside(m: nn.Module) -> bool:
+    """Whether ``m`` runs time-first inside a time-last network.
+
+    ``to_time_last(net, fallback='time_first')`` leaves such a module as it was, with a transpose on
+    each side."""
+    return _has_hooks(m, _island_enter, _island_exit)
+
+
 def _add_hooks(m: nn.Module, enter, exit_) -> None:
     if not _has_hooks(m, enter, exit_):
         m.register_forward_pre_hook(enter)

@@ -371,6 +371,7 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frac_bits is None:
             return super().single_step_forward(x)
+        self._refuse_time_last_step()
         q = self._integer_input(x)
         queue = self.x_queue
         if queue and (queue[-1].shape != q.shape or queue[-1].dtype != q.dtype):

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from . import _compat, layer, ops, tracing
 from ._util import module_slots, run_hooked
+from .convert import current_layout, runs_time_first_inside
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
 logger = _compat.logger
@@ -204,6 +205,10 @@ def _replacement(old: nn.Module, k: int, dilation: int, channels: Optional[int],
     if "surrogate_function" not in kwargs and isinstance(getattr(old, "surrogate_function", None), nn.Module):
         kwargs["surrogate_function"] = copy.deepcopy(old.surrogate_function)
     kwargs.setdefault("step_mode", getattr(old, "step_mode", "s"))
+    if runs_time_first_inside(old):  # (without its transposes, the new neuron must run time-last there itself)
+        if kwargs.setdefault("layout", "time_last") != "time_last":
+            raise ValueError(f"a {type(old).__name__} inside a time-last network becomes a time-last MF-PSN; got "
+                             f"layout={kwargs['layout']!r} (convert the network with to_time_first(net) first)")
     if isinstance(old, MulFreeChannelwisePSN) and old.channels is not None:
         channels = old.channels
     new = MulFreeChannelwisePSN(channels=channels, k=k, dilation=dilation, **kwargs).to(device=device, dtype=dtype)
@@ -243,6 +248,9 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     """
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
+    if neuron_kwargs.get("layout") == "time_first" and current_layout(net) == "time_last":
+        raise ValueError("layout='time_first' for the neurons of a network converted by to_time_last, whose "
+                         "layers hand them time-last sequences: call to_time_first(net) first")
     found, skipped = _find(net, targets, include_readouts)
     channels, order = _order(net, found, example_input)
     dilations = sawtooth(len(found)) if dilation == "sawtooth" else [dilation] * len(found)

@@ -333,7 +333,16 @@ class ChargeNeuronBase(MemoryModule):
         x_seq = self._normalised(x_seq, args, True)
         return ops.mf_psn(x_seq, dilation=self.dilation, layout=self._layout, **args)
 
+    def _refuse_time_last_step(self) -> None:
+        """A time-last neuron (e.g. in a converted network half switched by ``set_step_mode(net, 's')``, whose
+        time-last layers refuse it) would read a whole ``(N, C, ..., T)`` sequence as one step."""
+        if self._layout == "time_last":
+            raise ValueError("a neuron with layout='time_last' runs whole (N, C, ..., T) sequences: step_mode must "
+                             "be 'm' (to run single steps, set layout='time_first', or convert the network with "
+                             "spikingjelly_mfpsn.convert.to_time_first(net))")
+
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._refuse_time_last_step()
         args = self._checked_args(x)
         x = self._normalised(x, args, False)
         queue = self.x_queue

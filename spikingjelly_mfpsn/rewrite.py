@@ -129,7 +129,11 @@ def _in_place(n: fx.Node) -> bool:
 
 
 def _dims(value, ndim: int) -> list:
-    return [d + ndim if d < 0 else d for d in (value if isinstance(value, (tuple, list)) else [value])]
+    """Dimension arguments as non-negative ints; one computed in the graph (``x.ndim - 2``) has no rule."""
+    dims = value if isinstance(value, (tuple, list)) else [value]
+    if not all(isinstance(d, int) for d in dims):
+        raise _NoRule
+    return [d + ndim if d < 0 else d for d in dims]
 
 
 def _bind(n: fx.Node, params: tuple) -> dict:

@@ -300,3 +300,24 @@ def test_mf_psn_of_the_requested_k_and_dilation_is_kept_without_warning(recwarn)
     with pytest.warns(UserWarning, match="re-configured 1 MulFreeChannelwisePSN"):
         net, summary = replace_neurons(net, k=2, dilation=2)
     assert net[1] is not olds[0] and net[3] is olds[1] and [r.name for r in summary] == ["1"]
+
+
+def test_replace_neurons_in_a_time_last_network_with_a_time_first_island():
+    """A LIF left time-first inside a time-last network (fallback='time_first') became a time-first MF-PSN
+    without the island's transposes: it read (N, C, L, T) as (T, N, C, L), silently wrong where L == C."""
+    import copy
+
+    from spikingjelly_mfpsn.convert import to_time_last
+
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(2, 5, 3, padding=1), layer.BatchNorm1d(5), neuron.LIFNode(),
+                        layer.Flatten(), layer.Linear(25, 3))
+    functional.set_step_mode(net, "m")
+    x = torch.rand(4, 3, 2, 5)
+    ref, _ = replace_neurons(copy.deepcopy(net), k=2, example_input=x)
+    tl, _ = replace_neurons(to_time_last(net, fallback="time_first", example_input=x), k=2, example_input=x)
+    tl.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, 2, 5) * 3
+    torch.testing.assert_close(tl(x), ref(x))
+    with pytest.raises(ValueError, match="to_time_first\\(net\\) first"):
+        replace_neurons(tl, k=3, layout="time_first")

@@ -428,3 +428,44 @@ def test_torch_cpu_batch_norm_still_gets_strided_tensors_wrong(case):
     y = y if weight is None else y * weight.view(shape)
     (want,) = torch.autograd.grad(y, [xc], g)
     torch.testing.assert_close(got, want)
+
+
+def test_a_dimension_computed_from_the_rank_converts():
+    """``y.flatten(y.ndim - 2)`` (a dim argument computed in the graph) failed inside the rewriter with
+    "'<' not supported between instances of 'Node' and 'int'"."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.sn = layer.Conv1d(2, 4, 3, padding=1), mf.MulFreeChannelwisePSN(4, k=2)
+            self.fc = layer.Linear(20, 3)
+            functional.set_step_mode(self, "m")
+
+        def forward(self, x):
+            y = self.sn(self.conv(x))
+            return self.fc(y.flatten(y.ndim - 2)) + y.mean(y.dim() - 1).sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    x = torch.rand(4, 3, 2, 5)
+    net = Net()
+    tl = mf.to_time_last(copy.deepcopy(net), example_input=x, strict=True)
+    for t, n in ((4, 3), (6, 2)):
+        x = torch.randn(t, n, 2, 5)
+        torch.testing.assert_close(tl(x), net(x))
+        functional.reset_net(tl), functional.reset_net(net)
+
+
+def test_a_time_last_network_half_switched_to_single_steps_refuses_to_run():
+    """The documented ValueError came from the first time-last wrapper, after the MF-PSNs before it were
+    single-step already: the next forward read a time-last sequence as one step, silently."""
+    net = nn.Sequential(mf.MulFreeChannelwisePSN(2, k=2), layer.Conv1d(2, 4, 3, padding=1),
+                        mf.MulFreeChannelwisePSN(4, k=2), layer.Flatten(), layer.Linear(4 * 5, 3))
+    functional.set_step_mode(net, "m")
+    x = torch.randn(4, 3, 2, 5) * 3
+    tl = mf.to_time_last(copy.deepcopy(net), example_input=x)
+    with pytest.raises(ValueError, match="step_mode"):
+        functional.set_step_mode(tl, "s")
+    with pytest.raises(ValueError, match="layout='time_last' runs whole"):
+        tl(x)
+    functional.reset_net(tl)
+    functional.set_step_mode(tl, "m")
+    torch.testing.assert_close(tl(x), net(x))

@@ -913,3 +913,12 @@ def test_channels_given_as_a_bool_is_named():
     """Regression: channels=True failed inside torch.empty, naming no argument."""
     with pytest.raises(ValueError, match="channels must be a positive int or None, got True"):
         MulFreeChannelwisePSN(True)
+
+
+def test_a_time_last_neuron_refuses_to_run_single_steps():
+    """A time-last neuron in step_mode 's' read a whole (N, C, L, T) sequence as one step of an (L, T) map."""
+    sn = MulFreeChannelwisePSN(3, layout="time_last")  # (built, then set_step_mode(net, 'm'): SpikingJelly's way)
+    with pytest.raises(ValueError, match="layout='time_last' runs whole"):
+        sn(torch.rand(2, 3, 4, 5))
+    sn.step_mode = "m"
+    assert sn(torch.rand(2, 3, 4, 5)).shape == (2, 3, 4, 5)

@@ -246,11 +246,7 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         setting of ``neuron_kwargs`` but the run-time ones is kept, its weights too, and takes those
         (layout, backend, method, step_mode, surrogate_function) in place
     """
-    if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
-        raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
-    if neuron_kwargs.get("layout") == "time_first" and current_layout(net) == "time_last":
-        raise ValueError("layout='time_first' for the neurons of a network converted by to_time_last, whose "
-                         "layers hand them time-last sequences: call to_time_first(net) first")
+    _check_replace_args(net, dilation, neuron_kwargs)
     found, skipped = _find(net, targets, include_readouts)
     channels, order = _order(net, found, example_input)
     dilations = sawtooth(len(found)) if dilation == "sawtooth" else [dilation] * len(found)
@@ -280,6 +276,14 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     if fuse_bn:
         summary.fused = fuse_batchnorm(net, example_input)
     return net, summary
+
+
+def _check_replace_args(net: nn.Module, dilation, neuron_kwargs: dict) -> None:
+    if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
+        raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
+    if neuron_kwargs.get("layout") == "time_first" and current_layout(net) == "time_last":
+        raise ValueError("layout='time_first' for the neurons of a network converted by to_time_last, whose "
+                         "layers hand them time-last sequences: call to_time_first(net) first")
 
 
 def _order(net: nn.Module, found: list, example_input) -> tuple[dict, str]:

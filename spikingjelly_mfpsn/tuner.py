@@ -426,10 +426,39 @@ def _apply(net: nn.Module, layout: str, plan: dict[str, str], fallback: Optional
             raise ValueError(f"layer {name!r} has no choice of method, got {method!r}")
 
 
-def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallback: Optional[str],
-                compile: Union[bool, str]) -> None:
-    if not isinstance(net, nn.Module):
-        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+@contextlib.contextmanager
+def _eager_meanwhile(net: nn.Module):
+    """``net`` eager inside (every configuration is timed eager first); a compiled call of the user's own
+    (``net.compile()``) is put back on leaving, unless autoselect compiled the network itself."""
+    own = _uncompile(net)  # (or one a previous pass compiled, which is not put back)
+    try:
+        yield
+    finally:
+        if own is not None and getattr(net, "_compiled_call_impl", None) is None:
+            net._compiled_call_impl = own
+
+
+def _on_every_rank(net: nn.Module, report: Optional[AutoselectReport], selects: bool, fallback, x_example):
+    """Rank 0's report on every rank (under ``torch.distributed``), its choice applied there too."""
+    if _distributed():
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
+    report.forward_only = not torch.is_grad_enabled()
+    if report.layout is not None:
+        if not selects:  # (the selection applied its choice on this rank already)
+            _apply(net, report.layout, report.methods, fallback, x_example)
+        if report.compiled:  # (compiled already on rank 0)
+            _compile(net, report.compile_backend)
+    return report
+
+
+def _check_options(m: int, layouts: Sequence[str], fallback: Optional[str], compile: Union[bool, str],
+                   cache) -> None:
+    if not isinstance(cache, (bool, str, os.PathLike)):
+        raise TypeError(f"cache must be True, False or a path, got {type(cache).__name__}")
+    if cache is not False:
+        lock_timeout()  # (a bad $SPIKINGJELLY_MFPSN_LOCK_TIMEOUT: refused before the timing, not after it)
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"m must be an int >= 1, got {m!r}")
     if not isinstance(layouts, (tuple, list)):
@@ -443,6 +472,11 @@ def _check_args(net: nn.Module, x_example, m: int, layouts: Sequence[str], fallb
         raise ValueError("layouts must name at least one layout")
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+
+
+def _check_args(net: nn.Module, x_example) -> None:
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
     # autoselect feeds net time-first inputs: a network converted with to_time_last(net, boundary=False)
     # takes (N, ..., T) instead, which the layout conversions cannot tell.
     inner = next((name for name, m in net.named_modules() if isinstance(m, TIME_LAST_TYPES)
@@ -504,37 +538,18 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
 
     Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
     """
-    _check_args(net, x_example, m, layouts, fallback, compile)
-    if not isinstance(cache, (bool, str, os.PathLike)):
-        raise TypeError(f"cache must be True, False or a path, got {type(cache).__name__}")
-    if cache is not False:
-        lock_timeout()  # (a bad $SPIKINGJELLY_MFPSN_LOCK_TIMEOUT: refused before the timing, not after it)
+    _check_options(m, layouts, fallback, compile, cache)
+    _check_args(net, x_example)
     backend = ("inductor" if compile is True else compile) or None
     _prebuild(x_example)
     t0 = time.perf_counter()
     path = default_cache_path() if cache is True else (cache or None)
-    own = _uncompile(net)  # (compiled by a previous pass or the user: every configuration is timed eager first)
     selects = not _distributed() or dist.get_rank() == 0
-    try:
+    with _eager_meanwhile(net):
         with _rng_kept(net, x_example):
             report = _Selection(net, x_example, m, tuple(layouts), TimingCache(path), measure_fn or measure,
                                 progress, backend, fallback).run() if selects else None
-    except BaseException:
-        if own is not None:
-            net._compiled_call_impl = own
-        raise
-    if _distributed():  # rank 0's report on every rank
-        box = [report]
-        dist.broadcast_object_list(box, src=0)
-        report = box[0]
-    report.forward_only = not torch.is_grad_enabled()
-    if report.layout is not None:
-        if not selects:  # (the selection applied its choice on this rank already)
-            _apply(net, report.layout, report.methods, fallback, x_example)
-        if report.compiled:  # (compiled already on rank 0)
-            _compile(net, report.compile_backend)
-    if own is not None and not report.compiled:
-        net._compiled_call_impl = own
+        report = _on_every_rank(net, report, selects, fallback, x_example)
     _compat.invalidate_reset_cache(net)
     report.seconds = time.perf_counter() - t0
     if verbose:

@@ -1149,8 +1149,8 @@ def _fast(net, x, **kw):
 
 
 def _with_dropout():
-    net = nn.Sequential(layer.Linear(8, 4), layer.BatchNorm1d(4), MulFreeChannelwisePSN(k=2), layer.Dropout(0.5),
-                        layer.Linear(4, 3))
+    net = nn.Sequential(layer.Conv1d(2, 4, 3, padding=1), layer.BatchNorm1d(4), MulFreeChannelwisePSN(k=2),
+                        layer.Dropout(0.5), layer.Flatten(), layer.Linear(20, 3))
     functional.set_step_mode(net, "m")
     return net
 
@@ -1162,7 +1162,7 @@ def test_autoselect_keeps_every_module_in_its_own_mode(top):
     net = _with_dropout().train(top)
     net[1 if top else 3].train(not top)
     before = [m.training for m in net.modules()]
-    _fast(net, torch.rand(6, 5, 8))
+    _fast(net, torch.rand(6, 5, 2, 5))
     assert [m.training for m in net.modules()] == before
 
 
@@ -1173,11 +1173,11 @@ def test_a_first_and_a_cached_autoselect_leave_the_random_state_alike(tmp_path):
     for _ in range(2):
         torch.manual_seed(0)
         net = _with_dropout()
-        x = torch.rand(6, 5, 8)
+        x = torch.rand(6, 5, 2, 5)
         _fast(net, x, cache=str(tmp_path / "c.json"))
         draws.append(torch.rand(3))
     torch.manual_seed(0)
-    _with_dropout(), torch.rand(6, 5, 8)
+    _with_dropout(), torch.rand(6, 5, 2, 5)
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], torch.rand(3))
 
 
@@ -1206,7 +1206,7 @@ def test_an_inference_autoselect_leaves_gradients_training_can_accumulate_into()
     """Under torch.inference_mode the gradients put back were inference tensors: the next backward of a
     gradient accumulation failed with "Inplace update to inference tensor outside InferenceMode"."""
     net = _with_dropout()
-    x = torch.rand(6, 5, 8)
+    x = torch.rand(6, 5, 2, 5)
     net(x).sum().backward()
     functional.reset_net(net)
     before = {n: p.grad.clone() for n, p in net.named_parameters()}
@@ -1221,7 +1221,7 @@ def test_autoselect_keeps_the_users_own_compile():
     net = _with_dropout()
     net.compile(backend="eager")
     compiled = net._compiled_call_impl
-    _fast(net, torch.rand(6, 5, 8))
+    _fast(net, torch.rand(6, 5, 2, 5))
     assert net._compiled_call_impl is compiled
 
 
@@ -1246,7 +1246,7 @@ def test_the_cache_takes_a_path_object_a_symlink_and_keeps_the_files_mode(tmp_pa
     link = tmp_path / "c.json"
     link.symlink_to(target)
     with pytest.warns(UserWarning, match="rebuilt|not what autoselect writes|cannot be read"):
-        _fast(_with_dropout(), torch.rand(6, 5, 8), cache=link)
+        _fast(_with_dropout(), torch.rand(6, 5, 2, 5), cache=link)
     assert link.is_symlink() and json.loads(target.read_text())["plans"]
     assert target.stat().st_mode & 0o777 == 0o664
 
@@ -1254,13 +1254,13 @@ def test_the_cache_takes_a_path_object_a_symlink_and_keeps_the_files_mode(tmp_pa
 def test_a_huge_integer_in_the_cache_is_dropped_with_a_warning(tmp_path):
     """A valid JSON integer beyond a float's range raised OverflowError instead of being dropped."""
     path = tmp_path / "c.json"
-    _fast(_with_dropout(), torch.rand(6, 5, 8), cache=str(path))
+    _fast(_with_dropout(), torch.rand(6, 5, 2, 5), cache=str(path))
     data = json.loads(path.read_text())
     key = next(iter(data["layers"]))
     method = next(iter(data["layers"][key]))
     path.write_text(json.dumps(data).replace(f'"{method}": ', f'"{method}": 1{"0" * 400}, "x": ', 1))
     with pytest.warns(UserWarning, match="not what autoselect writes"):
-        _fast(_with_dropout(), torch.rand(6, 5, 8), cache=str(path))
+        _fast(_with_dropout(), torch.rand(6, 5, 2, 5), cache=str(path))
 
 
 def test_an_empty_xdg_cache_home_means_the_default(monkeypatch):

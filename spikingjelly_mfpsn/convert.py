@@ -347,8 +347,9 @@ def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.
         raise UnconvertibleModuleError(message + ".")
     reference = _reference(net, inputs) if inputs is not None else None
     new = _swap_modules(net, conv, boundary)
-    warnings.warn(message + "; pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the "
-                  "forward (strict=True raises instead).", stacklevel=3)
+    hint = ("pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the forward (strict=True "
+            "raises instead)" if inputs is None else "strict=True raises instead")
+    warnings.warn(f"{message}; {hint}.", stacklevel=3)
     if reference is not None and boundary:
         _check(new, inputs[1], reference, f"its modules converted (its forward was not rewritten: {reason})")
     return new

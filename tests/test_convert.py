@@ -750,3 +750,14 @@ def test_a_forward_that_changes_what_it_reads_is_not_rewritten():
             pytest.raises(UnconvertibleModuleError, match="left time-first"):
         to_time_last(net, example_input=x)
     assert not has_time_last_boundary(net)
+
+
+def test_the_modules_only_warning_does_not_ask_for_the_example_input_it_was_given():
+    """With an example input, the modules-only warning must not say ``pass example_input=...``."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="cannot rewrite") as record, pytest.raises(UnconvertibleModuleError):
+        to_time_last(DataBranch().double(), example_input=x)
+    messages = [str(w.message) for w in record if "cannot rewrite" in str(w.message)]
+    assert messages and not any("pass example_input" in m for m in messages)
+    assert all("strict=True raises instead" in m for m in messages)

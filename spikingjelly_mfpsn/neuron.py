@@ -496,10 +496,7 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         super().__init__()
         if not (channels is None or _is_int(channels) and channels >= 1):
             raise ValueError(f"channels must be a positive int or None, got {channels!r}")
-        if not _surrogate_ok(surrogate_function):
-            raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
-        _check_settings(k=k, dilation=dilation, quantize=quantize, exp_init=exp_init, ste=ste, threshold=threshold,
-                        momentum=momentum, eps=eps, v_threshold_init=v_threshold)
+        # (each assignment below is checked by __setattr__, the surrogate by configure)
         self.k = k
         self.dilation = dilation
         self.quantize = quantize

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -149,21 +150,27 @@ def _device_dtype(net: nn.Module, module: nn.Module, example_input) -> tuple:
     return torch.device("cpu"), torch.get_default_dtype()
 
 
-def _run_order(net: nn.Module, modules: list[nn.Module], example_input) -> dict[int, int]:
-    """Input channel count of each module in ``modules``, keyed by id, in the order they run."""
+def _run_order(net: nn.Module, found: list, example_input) -> dict[int, int]:
+    """Input channel count of each ``(name, module)`` of ``found``, keyed by id, in the order they run;
+    a module that runs at several places with different channel counts is refused (one channel-wise
+    neuron cannot replace it)."""
     seen: dict[int, int] = {}
 
-    def hook(mod, args):
-        if id(mod) not in seen and args and isinstance(args[0], torch.Tensor):
+    def hook(name, mod, args):
+        if args and isinstance(args[0], torch.Tensor):
             x = args[0]
             layout = mod.layout if isinstance(mod, MulFreeChannelwisePSN) else "time_first"
             multi_step = getattr(mod, "step_mode", "s") == "m" and x.dim() >= 3
-            seen[id(mod)] = x.shape[ops.channel_dim(layout) if multi_step else 1] if x.dim() >= 2 else x.shape[0]
+            c = x.shape[ops.channel_dim(layout) if multi_step else 1] if x.dim() >= 2 else x.shape[0]
+            if seen.setdefault(id(mod), c) != c:
+                raise ValueError(f"neuron {name!r} runs at several places, with {seen[id(mod)]} and {c} channels; "
+                                 "a channel-wise MF-PSN has one width: give each place its own neuron")
 
     was_training = net.training
     net.eval()
     try:
-        run_hooked(net, example_input, [m.register_forward_pre_hook(hook) for m in modules])
+        run_hooked(net, example_input, [m.register_forward_pre_hook(functools.partial(hook, name))
+                                        for name, m in found])
     finally:
         net.train(was_training)
     return seen
@@ -232,7 +239,9 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
             MulFreeChannelwisePSN (re-configured to ``k`` and ``dilation``, with a warning: new weights)
         example_input: optional input for ``net`` (a tuple holds several positional inputs); when
             given, neurons are ordered as they run in a forward pass and get their channel count from it,
-            otherwise registration order and lazy channels
+            otherwise registration order and lazy channels (a neuron shared by places with different
+            channel counts, which one channel-wise neuron cannot replace, is then refused at once rather
+            than at the first forward)
         include_readouts: also replace non-spiking readouts (the ``NonSpiking*`` nodes and ``LIAFNode``),
             which output membrane potentials or analog values and are otherwise left alone and listed in
             ``summary.skipped``; naming a readout class in ``targets`` includes that class
@@ -291,7 +300,7 @@ def _order(net: nn.Module, found: list, example_input) -> tuple[dict, str]:
     ``({id(neuron): channels}, 'forward')``, else ``({}, 'registration')``."""
     if example_input is None or not found:
         return {}, "registration"
-    channels = _run_order(net, [m for _, m in found], example_input)
+    channels = _run_order(net, found, example_input)
     ranked = {mid: i for i, mid in enumerate(channels)}
     found.sort(key=lambda nm: ranked.get(id(nm[1]), len(ranked)))
     return channels, "forward"

@@ -124,6 +124,15 @@ def test_replacing_the_net_itself_and_shared_instances():
     assert len(summary) == 1 and net[1] is net[3] and isinstance(net[1], MulFreeChannelwisePSN)
 
 
+def test_a_shared_neuron_at_two_widths_is_refused_before_any_change():
+    shared = neuron.IFNode(step_mode="m")
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), shared, layer.Linear(4, 6, step_mode="m"), shared)
+    x = torch.rand(2, 3, 3)
+    with pytest.raises(ValueError, match=r"'1' runs at several places, with 4 and 6 channels"):
+        replace_neurons(net, example_input=x)
+    assert net[1] is net[3] is shared and net(x).shape == (2, 3, 6)  # (left as it was)
+
+
 def test_trains_after_replacement():
     torch.manual_seed(0)
     net, _ = replace_neurons(mlp(), k=2, example_input=torch.rand(4, 8, 4))

@@ -202,12 +202,17 @@ def int_fire(q: torch.Tensor, shift: torch.Tensor, sign: torch.Tensor, bias_int:
     """Spikes (bool) of the integer neuron: ``int_charge(...) + bias_int >= 0``.
 
     ``bias_int`` is :func:`int_bias` at the accumulator's fractional bits (``F + extra_bits``); adding it
-    is one addition per element (the paper's per-step threshold ADD).
+    is one addition per element (the paper's per-step threshold ADD). A ``bias_int`` of 2**62 or more in
+    magnitude, which that addition could wrap around, raises OverflowError.
     """
     check_fixed(bias_int, "bias_int")
     acc = int_charge(q, shift, sign, dilation, layout, extra_bits, last, tally)
     if bias_int.shape != shift.shape[:1]:
         raise ValueError(f"bias_int must have shape (C,) = ({shift.shape[0]},), got {tuple(bias_int.shape)}")
+    top = max(int(bias_int.max()), -int(bias_int.min())) if bias_int.numel() else 0
+    if top.bit_length() > _MAX_BITS:  # (then the addition below could wrap around)
+        raise OverflowError(f"bias_int holds values up to {top} in magnitude, over the {_MAX_BITS} bits the "
+                            "int64 accumulator leaves it (int_bias refuses such a bias)")
     acc += bias_int.to(torch.int64).view(channel_view_shape(acc.dim(), layout))
     if tally is not None:
         tally["add"] = tally.get("add", 0) + acc.numel()

@@ -677,3 +677,14 @@ def test_the_integer_and_energy_functions_name_a_bad_argument(call, match):
     shift, sign = torch.zeros(3, 2, dtype=torch.int8), torch.ones(3, 2, dtype=torch.int8)
     with pytest.raises(ValueError, match=match):
         call(q, shift, sign)
+
+
+def test_int_fire_refuses_a_bias_whose_addition_could_wrap_around():
+    """A bias near int64's limits wrapped around in the accumulator: a channel with a huge positive bias
+    never fired."""
+    q = torch.full((3, 1, 2), 1 << 40, dtype=torch.int64)
+    shift, sign = torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64)
+    assert deploy.int_fire(q, shift, sign, torch.tensor([(1 << 62) - 1, -(1 << 62) + 1]), 1)[:, :, 0].all()
+    for big in (2 ** 63 - 1, -2 ** 63, 1 << 62):
+        with pytest.raises(OverflowError, match="bias_int holds values up to"):
+            deploy.int_fire(q, shift, sign, torch.tensor([big, 0]), 1)

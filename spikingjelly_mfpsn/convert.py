@@ -285,7 +285,7 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     inputs = _probes(example_input) if example_input is not None else None
     reads = []
     try:
-        graph, how, shapes = tracing.trace(net, inputs and inputs[0], reads=reads)
+        graph, how, shapes = tracing.trace(net, inputs and inputs[0], reads=reads, guards=True)
     except tracing.TraceFailure as e:
         return _modules_only(net, conv, boundary, inputs, str(e), strict)
     if how == "concrete" and _steps_by_hand(net, graph):
@@ -430,7 +430,8 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
     except Exception:  # noqa: BLE001  (a network that runs for the example's number of steps only)
         if how == "concrete" and _runs(net, inputs[1]):  # ... or a trace that recorded the example's T
             return _modules_only(net, conv, boundary, inputs, "its concrete trace fails on an input one step "
-                                 "longer, where the network runs (it may loop over the steps)", strict)
+                                 "longer, where the network runs (it may loop over the steps, or branch on "
+                                 "their number or on the batch size)", strict)
         inputs[1] = _same_steps(inputs)
         out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
         grown = False

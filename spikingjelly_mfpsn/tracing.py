@@ -14,7 +14,9 @@ every value.
 from __future__ import annotations
 
 import operator
+import os
 import re
+import traceback
 from typing import Optional
 
 import torch
@@ -73,10 +75,10 @@ class _ConcreteProxy(fx.Proxy):
         return self.tracer.values[self.node]
 
     def __len__(self):
-        return len(self.tracer._shape_value(self, tensors=True))
+        return self.tracer.guarded(self, len(self.tracer._shape_value(self, tensors=True)), "len")
 
     def __index__(self):
-        return operator.index(self.tracer._shape_value(self))
+        return self.tracer.guarded(self, operator.index(self.tracer._shape_value(self)), "index")
 
     def __getattr__(self, k):
         return _ConcreteAttribute(self, k)
@@ -88,11 +90,13 @@ class _ConcreteAttribute(fx.proxy.Attribute, _ConcreteProxy):
 
 class _ConcreteTracer(_Tracer):
     """Symbolic tracing that runs every node on the example as it records it (``values``), so that
-    ``bool``, ``len``, iteration and indexing of proxies take the example's values."""
+    ``bool``, ``len``, iteration and indexing of proxies take the example's values; with ``guards``, the
+    graph then checks at every run that they take the same values (:func:`traced_as`)."""
 
-    def __init__(self, inputs: tuple):
+    def __init__(self, inputs: tuple, guards: bool = False):
         super().__init__()
         self.inputs, self.values, self._placeholders, self._running = inputs, {}, 0, False
+        self.guards = guards
         self.data = set()  # nodes whose value comes from tensor data (.item(), .tolist())
 
     # While a node runs on the example, module calls and attributes are the real ones (fx patches them).
@@ -144,10 +148,44 @@ class _ConcreteTracer(_Tracer):
         return value
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        return bool(self._shape_value(obj))
+        return self.guarded(obj, bool(self._shape_value(obj)), "bool")
 
     def iter(self, obj: fx.Proxy):
-        return iter([obj[i] for i in range(len(self._value(obj)))])
+        return iter([obj[i] for i in range(self.guarded(obj, len(self._value(obj)), "len"))])
+
+    def guarded(self, obj: fx.Proxy, value, kind: str):
+        """``value``, the example's, after recording (with ``guards``) a check of it at every run: the
+        forward branched or looped on it. A tensor's length is checked as its size along dim 0."""
+        if self.guards:
+            if kind == "len" and isinstance(self._value(obj), torch.Tensor):
+                obj, kind = obj.size(0), "index"
+            self.create_proxy("call_function", traced_as, (obj, kind, value, _source_line()), {})
+        return value
+
+
+_KINDS = {"bool": bool, "len": len, "index": operator.index}
+_OWN_CODE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _source_line() -> str:
+    """The line of the user's forward being traced (the innermost frame outside torch and this package)."""
+    frames = [f for f in traceback.extract_stack() if not os.path.abspath(f.filename).startswith(_OWN_CODE)]
+    return f"{frames[-1].line!r} ({frames[-1].filename}:{frames[-1].lineno})" if frames else "a shape branch"
+
+
+def traced_as(value, kind: str, expected, where: str) -> None:
+    """Check that a traced branch or loop follows the same value as on the example input.
+
+    Raises ValueError where ``value`` (``kind``: its ``bool``, ``len`` or ``index``) is not ``expected``,
+    what it was on the example input that a concrete trace followed at ``where`` (a branch or loop on a
+    shape or size, which the graph holds for the example's values only)."""
+    now = _KINDS[kind](value)
+    if now != expected:
+        raise ValueError(f"{where} gives {now!r} on this input but gave {expected!r} on the example input the "
+                         f"network was converted with (its number of steps, two of its samples), and the converted "
+                         f"forward holds the example's branch or number of iterations only: convert with an "
+                         f"example_input of the length you run, or keep that block time-first (convert the "
+                         f"blocks around it)")
 
     def keys(self, obj: fx.Proxy):
         return self._value(obj).keys()
@@ -212,16 +250,17 @@ def _graph(net: nn.Module, tracer: fx.Tracer) -> fx.Graph:
 
 
 def trace(net: nn.Module, example_input=None, every_mode: bool = False,
-          reads: Optional[list] = None) -> tuple[fx.Graph, str, Optional[dict]]:
+          reads: Optional[list] = None, guards: bool = False) -> tuple[fx.Graph, str, Optional[dict]]:
     """``(graph, how, shapes)``: ``how`` is ``'symbolic'`` or ``'concrete'`` (then ``shapes`` holds every
     node's value's shape on ``example_input``, else None); :class:`TraceFailure` if neither works
     (concrete tracing needs ``example_input``), and with ``every_mode`` where the graph would not be the
     forward in every mode: the forward branches on ``self.training`` or switches gradient or autocast
     mode. ``reads``: a list that gets the plain attribute values the forwards read (see
-    :func:`changed_reads`); a forward that changes one it reads raises :class:`TraceFailure`."""
+    :func:`changed_reads`); a forward that changes one it reads raises :class:`TraceFailure`. ``guards``:
+    a concrete graph checks at every run the values its control flow followed (:func:`traced_as`)."""
     reads = [] if reads is None else reads
     with _reads_recorded(net, reads):
-        traced = _trace(net, example_input, every_mode)
+        traced = _trace(net, example_input, every_mode, guards)
     changed = changed_reads(reads)
     if changed:  # (the trace's runs of the forward leave the values as they were)
         for _, m, name, value in reads:
@@ -231,9 +270,9 @@ def trace(net: nn.Module, example_input=None, every_mode: bool = False,
     return traced
 
 
-def _trace(net: nn.Module, example_input, every_mode: bool) -> tuple[fx.Graph, str, Optional[dict]]:
+def _trace(net: nn.Module, example_input, every_mode: bool, guards: bool) -> tuple[fx.Graph, str, Optional[dict]]:
     def tracer(*args) -> _Tracer:
-        t = _ConcreteTracer(*args) if args else _Tracer()
+        t = _ConcreteTracer(*args, guards=guards) if args else _Tracer()
         t.watch_modes = every_mode
         return t
 

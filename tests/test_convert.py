@@ -3,6 +3,7 @@ running statistics; to_time_first undoes it exactly; checkpoints load across lay
 a time-last version raise a clear error (or run time-first with fallback='time_first')."""
 import collections
 import pickle
+import re
 import warnings
 import copy
 
@@ -565,9 +566,9 @@ class InPlaceOnSlice(DataBranch):
 
 @pytest.mark.parametrize("cls, why", [(DataBranch, "control flow depends on tensor data"),
                                       (ItemBranch, "control flow depends on tensor data"),
-                                      (LengthOfInput, "other outputs than the network on an input one step longer"),
+                                      (LengthOfInput, "trace fails on an input one step longer"),
                                       (InPlaceOnSlice, "changes a tensor in place"),
-                                      (StepLoop, "other outputs than the network on an input one step longer"),
+                                      (StepLoop, "trace fails on an input one step longer"),
                                       (TrainingBranch, "depends on self.training"),
                                       (NoGradBlock, "switches gradient or autocast mode")])
 def test_untraceable_forward_is_never_silently_wrong(cls, why):
@@ -761,3 +762,37 @@ def test_the_modules_only_warning_does_not_ask_for_the_example_input_it_was_give
     messages = [str(w.message) for w in record if "cannot rewrite" in str(w.message)]
     assert messages and not any("pass example_input" in m for m in messages)
     assert all("strict=True raises instead" in m for m in messages)
+
+
+class LengthBranch(nn.Module):
+    """Branches on the number of steps (a rank branch first, as the zoo's do): a concrete trace
+    holds the example's branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn = layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2)
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        if x.dim() == 2:
+            x = x.unsqueeze(0).repeat(5, 1, 1)
+        y = self.sn(self.fc(x))
+        if y.shape[0] > 4:
+            return y.mean(0)
+        return y.sum(0)
+
+
+def test_an_input_that_takes_another_size_branch_than_the_example_is_refused():
+    """The converted forward ran the example's branch for every input: the mean over time where the
+    network takes the sum (a wrong answer, no error)."""
+    torch.manual_seed(0)
+    net = LengthBranch().double()
+    tl = to_time_last(copy.deepcopy(net), example_input=torch.rand(6, 2, 3, dtype=torch.float64), strict=True)
+    for x in (torch.rand(6, 5, 3, dtype=torch.float64), torch.rand(9, 1, 3, dtype=torch.float64)):
+        # (the example's branches: the network's outputs)
+        functional.reset_net(net), functional.reset_net(tl)
+        torch.testing.assert_close(tl(x), net(x), **TOL)
+    for x, line in ((torch.rand(4, 2, 3, dtype=torch.float64), "'if y.shape[0] > 4:'"),
+                    (torch.rand(3, 3, dtype=torch.float64), "'if x.dim() == 2:'")):
+        with pytest.raises(ValueError, match=f"{re.escape(line)} \\(.*test_convert.py:\\d+\\) gives"):
+            tl(x)

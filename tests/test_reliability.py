@@ -426,8 +426,9 @@ def test_bn_statistics_beyond_float32_are_refused_by_every_method(layout):
 
 
 def test_a_half_neuron_on_a_backend_without_half_says_so():
-    """``.half()`` on a neuron pinned to the C++ backend (float32/float64 kernels): whole sequences raise a
-    clear error naming the methods that can; single steps run the general path, with the same spikes."""
+    """``.half()`` on a neuron pinned to the C++ backend (float32/float64 kernels): whole sequences and
+    single steps alike raise a clear error naming the methods that can (single steps ran the general
+    path, against the promise of one answer or one error in both step modes)."""
     if "cpp" not in ops.names():
         pytest.skip("the C++ backend is not available here (no compiler)")
     torch.manual_seed(9)
@@ -435,10 +436,9 @@ def test_a_half_neuron_on_a_backend_without_half_says_so():
     sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method="cpp", threshold="param").half().eval()
     with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
         sn(x)
-    ref = MulFreeChannelwisePSN(3, k=2, step_mode="m", method="shift_add", threshold="param").half().eval()
-    ref.load_state_dict(sn.state_dict())
     sn.step_mode = "s"
-    assert torch.equal(run(sn, x), ref(x))
+    with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
+        run(sn, x)
 
 
 # ---------------------------------------------------------------- a batch norm in front
@@ -554,3 +554,59 @@ def test_a_network_built_on_meta_loads_after_to_empty(what):
     net = net.to_empty(device="cpu")
     net.load_state_dict(trained.state_dict())
     assert torch.equal(net(x), want)
+
+
+# ---------------------------------------------------------------- one error for one bad call, every method
+def _bn(c, **fields):
+    torch.manual_seed(1)
+    base = dict(gamma=torch.rand(c) + 0.5, beta=torch.randn(c), running_mean=torch.randn(c),
+                running_var=torch.rand(c) + 0.5, eps=1e-5, momentum=0.1, num_batches_tracked=torch.tensor(0))
+    return ops.BatchNorm(**{**base, **fields})
+
+
+@pytest.mark.parametrize("training, fields, match", [
+    (False, dict(running_mean=None, running_var=None), "bn needs running_mean and running_var"),
+    (False, dict(eps=torch.tensor(1e-5)), "bn.eps must be a number > 0"),
+    (True, dict(momentum=None, num_batches_tracked=None), "needs bn.num_batches_tracked"),
+    (True, dict(gamma=None), "bn.gamma must be a tensor of shape \\(3,\\)"),
+    (True, dict(beta=None), "bn.beta must be a tensor of shape \\(3,\\)"),
+    (True, dict(running_mean=torch.zeros(1).expand(3)), "bn.running_mean must not be an expanded tensor")])
+def test_a_bad_batch_norm_gets_one_error_from_every_method(training, fields, match):
+    """The C++ step ran eval mode without running statistics on batch statistics, and took a tensor eps;
+    the torch methods divided by zero for a cumulative average without a counter; Triton wrote every
+    channel's running mean to the one element of an expanded tensor; a missing gamma gave raw errors."""
+    x, w = torch.randn(4, 2, 3, 2), torch.rand(3, 2) + 0.1
+    for method in methods("time_first"):
+        bn = _bn(3, **fields)
+        before = None if bn.running_mean is None else bn.running_mean.clone()
+        with pytest.raises(ValueError, match=match):
+            ops.mf_psn(x, w, bn=bn, method=method, training=training)
+        if before is not None:
+            assert torch.equal(bn.running_mean, before), method
+    for backend in ("cpp", "torch"):
+        with pytest.raises(ValueError, match=match):
+            ops.mf_psn(x, w, bn=_bn(3, **fields), backend=backend, training=training)
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_sparse_input_is_refused_by_name_in_every_method(step):
+    x = torch.randn(4, 2, 3).to_sparse()
+    w = torch.rand(3, 2) + 0.1
+    for method in methods("time_first"):
+        with pytest.raises(TypeError, match="x must be a dense tensor|taps\\[-1\\] must be a dense tensor"):
+            if step:
+                ops.mf_psn_step([None, x[0]], w, bias=torch.zeros(3), method=method)
+            else:
+                ops.mf_psn(x, w, bn=_bn(3), method=method, training=True)
+
+
+@pytest.mark.parametrize("method", ["cpp", "triton"])
+def test_a_pinned_method_that_cannot_run_the_input_refuses_single_steps_too(method):
+    """Single steps quietly ran the torch path where multi-step calls refused the method."""
+    if method == "triton" and not ops.find("triton"):
+        pytest.skip("triton is not installed")
+    for step_mode in ("m", "s"):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode=step_mode, method=method).to("meta")
+        x = torch.empty((4, 2, 3) if step_mode == "m" else (2, 3), device="meta")
+        with pytest.raises(ValueError, match=f"method '{method}' cannot run this input: .*meta"):
+            sn(x)

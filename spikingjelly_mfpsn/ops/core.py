@@ -23,8 +23,8 @@ import torch
 from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
-from .registry import (Implementation, channel_dim, check_charge_args, check_dilation, choose, find, get,
-                       input_dtype_error, supported, tap_schedule)
+from .registry import (Implementation, channel_dim, check_charge_args, check_dense, check_dilation, choose, find,
+                       get, input_dtype_error, supported, tap_schedule)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -83,14 +83,15 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     """
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, alpha = surrogate.fused(sg)
+    _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
         impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
         if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) and not autocasting(x):
-            # first a step that checks every tensor itself
+            # first a step that checks every tensor itself (but for x's layout, a sparse one)
+            check_dense(x)
             s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
             if s is not None:
                 return s
-    _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, layout)
     _check_input_bn(input_bn, weight, training)
     impl, xp = _checked(x, weight, bias, dilation, layout, method, backend)
     with _weight_precision(x):
@@ -122,7 +123,7 @@ def _weight_precision(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False) if autocasting(x) else contextlib.nullcontext()
 
 
-def _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, layout) -> None:
+def _check_threshold_args(weight, bias, v_threshold, bn, quantize, training) -> None:
     if quantize not in QUANTIZERS:
         raise ValueError(f"quantize must be one of {QUANTIZERS}, got {quantize!r}")
     if sum(a is not None for a in (bias, v_threshold, bn)) > 1:
@@ -141,13 +142,22 @@ def _check_input_bn(bn: Optional[BatchNorm], weight: torch.Tensor, training: boo
 
 
 def _check_bn(bn: BatchNorm, what: str, c: Optional[int], training: bool, dtype=None) -> None:
-    """``bn`` (named ``what`` in the errors): running statistics where not training, eps > 0, and a
-    tensor of one value per channel (in ``dtype`` where given) in each of its first four fields."""
+    """``bn`` (named ``what`` in the errors): running statistics where not training, a counter for a
+    cumulative average, eps > 0, and a tensor of one value per channel (in ``dtype`` where given) in each
+    of its first four fields: gamma and beta may be None (no affine) in an input batch norm only, and
+    running statistics a training step writes in place must not overlap in memory."""
     if not training and (bn.running_mean is None or bn.running_var is None):
         raise ValueError(f"{what} needs running_mean and running_var when training=False")
+    if training and bn.momentum is None and bn.running_mean is not None and bn.num_batches_tracked is None:
+        raise ValueError(f"{what}.momentum=None (a cumulative average) needs {what}.num_batches_tracked")
     if not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
         raise ValueError(f"{what}.eps must be a number > 0, got {bn.eps!r}")
     for name, t in zip(BatchNorm._fields, bn[:4]):
+        if t is None and what == "bn" and name in ("gamma", "beta"):
+            raise ValueError(f"bn.{name} must be a tensor of shape ({c},) (one per channel), got None")
+        if training and name.startswith("running") and _per_channel(t, c) and c > 1 and t.stride(0) == 0:
+            raise ValueError(f"{what}.{name} must not be an expanded tensor (stride 0): a training step "
+                             f"updates it in place")
         if t is not None and not (_per_channel(t, c) and (dtype is None or t.dtype == dtype)):
             in_dtype = "" if dtype is None else f" in the weight's dtype {dtype}"
             got = _described(t) + (f" {t.dtype}" if dtype is not None and isinstance(t, torch.Tensor) else "")
@@ -187,14 +197,21 @@ def _checked(x, weight, bias, dilation, layout, method, backend="torch") -> tupl
     if method == "auto":
         method = choose(x, weight, dilation, layout, backend)
     impl = get(method)
+    x = _as_read_by(impl, x, weight, dilation, layout)
+    return (impl if x.numel() else get(EMPTY_INPUT_METHOD)), x
+
+
+def _as_read_by(impl: Implementation, x, weight, dilation, layout) -> torch.Tensor:
+    """``x`` as ``impl`` reads it (in the weight's dtype unless it reads lower precisions itself), or
+    ValueError where ``impl`` cannot run it."""
     if x.dtype != weight.dtype and not impl.supports(x, weight, dilation, layout):
         x = x.to(weight.dtype)
     reasons = impl.not_supported_reasons(x, weight, dilation, layout)
     if reasons:
         others = supported(x, weight, dilation, layout)
-        raise ValueError(f"method {method!r} cannot run this input: {'; '.join(reasons)}. "
+        raise ValueError(f"method {impl.name!r} cannot run this input: {'; '.join(reasons)}. "
                          f"Methods that can: {others}")
-    return (impl if x.numel() else get(EMPTY_INPUT_METHOD)), x
+    return x
 
 
 def _in_weight_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -429,7 +446,9 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     bad_dtype = input_dtype_error(x.dtype, weight.dtype)
     if bad_dtype is not None:
         raise bad_dtype
-    _check_threshold_args(x, weight, bias, v_threshold, bn, quantize, training, "time_first")
+    _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
+    if method != "auto":  # (a pinned method that cannot run the sequence cannot run its steps either)
+        _as_read_by(get(method), x.unsqueeze(0), weight, 1, "time_first")
     if code and (method != "auto" or backend != "torch") and not (bn is not None and training) \
             and not autocasting(x):
         impl = get(method if method != "auto" else choose(x.unsqueeze(0), weight, 1, "time_first", backend))
@@ -479,6 +498,8 @@ def _check_step_args(taps: list, weight, bias, v_threshold, bn) -> None:
                          f"{tuple(getattr(weight, 'shape', ()))} and {len(taps)} taps")
     if not inputs or taps[-1] is None or any(not isinstance(t, torch.Tensor) for t in inputs):
         raise ValueError("taps[-1] (the current input, lag 0) must be a tensor, and every other entry a tensor or None")
+    for t in inputs:
+        check_dense(t, "taps[-1]" if t is taps[-1] else "a tap")
     x = taps[-1]
     if x.dim() < 2 or x.shape[1] != weight.shape[0] or any(t.shape != x.shape for t in inputs):
         raise ValueError(f"every tap must be an (N, C, ...) input like taps[-1] with C = {weight.shape[0]} "

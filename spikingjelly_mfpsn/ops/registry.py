@@ -321,6 +321,7 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
             dtype).
     """
     check_layout(layout)
+    check_dense(x)
     if not weight.is_floating_point() or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"weight and bias must share one floating-point dtype, got weight {weight.dtype}"
                         f"{'' if bias is None else f' and bias {bias.dtype}'}")
@@ -339,6 +340,12 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if bias is not None and tuple(bias.shape) != (c,):
         raise ValueError(f"bias must have shape ({c},), got {tuple(bias.shape)}")
     check_dilation(dilation)
+
+
+def check_dense(x: torch.Tensor, name: str = "x") -> None:
+    """TypeError unless ``x`` is a dense (strided) tensor: no method takes a sparse one."""
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {x.layout}: {name}.to_dense()")
 
 
 def check_dilation(dilation) -> int:

@@ -184,9 +184,11 @@ class ChargeNeuronBase(MemoryModule):
 
     @method.setter
     def method(self, value: str) -> None:
-        """A method of another backend switches the backend too (method names are unique)."""
+        """A method of another backend switches the backend too (method names are unique); one of another
+        layout is refused (``configure(layout=..., method=...)`` switches both)."""
         if value != "auto":
             impl = ops.get(value)
+            _check_method_layout(value, self._layout)
             if impl.backend != self._backend:
                 ops.check_backend(impl.backend)
                 self._backend = impl.backend
@@ -198,11 +200,8 @@ class ChargeNeuronBase(MemoryModule):
         if not _surrogate_ok(surrogate_function):
             raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
         layout = ops.check_layout(layout if layout is not None else self._layout)
-        pinned = method if method is not None else self._method
-        if pinned != "auto" and layout not in ops.get(pinned).layouts and method is not None:
-            raise ValueError(f"method {pinned!r} runs the layouts {ops.get(pinned).layouts}, not layout={layout!r}; "
-                             f"pass layout={ops.get(pinned).layouts[0]!r} or another method "
-                             f"({', '.join(ops.names(layout=layout))})")
+        if method is not None and method != "auto":
+            _check_method_layout(method, layout)
         if surrogate_function is not None:
             self.surrogate_function = surrogate_function
         if step_mode is not None:
@@ -450,6 +449,14 @@ _SETTINGS = {
     "surrogate_function": (lambda v: callable(v) and not isinstance(v, type),
                            "surrogate_function must be a surrogate function instance (e.g. surrogate.ATan())"),
 }
+
+
+def _check_method_layout(method: str, layout: str) -> None:
+    """ValueError unless ``method`` (registered) runs ``layout``."""
+    if layout not in ops.get(method).layouts:
+        raise ValueError(f"method {method!r} runs the layouts {ops.get(method).layouts}, not layout={layout!r}; "
+                         f"pass layout={ops.get(method).layouts[0]!r} or another method "
+                         f"({', '.join(ops.names(layout=layout))})")
 
 
 def _check_settings(**settings) -> None:

@@ -433,6 +433,18 @@ def test_a_setting_assigned_after_construction_is_checked_as_the_constructor_che
     assert torch.equal(sn(x), (h_ref >= 0).to(x.dtype))
 
 
+def test_a_method_of_another_layout_is_refused_when_assigned_as_in_the_constructor():
+    """``sn.method = 'conv2d'`` on a time-first neuron was taken and failed only at the next forward."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m")
+    for make in (lambda: MulFreeChannelwisePSN(3, k=2, method="conv2d"), lambda: setattr(sn, "method", "conv2d")):
+        with pytest.raises(ValueError, match="method 'conv2d' runs the layouts \\('time_last',\\), not "
+                                             "layout='time_first'"):
+            make()
+    assert sn.method == "auto"
+    sn.configure(layout="time_last", method="conv2d")
+    assert (sn.layout, sn.method) == ("time_last", "conv2d")
+
+
 def test_neuron_built_with_channels_has_no_lazy_hooks():
     """Given channels, the neuron is initialised at construction: no lazy-initialisation hooks (a forward
     pre-hook sends every call down nn.Module's slower path), and it still loads checkpoints and copies."""

@@ -162,6 +162,9 @@ class _ConcreteTracer(_Tracer):
             self.create_proxy("call_function", traced_as, (obj, kind, value, _source_line()), {})
         return value
 
+    def keys(self, obj: fx.Proxy):
+        return self._value(obj).keys()
+
 
 _KINDS = {"bool": bool, "len": len, "index": operator.index}
 _OWN_CODE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
@@ -186,9 +189,6 @@ def traced_as(value, kind: str, expected, where: str) -> None:
                          f"forward holds the example's branch or number of iterations only: convert with an "
                          f"example_input of the length you run, or keep that block time-first (convert the "
                          f"blocks around it)")
-
-    def keys(self, obj: fx.Proxy):
-        return self._value(obj).keys()
 
 
 class TraceFailure(Exception):

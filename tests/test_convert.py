@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from spikingjelly.activation_based import functional, layer, neuron
+from spikingjelly.activation_based import base, functional, layer, neuron
 
 import spikingjelly_mfpsn as mf
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_first, to_time_last
@@ -796,3 +796,43 @@ def test_an_input_that_takes_another_size_branch_than_the_example_is_refused():
                     (torch.rand(3, 3, dtype=torch.float64), "'if x.dim() == 2:'")):
         with pytest.raises(ValueError, match=f"{re.escape(line)} \\(.*test_convert.py:\\d+\\) gives"):
             tl(x)
+
+
+class SpikesAndInputs(base.MemoryModule):
+    """A stateful module of the user's own (a leaf of the trace) that returns a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn = layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2)
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        return {"spikes": self.sn(self.fc(x)), "inputs": x}
+
+
+class NamedFeatures(nn.Module):
+    """Unpacks a dict its block returns into keyword arguments (``**``), after a size branch (so the
+    forward is traced concretely, and the dict is a value of the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = SpikesAndInputs()
+
+    @staticmethod
+    def head(inputs, spikes):
+        return spikes.mean(0) - inputs.sum(0).sum(-1, keepdim=True)
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            return self.head(**self.features(x))
+        return x
+
+
+def test_a_dict_unpacked_into_keywords_converts():
+    torch.manual_seed(0)
+    net = NamedFeatures().double()
+    tl = to_time_last(copy.deepcopy(net), example_input=torch.rand(4, 2, 3, dtype=torch.float64), strict=True,
+                      fallback="time_first")
+    for x in (torch.rand(4, 2, 3, dtype=torch.float64), torch.rand(6, 5, 3, dtype=torch.float64)):
+        functional.reset_net(net), functional.reset_net(tl)
+        torch.testing.assert_close(tl(x), net(x), **TOL)

@@ -65,9 +65,13 @@ def _torch_forward(module: nn.Module) -> Callable:
     return type(module).forward
 
 
-def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
+def _check_tensor(x, owner: nn.Module) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{type(owner).__name__} expects a tensor, got {type(x).__name__}")
+
+
+def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
+    _check_tensor(x, owner)
     if x.dim() not in ranks:
         raise ValueError(f"{type(owner).__name__} expects a time-last sequence {what}, "
                          f"got shape {tuple(x.shape)}")
@@ -379,6 +383,7 @@ class TimeLastFlatten(TimeLastModule):
         self.start_dim, self.end_dim = (start if start >= 0 else start - 1), (end if end >= 0 else end - 1)
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        _check_tensor(x_seq, self)
         n = x_seq.dim()
         start, end = self.start_dim % n, self.end_dim % n
         if not 1 <= start <= end <= n - 2:
@@ -394,6 +399,7 @@ class TimeLastVmap(TimeLastModule):
     """Any stateless per-step module on ``(N, ..., T)``, vectorised over the last dim."""
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        _check_tensor(x_seq, self)
         return self._vmap(x_seq)
 
 
@@ -401,8 +407,13 @@ class TimeLastGroupNorm(TimeLastVmap):
     """``GroupNorm`` on ``(N, C, ..., T)``, each step of each sample normalised on its own, as time-first.
 
     Through ``torch.group_norm``: ``F.group_norm`` refuses one value per group in a batch of one sample
-    (one step of N = 1 here), which time-first passes with its T*N samples.
+    (one step of N = 1 here), which time-first passes with its T*N samples. An input in another memory
+    format (channels-last) is made contiguous first: group norm under vmap cannot run it.
     """
+
+    def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
+        _check_tensor(x_seq, self)
+        return self._vmap(x_seq.contiguous())
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         gn = self._time_first

@@ -114,6 +114,19 @@ def test_wrapper_matches_time_first(build, feat, method):
     check_against_time_first(ref, w, feat)
 
 
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+@pytest.mark.parametrize("build,feat,method", [c for c in method_cases(CASES) if len(c.values[1]) + 2 in (4, 5)])
+def test_wrapper_takes_a_channels_last_input(build, feat, method):
+    """A time-last input in a channels-last memory format (as a channels-last network passes on)."""
+    torch.manual_seed(0)
+    ref = build().double()
+    x = torch.randn(T, N, *feat, dtype=torch.float64)
+    x_last = x.movedim(0, -1).contiguous(memory_format=_CHANNELS_LAST[x.dim()])
+    torch.testing.assert_close(wrap(ref, method)(x_last).movedim(-1, 0), ref(x), **TOL)
+
+
 def _weight_normed(build):
     def make():
         m = build()
@@ -365,6 +378,9 @@ def test_bad_inputs_raise_clear_errors():
         tl.time_last(sj("Linear", 5, 3))(torch.randn(2, 4, 5))
     with pytest.raises(ValueError, match="of 5 dims"):
         tl.time_last(sj("BatchNorm2d", 3))(torch.randn(2, 3, 4, 4))
+    for module in (sj("Flatten"), layer.SeqToANNContainer(nn.GroupNorm(2, 4))[0], sj("MaxPool2d", 2)):
+        with pytest.raises(TypeError, match="expects a tensor, got list"):
+            tl.time_last(module)([torch.randn(2, 4, 3, 3)])
     with pytest.raises(ValueError, match="return_indices"):
         tl.time_last(nn.MaxPool2d(2, return_indices=True))
     with pytest.raises(TypeError, match="has no time-last wrapper"):

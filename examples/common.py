@@ -298,8 +298,8 @@ def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) ->
     if not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()):
         env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
         return _convert_layout(net, args.layout, x_example), "n/a", 0.0
-    return (set_method(net, args.method, layout=args.layout or "time_first", example_input=x_example),
-            args.method, 0.0)
+    layout = args.layout or "time_first"
+    return (set_method(net, args.method, layout=layout, example_input=x_example), f"{args.method} ({layout})", 0.0)
 
 
 def autoselect_line(report) -> str:

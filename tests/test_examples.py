@@ -466,7 +466,7 @@ def test_train_sequential_torchrun_two_processes(tmp_path):
     out = run_example("train_sequential.py", *TINY_DIGITS, "--batch-size", 8, "--method", "shift_add",
                       "--out-dir", out_dir, procs=2)  # 8 per process: the same 16 per step as above
     metrics = read_metrics(out_dir)
-    assert metrics["processes"] == 2 and metrics["method"] == "shift_add"
+    assert metrics["processes"] == 2 and metrics["method"] == "shift_add (time_first)"
     assert out.count("summary:") == 1  # rank 0 logs
     assert_learns(metrics, chance=0.1)
 

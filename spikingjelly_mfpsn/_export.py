@@ -113,14 +113,22 @@ def fold_bn(weight, bias, bn: nn.BatchNorm1d):
     return weight * scale.reshape(-1, *[1] * (weight.dim() - 1)), bias * scale + shift
 
 
-def bn_after(seq, i, error: type = ValueError):
+def bn_after(seq, i, feat: tuple, error: type = ValueError):
     """The BatchNorm right after layer ``i`` of ``seq`` (``layers``' list), or None; ``error`` where it has
-    no running statistics to fold."""
+    no running statistics to fold, or where it normalises other values than layer ``i``'s outputs: after a
+    Linear on steps of per-sample shape ``feat`` with more than one dim (it acts on the last, a batch
+    norm on dim 1)."""
     nxt = seq[i + 1][1] if i + 1 < len(seq) else None
-    if isinstance(nxt, BATCH_NORMS) and nxt.running_mean is None:
+    if not isinstance(nxt, BATCH_NORMS):
+        return None
+    if nxt.running_mean is None:
         raise error(f"layer {seq[i + 1][0]!r}: a BatchNorm without running statistics (track_running_stats=False) "
                     f"cannot be folded")
-    return nxt if isinstance(nxt, BATCH_NORMS) else None
+    if isinstance(seq[i][1], nn.Linear) and len(feat) != 1:
+        raise error(f"layer {seq[i + 1][0]!r}: a BatchNorm after the Linear {seq[i][0]!r} on steps of shape (N, "
+                    f"{', '.join(map(str, feat))}) normalises dim 1, not the Linear's output features (the last "
+                    f"dim), so it cannot be folded into it")
+    return nxt
 
 
 def prepared(net: nn.Module, example_input: torch.Tensor) -> nn.Module:

@@ -115,7 +115,10 @@ def _avgpool2d(name, module):
 def _stateless(name, module, seq, i, feat, dtype):
     """``(node or None, index of the last layer it covers)`` for a stateless layer; raises for the rest."""
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-        bn = bn_after(seq, i, NIRExportError)
+        bn = bn_after(seq, i, feat, NIRExportError)
+        if isinstance(module, nn.Linear) and len(feat) != 1:
+            raise NIRExportError(f"layer {name!r}: a Linear on steps of shape (N, {', '.join(map(str, feat))}): "
+                                 f"NIR's Linear and Affine take one dim of features per sample")
         return _weighted(name, module, bn, feat), i + (bn is not None)
     if isinstance(module, nn.AvgPool1d):
         return _avgpool1d(name, module, feat, dtype), i

@@ -83,7 +83,7 @@ class _Graph:
                 with torch.no_grad():
                     probe = per_step(module, probe)
                     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) and \
-                            bn_after(seq, i, ONNXExportError) is not None:
+                            bn_after(seq, i, feat, ONNXExportError) is not None:
                         probe = per_step(seq[i + 1][1], probe)
                 feat = tuple(probe.shape[1:])
                 x, i = _stateless(self, name, module, seq, i, x, feat)
@@ -134,7 +134,7 @@ def _pool(g: _Graph, name, module, x):
 def _stateless(g: _Graph, name, module, seq, i, x, out_shape):
     """``(value, index of the last layer it covers)`` of a stateless layer on ``x`` (B, ...)."""
     if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-        bn = bn_after(seq, i)
+        bn = bn_after(seq, i, out_shape, ONNXExportError)
         return _weighted(g, name, module, bn, x), i + (bn is not None)
     if isinstance(module, (nn.AvgPool1d, nn.AvgPool2d, nn.MaxPool1d, nn.MaxPool2d)):
         return _pool(g, name, module, x), i

@@ -305,3 +305,19 @@ def test_an_example_input_the_network_cannot_run_is_named():
     lazy = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(k=2, step_mode="m")).eval()
     with pytest.raises(ValueError, match="uninitialised \\(lazy\\) parameters"):
         export_to_nir(lazy, torch.randn(4, 2, 3))
+
+
+def test_a_linear_nir_cannot_type_is_named():
+    """A Linear on (N, C, L) steps (NIR's Affine takes one dim of features), with or without a batch norm
+    after it (which normalises dim 1: it was folded into the Linear's outputs, the last dim)."""
+    for net in (nn.Sequential(layer.Linear(4, 4, step_mode="m"), layer.BatchNorm1d(3, step_mode="m"),
+                              MulFreeChannelwisePSN(3, k=2, step_mode="m")),
+                nn.Sequential(layer.Linear(4, 5, step_mode="m"), MulFreeChannelwisePSN(3, k=2, step_mode="m"))):
+        with pytest.raises(NIRExportError, match=r"layer '[01]': .*on steps of shape \(N, 3, [45]\)"):
+            export_to_nir(net.eval(), torch.randn(6, 2, 3, 4))
+    net = nn.Sequential(layer.Linear(4, 3, step_mode="m"), layer.BatchNorm1d(3, step_mode="m"),
+                        MulFreeChannelwisePSN(3, k=2, step_mode="m")).eval()
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-1, 1), net[1].running_var.uniform_(0.5, 2)
+    x = torch.randn(6, 5, 4)
+    assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))

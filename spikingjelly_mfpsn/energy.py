@@ -390,7 +390,8 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
             every synaptic layer, or ``{layer name: rate}``
         batch_size: samples in ``x`` (default: dim 1 for ``layout='time_first'``, dim 0 otherwise)
         use_spikingjelly: with SpikingJelly 2.x, take encoding MACs and spike events from its
-            ``op_counter`` (a second run) and record its counts in ``LayerCount.spikingjelly``
+            ``op_counter`` (a second run) and record its counts in ``LayerCount.spikingjelly`` (not for a
+            module called more than once: its counter totals the calls, so those keep this plugin's counts)
     """
     if sops not in ("formula", "events"):
         raise ValueError(f"sops must be 'formula' or 'events', got {sops!r}")
@@ -433,10 +434,11 @@ def _layer_counts(records: list[dict], sj: Optional[dict], root: str, firing_rat
         unknown = sorted(set(firing_rate) - set(synaptic))
         if unknown:
             raise ValueError(f"firing_rate names no synaptic layer {unknown}; the synaptic layers are {synaptic}")
-    layers = []
+    layers, calls = [], Counter(r["name"] for r in records)
     for r in records:
         scope = r["name"] if r["name"] == root else f"{root}.{r['name']}"
-        theirs = None if sj is None else sj.get(scope, {})
+        # (SpikingJelly totals a module's calls in its scope: a module called twice keeps this plugin's counts)
+        theirs = None if sj is None or calls[r["name"]] > 1 else sj.get(scope, {})
         if r["role"] == "synaptic":
             fr = r["firing_rate"]
             if firing_rate is not None:

@@ -1,4 +1,5 @@
 """Operation counts and energy: closed forms, counted operations, the paper's Table 5, SpikingJelly's counters."""
+import copy
 import importlib.util
 import itertools
 import os
@@ -279,3 +280,32 @@ def test_bad_arguments():
         energy.estimate(net, x[0])
     with pytest.raises(ValueError, match="nothing to count"):
         energy.estimate(nn.Sequential(nn.ReLU()), x)
+
+
+@pytest.mark.parametrize("use_spikingjelly", [False, True] if sj.op_counter is not None else [False])
+@pytest.mark.parametrize("sops", ["formula", "events"])
+def test_a_layer_called_twice_counts_as_two_copies(use_spikingjelly, sops):
+    """Regression: SpikingJelly's counters total a module's calls in its scope, and each call was given
+    that total: a Linear called twice counted its events (and an encoding one its MACs) twice over."""
+    torch.manual_seed(0)
+    x = torch.rand(4, 2, 8)
+
+    def net(*modules):
+        n = nn.Sequential(*modules)
+        functional.set_step_mode(n, "m")
+        return n.eval()
+
+    def neurons():
+        ns = [MulFreeChannelwisePSN(8, k=2) for _ in range(3)]
+        for n in ns:
+            n.beta.data.fill_(0.5)  # (they fire)
+        return ns
+    enc, lin = layer.Linear(8, 8), layer.Linear(8, 8)
+    a = neurons()
+    b = [copy.deepcopy(n) for n in a]
+    pairs = ((net(enc, a[0], lin, a[1], lin, a[2]), net(enc, b[0], lin, b[1], copy.deepcopy(lin), b[2])),
+             (net(enc, enc, MulFreeChannelwisePSN(8, k=2)), net(enc, copy.deepcopy(enc), MulFreeChannelwisePSN(8, k=2))))
+    for shared, copies in pairs:
+        counts = [energy.estimate(m, x, sops=sops, use_spikingjelly=use_spikingjelly).synaptic_ops
+                  for m in (shared, copies)]
+        assert counts[0] == counts[1] and counts[0]["mac"] > 0

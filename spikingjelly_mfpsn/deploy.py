@@ -82,9 +82,11 @@ def to_fixed(x: torch.Tensor, frac_bits: int = FRAC_BITS) -> torch.Tensor:
 
 
 def from_fixed(q: torch.Tensor, frac_bits: int = FRAC_BITS, dtype: torch.dtype = torch.float32):
-    """The float value ``q * 2**-frac_bits`` of a fixed-point tensor."""
+    """The float value ``q * 2**-frac_bits`` of a fixed-point tensor (scaled in float64 where ``q`` may not
+    fit ``dtype``'s range, as in float16)."""
     check_fixed(q)
-    return torch.ldexp(q.to(dtype), torch.tensor(-_check_bits(frac_bits, "frac_bits"), dtype=dtype))
+    work = torch.float64 if torch.finfo(dtype).max < 2.0 ** 63 else dtype
+    return torch.ldexp(q.to(work), torch.tensor(-_check_bits(frac_bits, "frac_bits"), dtype=work)).to(dtype)
 
 
 def check_fixed(q, name: str = "q") -> None:

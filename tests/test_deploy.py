@@ -688,3 +688,11 @@ def test_int_fire_refuses_a_bias_whose_addition_could_wrap_around():
     for big in (2 ** 63 - 1, -2 ** 63, 1 << 62):
         with pytest.raises(OverflowError, match="bias_int holds values up to"):
             deploy.int_fire(q, shift, sign, torch.tensor([big, 0]), 1)
+
+
+def test_from_fixed_gives_a_float16_value_whose_integer_it_cannot_hold():
+    """Regression: from_fixed(2**20, 24, float16) was inf (the integer cast to float16 before scaling)."""
+    q = torch.tensor([2 ** 20, -(2 ** 30) - 1, 3])
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        want = torch.tensor([2.0 ** -4, -(2.0 ** 6) - 2.0 ** -24, 3 * 2.0 ** -24], dtype=torch.float64).to(dtype)
+        assert torch.equal(deploy.from_fixed(q, 24, dtype), want)

@@ -149,7 +149,7 @@ def _neuron_nodes(name, folded: deploy.FoldedMulFreePSN, feat, dt):
         scale = f"{name}.tap{i}"
         nodes[scale] = _nir.Scale(np.broadcast_to(wq[:, i].reshape(per_channel), feat).copy())
         if lag:
-            nodes[f"{scale}.delay"] = _nir.Delay(np.full(feat, lag * dt, dtype=wq.dtype))
+            nodes[f"{scale}.delay"] = _nir.Delay(np.full(feat, lag * dt))  # (float64: a float16 lag rounds)
             edges.append((f"{scale}.delay", scale))
             entries.append(f"{scale}.delay")
         else:

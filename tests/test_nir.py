@@ -321,3 +321,17 @@ def test_a_linear_nir_cannot_type_is_named():
         net[1].running_mean.uniform_(-1, 1), net[1].running_var.uniform_(0.5, 2)
     x = torch.randn(6, 5, 4)
     assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))
+
+
+def test_a_float16_network_keeps_a_tap_lag_float16_cannot_hold():
+    """Regression: the Delay took the weights' dtype, and float16 holds 2048, not 2049 (a spike one step early)."""
+    net = nn.Sequential(MulFreeChannelwisePSN(1, k=2, dilation=2049, threshold="param", step_mode="m"))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[1.0, 0.0]]))
+        net[0].v_threshold.fill_(0.5)  # (a spike where x, 2049 steps back, is 1)
+    net = net.half().eval()
+    x = torch.zeros(2052, 1, 1, dtype=torch.float16)
+    x[0] = 1
+    want = run(net, x)
+    assert want.flatten().nonzero().flatten().tolist() == [2049]
+    assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), want)

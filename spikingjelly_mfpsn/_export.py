@@ -176,7 +176,7 @@ def _flatten_start(node: fx.Node) -> Optional[int]:
 def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
     """Visit every node of ``net``'s traced ``graph`` in order, building through ``out`` (an exporter's
     builder): ``out.input()``, ``out.chain(seq, value, feat)`` for modules (Sequential ones opened, a
-    BatchNorm appended to the Conv/Linear whose only user it is), ``out.sum(name, a, b)`` for an addition
+    BatchNorm appended to the Conv/Linear whose only user it is), ``out.sum(name, a, b, feat)`` for an addition
     and ``out.flatten(name, value, start, feat)`` for a flatten to the end (``feat``: the per-step shape of
     the time-first value). Returns the output's value; anything else raises ``error`` naming the call."""
     values, folded_into, used = {}, {}, set(out.reserved)
@@ -197,7 +197,8 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
                 folded_into[user] = node
             values[node], _ = out.chain(unique(seq, used), values[node.args[0]], tuple(shapes[node.args[0]][2:]))
         elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
-            values[node] = out.sum(fresh(node.name, used), values[node.args[0]], values[node.args[1]])
+            values[node] = out.sum(fresh(node.name, used), values[node.args[0]], values[node.args[1]],
+                                   tuple(shapes[node][2:]))
         elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
             values[node] = out.flatten(fresh(node.name, used), values[node.args[0]], _flatten_start(node),
                                        tuple(shapes[node.args[0]][2:]))

@@ -19,6 +19,7 @@ call raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjelly
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 import numpy as np
@@ -199,8 +200,16 @@ class _Builder:
     def input(self):
         return ["input"]
 
-    def sum(self, name, a, b):
-        return a + b  # (edges from both into each consumer: NIR adds them)
+    def sum(self, name, a, b, feat):
+        """``a + b``: edges from both into each consumer (NIR adds them); a source in both (``x + x``) goes
+        through a Scale by its count, as NIR has one edge per pair of nodes."""
+        out = []
+        for src, count in Counter(a + b).items():
+            if count > 1:
+                self.add(f"{name}.{count}x{src}", _nir.Scale(_np(torch.full(feat, count, dtype=self.dtype))), [src])
+                src = f"{name}.{count}x{src}"
+            out.append(src)
+        return out
 
     def flatten(self, name, sources, start, feat):
         """``torch.flatten(x, start)`` of a time-first value whose per-step shape is ``feat``."""

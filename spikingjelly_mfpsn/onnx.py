@@ -90,7 +90,7 @@ class _Graph:
             i += 1
         return x, feat
 
-    def sum(self, name, a, b):
+    def sum(self, name, a, b, feat):
         return self.op("Add", [a, b], name)
 
     def flatten(self, name, x, start, feat):

@@ -335,3 +335,28 @@ def test_a_float16_network_keeps_a_tap_lag_float16_cannot_hold():
     want = run(net, x)
     assert want.flatten().nonzero().flatten().tolist() == [2049]
     assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), want)
+
+
+class AddsAValueTwice(nn.Module):
+    def __init__(self, twice_first: bool):
+        super().__init__()
+        self.twice_first = twice_first
+        self.fc1, self.n1 = layer.Linear(4, 4), MulFreeChannelwisePSN(4, k=2)
+        self.fc2, self.n2 = layer.Linear(4, 4), MulFreeChannelwisePSN(4, k=2)
+        self.out = layer.Linear(4, 2)
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        a = self.n1(self.fc1(x))
+        b = self.n2(self.fc2(a))
+        return self.out(a + a + b + a) if self.twice_first else self.out((a + b) + a)
+
+
+@pytest.mark.parametrize("twice_first", [True, False])
+def test_a_value_added_to_a_sum_that_holds_it_round_trips(twice_first):
+    """Regression: ``a + a`` (or ``(a + b) + a``) gave two edges between the same nodes, which NIR refuses
+    ("Duplicate edge")."""
+    torch.manual_seed(0)
+    net = AddsAValueTwice(twice_first).eval()
+    x = torch.rand(5, 3, 4)
+    torch.testing.assert_close(run(import_from_nir(export_to_nir(net, x[:, :2])), x), run(net, x))

@@ -240,6 +240,9 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3:
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'shape', type(example_input).__name__)}")
+    if example_input.dtype not in (torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"example_input (and net) must be float16, float32 or float64, the dtypes a NIR graph's "
+                         f"NumPy arrays have, got {example_input.dtype}: export a copy, e.g. net.float()")
     net = prepared(net, example_input)
     b = _Builder(float(dt), example_input.dtype)
     b.nodes["input"] = nir.Input({"input": np.array(example_input.shape[2:])})

@@ -264,6 +264,9 @@ def _check_args(onnx, example_input, opset, streaming):
         raise ValueError("example_input must be a float32 time-first tensor (T, N, ...) with at least 3 dims, got "
                          f"{getattr(example_input, 'dtype', type(example_input).__name__)} "
                          f"{tuple(getattr(example_input, 'shape', ()))}")
+    if not example_input.numel():
+        raise ValueError(f"example_input must have no empty dim (it fixes the model's shapes), got shape "
+                         f"{tuple(example_input.shape)}")
     newest = onnx.defs.onnx_opset_version()
     if opset is not None and (not isinstance(opset, int) or isinstance(opset, bool) or not 13 <= opset <= newest):
         raise ValueError(f"opset must be an int in [13, {newest}] (the installed onnx's newest), got {opset!r}")

@@ -161,6 +161,8 @@ def test_bad_arguments():
         export_to_nir(net, torch.rand(3, 1, 1), dt=0)
     with pytest.raises(ValueError, match="example_input"):
         export_to_nir(net, torch.rand(3, 1))
+    with pytest.raises(ValueError, match=r"must be float16, float32 or float64.*got torch.bfloat16"):
+        export_to_nir(boundary_neuron().bfloat16(), torch.rand(3, 1, 1, dtype=torch.bfloat16))
 
 
 def test_without_the_nir_package_the_error_names_the_extra():

@@ -235,6 +235,8 @@ def test_what_cannot_be_exported_is_named():
         export_onnx(copy.deepcopy(good).double(), x)
     with pytest.raises(ValueError, match=r"net does not run on example_input of shape \(4, 2, 5\)"):
         export_onnx(good, torch.randn(4, 2, 5))
+    with pytest.raises(ValueError, match=r"example_input must have no empty dim.*\(4, 0, 3\)"):
+        export_onnx(good, torch.randn(4, 0, 3))
     flat = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
                          nn.Flatten(-2)).eval()
     with pytest.raises(ValueError, match=r"layer '2': torch.nn.Flatten\(start_dim=-2.*time or batch"):

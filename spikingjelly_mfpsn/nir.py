@@ -406,6 +406,11 @@ class NIRNetwork(nn.Module):
         self.nodes = nn.ModuleDict({str(i): _module_of(n, graph.nodes[n], dt) for i, n in enumerate(self.order)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtypes = {str(t.dtype) for t in list(self.parameters()) + list(self.buffers()) if t.is_floating_point()}
+        if dtypes and dtypes != {str(getattr(x, "dtype", None))}:
+            raise ValueError(f"the graph's arrays are {', '.join(sorted(dtypes))} and x is "
+                             f"{getattr(x, 'dtype', type(x).__name__)}: give x their dtype, or make them one with "
+                             f"this network's .float() or .double()")
         values = {}
         for i, name in enumerate(self.order):
             if name == self.input_name:

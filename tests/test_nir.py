@@ -362,3 +362,21 @@ def test_a_value_added_to_a_sum_that_holds_it_round_trips(twice_first):
     net = AddsAValueTwice(twice_first).eval()
     x = torch.rand(5, 3, 4)
     torch.testing.assert_close(run(import_from_nir(export_to_nir(net, x[:, :2])), x), run(net, x))
+
+
+def test_a_graph_of_mixed_dtypes_names_them_and_runs_once_made_one():
+    """A hand-built graph with NumPy's default float64 next to float32 arrays failed on any input with
+    torch's "mat1 and mat2 must have the same dtype"."""
+    nir = pytest.importorskip("nir")
+    weight = np.array([[1.0, -2.0], [0.5, 1.0]], dtype=np.float32)
+    graph = nir.NIRGraph({"input": nir.Input({"input": np.array([2])}), "scale": nir.Scale(np.array([2.0, 3.0])),
+                          "affine": nir.Affine(weight, np.zeros(2, dtype=np.float32)),
+                          "output": nir.Output({"output": np.array([2])})},
+                         [("input", "scale"), ("scale", "affine"), ("affine", "output")])
+    net = import_from_nir(graph)
+    x = torch.rand(3, 4, 2)
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match=r"float32, torch.float64 and x is torch.float"):
+            net(x.to(dtype))
+    want = (x * torch.tensor([2.0, 3.0])) @ torch.from_numpy(weight).t()
+    torch.testing.assert_close(net.float()(x), want)

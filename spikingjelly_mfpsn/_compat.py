@@ -98,6 +98,12 @@ def batch_norm(x, running_mean, running_var, weight, bias, training, momentum, e
     return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
+def step_mode_of(module) -> str:
+    """A module's step mode: its ``step_mode``, else ``'m'`` for a multi-step-only SpikingJelly module
+    (``PSN`` has no ``step_mode``), else ``'s'``."""
+    return getattr(module, "step_mode", "m" if isinstance(module, MultiStepModule) else "s")
+
+
 def default_surrogate():
     return surrogate.ATan()
 
@@ -157,7 +163,7 @@ def readout_neuron_classes() -> tuple:
 
 
 __all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "PSN", "op_counter",
-           "MemoryModule", "MultiStepModule", "StepModule", "batch_norm", "dense_grad", "default_surrogate", "sj_layer",
+           "MemoryModule", "MultiStepModule", "StepModule", "batch_norm", "step_mode_of", "dense_grad", "default_surrogate", "sj_layer",
            "t_last_seq_to_ann_forward", "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes",
            "readout_neuron_classes", "base", "functional", "layer", "neuron", "surrogate"]
 

@@ -160,7 +160,7 @@ def _run_order(net: nn.Module, found: list, example_input) -> dict[int, int]:
         if args and isinstance(args[0], torch.Tensor):
             x = args[0]
             layout = mod.layout if isinstance(mod, MulFreeChannelwisePSN) else "time_first"
-            multi_step = getattr(mod, "step_mode", "s") == "m" and x.dim() >= 3
+            multi_step = _compat.step_mode_of(mod) == "m" and x.dim() >= 3
             c = x.shape[ops.channel_dim(layout) if multi_step else 1] if x.dim() >= 2 else x.shape[0]
             if seen.setdefault(id(mod), c) != c:
                 raise ValueError(f"neuron {name!r} runs at several places, with {seen[id(mod)]} and {c} channels; "
@@ -211,7 +211,7 @@ def _replacement(old: nn.Module, k: int, dilation: int, channels: Optional[int],
     kwargs = {**_settings_of(old), **neuron_kwargs}
     if "surrogate_function" not in kwargs and isinstance(getattr(old, "surrogate_function", None), nn.Module):
         kwargs["surrogate_function"] = copy.deepcopy(old.surrogate_function)
-    kwargs.setdefault("step_mode", getattr(old, "step_mode", "s"))
+    kwargs.setdefault("step_mode", _compat.step_mode_of(old))
     if runs_time_first_inside(old):  # (without its transposes, the new neuron must run time-last there itself)
         if kwargs.setdefault("layout", "time_last") != "time_last":
             raise ValueError(f"a {type(old).__name__} inside a time-last network becomes a time-last MF-PSN; got "

@@ -330,3 +330,22 @@ def test_replace_neurons_in_a_time_last_network_with_a_time_first_island():
     torch.testing.assert_close(tl(x), ref(x))
     with pytest.raises(ValueError, match="to_time_first\\(net\\) first"):
         replace_neurons(tl, k=3, layout="time_first")
+
+
+@pytest.mark.skipif(sj.PSN is None, reason=f"SpikingJelly {sj.VERSION} has no PSN")
+@pytest.mark.parametrize("with_example", [False, True])
+def test_a_multi_step_only_psn_becomes_a_multi_step_mf_psn(with_example):
+    """Regression: SpikingJelly's PSN has no step_mode (it runs sequences only); its replacement became
+    single-step, read (T, N, C) as one step of N = T samples of N channels, and ran with no error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(3, 4), sj.PSN(T=5), layer.Linear(4, 2))
+    functional.set_step_mode(net, "m")
+    x = torch.rand(5, 2, 3)
+    net, _ = replace_neurons(net, k=2, example_input=x if with_example else None)
+    assert net[1].step_mode == "m"
+    want = nn.Sequential(layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2), layer.Linear(4, 2))
+    functional.set_step_mode(want, "m")
+    net(x)  # (a lazy neuron takes its width)
+    want.load_state_dict(net.state_dict())
+    functional.reset_net(net), functional.reset_net(want)
+    torch.testing.assert_close(net(x), want(x))

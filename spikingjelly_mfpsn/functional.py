@@ -342,7 +342,9 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     in ``nn.Sequential`` networks and forwards written by hand (``self.sn1(self.bn1(self.conv1(x)))``,
     SpikingJelly's model zoo). Where the forward does not trace, consecutive children of an
     ``nn.Sequential`` (the batch norm possibly the last layer of a ``Sequential`` or
-    ``SeqToANNContainer`` before the neuron) are taken as pairs. The batch
+    ``SeqToANNContainer`` before the neuron) are taken as pairs, in ``net`` and in the containers
+    reached from it through ``nn.Sequential`` forwards only (another forward may read the batch norm's
+    output elsewhere; a warning says where nothing could be fused for that reason). The batch
     norm becomes, in place, a :class:`~spikingjelly_mfpsn.neuron.FusedBatchNorm` of its own class (the
     same tensors and ``state_dict`` keys) that passes X through, and the neuron normalises its input
     itself, in the batch norm's training mode: on ``'triton'``
@@ -351,6 +353,11 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     what they fold.
     """
     slots, pairs, traced = _slots(net), [], _traced_pairs(net, example_input)
+    if traced is None and type(net).forward is not nn.Sequential.forward and \
+            any(isinstance(m, MulFreeChannelwisePSN) and m.input_bn is None for m in net.modules()):
+        warnings.warn(f"fuse_batchnorm cannot trace {type(net).__name__}.forward (to see what reads each batch "
+                      f"norm's output), so it fuses no pair that this forward runs; a forward that traces (given "
+                      f"example_input where it branches on its input's shape) can be fused", stacklevel=2)
     for before, sn in _sequential_pairs(net) if traced is None else traced:
         if not isinstance(sn, MulFreeChannelwisePSN) or sn.input_bn is not None or before is None:
             continue
@@ -372,13 +379,14 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
 
 
 def _sequential_pairs(net: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """Consecutive children ``(before, neuron)`` of every ``nn.Sequential`` in ``net``."""
-    pairs = []
-    for parent in net.modules():
-        if isinstance(parent, nn.Sequential):
-            children = list(parent._modules.values())
-            pairs += [(a, b) for a, b in zip(children, children[1:]) if isinstance(b, MulFreeChannelwisePSN)]
-    return pairs
+    """Consecutive children ``(before, neuron)`` of ``net`` and of the containers inside it, where each of
+    them down from ``net`` runs ``nn.Sequential``'s forward (which hands a child's output to the next child
+    only); none where another forward runs the children (it may read a batch norm's output elsewhere)."""
+    if type(net).forward is not nn.Sequential.forward:
+        return []
+    children = [c for c in net._modules.values() if c is not None]
+    pairs = [(a, b) for a, b in zip(children, children[1:]) if isinstance(b, MulFreeChannelwisePSN)]
+    return pairs + [pair for child in children for pair in _sequential_pairs(child)]
 
 
 def _traced_pairs(net: nn.Module, example_input) -> Optional[list[tuple[nn.Module, nn.Module]]]:

@@ -390,3 +390,35 @@ def test_nir_export_of_a_fused_network_is_that_of_the_layers_apart():
             if hasattr(value, "shape"):
                 assert abs(value - vars(other)[key]).max() < 1e-5, (name, key)
     assert isinstance(fused[1], spikingjelly_mfpsn.neuron.FusedBatchNorm)  # (the network itself left as it is)
+
+
+class IteratesItsSequential(nn.Module):
+    """Runs its Sequential's children by hand and reads the batch norm's output again, behind a branch on
+    the data (so the forward does not trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(layer.Linear(3, 4), layer.BatchNorm1d(4), MulFreeChannelwisePSN(4, k=2))
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        outputs = []
+        for m in self.seq:
+            x = m(x)
+            outputs.append(x)
+        return x + outputs[1] if x.sum() > -1e9 else x
+
+
+def test_an_untraceable_forward_fuses_no_pair_it_runs_itself():
+    """Regression: where the forward did not trace, consecutive children of any Sequential were fused,
+    here changing what the forward reads as the batch norm's output (other outputs, no warning)."""
+    torch.manual_seed(0)
+    net, x = IteratesItsSequential(), torch.randn(4, 2, 3)
+    apart = copy.deepcopy(net)
+    with pytest.warns(UserWarning, match="cannot trace IteratesItsSequential.forward"):
+        assert fuse_batchnorm(net, example_input=x) == []
+    torch.testing.assert_close(net(x), apart(x))
+    outer = nn.Sequential(nn.Sequential(layer.Linear(3, 4), layer.BatchNorm1d(4), MulFreeChannelwisePSN(4, k=2)),
+                          IteratesItsSequential())  # (the forward of the outer nest is Sequential's own)
+    functional.set_step_mode(outer, "m")
+    assert fuse_batchnorm(outer, example_input=x) == [("0.1", "0.2")]

@@ -77,8 +77,9 @@ def agree(a, b, mismatch: float = 1e-3) -> bool:
             return False
         close = torch.isclose(a.double(), b.double(), rtol=1e-4, atol=1e-5, equal_nan=True)
         return bool((~close).float().mean() <= mismatch)
-    if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(agree(x, y, mismatch) for x, y in zip(a, b))
+    if isinstance(a, (tuple, list)):  # (lists of any list class: fx's graphs give immutable ones)
+        same = isinstance(b, list) if isinstance(a, list) else type(a) is type(b)
+        return same and len(a) == len(b) and all(agree(x, y, mismatch) for x, y in zip(a, b))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(agree(a[k], b[k], mismatch) for k in a)
     try:

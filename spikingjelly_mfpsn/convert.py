@@ -159,6 +159,9 @@ def _why_not(m: nn.Module) -> str:
         return "a stateful SpikingJelly module, which runs time-first only"
     if isinstance(m, _compat.StepModule):
         return "a SpikingJelly module without a time-last version"
+    if next(m.children(), None) is not None:
+        return ("a module with a forward of its own inside a SeqToANNContainer, whose steps no trace sees (its "
+                "calls may depend on where the time axis is)")
     return "not a stateless layer this package knows"
 
 
@@ -212,7 +215,8 @@ class _Converter:
             return self._wrap(m, path, per_step)
         if type(m) is _compat.sj_layer("SeqToANNContainer"):
             return self._seq_to_ann(m, path)
-        if isinstance(m, _compat.StepModule) or next(m.children(), None) is None:
+        if isinstance(m, _compat.StepModule) or next(m.children(), None) is None or \
+                per_step and type(m).forward is not nn.Sequential.forward:  # (a forward of its own, per step)
             return self._unconvertible(m, path, per_step)
         for name, child in _occurrences(m):
             new = self.convert(child, _path(path, name), per_step)
@@ -280,6 +284,11 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     conv = _Converter(fallback, method)
     if isinstance(net.__dict__.get("forward"), GraphForward):
         return net  # converted already
+    blocks = [name for name, m in net.named_modules() if m is not net and has_time_last_boundary(m)]
+    if blocks and not has_time_last_boundary(net):
+        raise UnconvertibleModuleError(f"net holds blocks converted on their own ({', '.join(blocks)}), each taking "
+                                       f"and giving time-first tensors: convert the network as a whole, from its "
+                                       f"time-first form (to_time_first(net), then to_time_last(net, ...))")
     if tracing.is_leaf(net) or _runs_time_last(net):  # (a network converted by module swapping: still so)
         return _swap_modules(net, conv, boundary)
     inputs = _probes(example_input) if example_input is not None else None

@@ -836,3 +836,63 @@ def test_a_dict_unpacked_into_keywords_converts():
     for x in (torch.rand(4, 2, 3, dtype=torch.float64), torch.rand(6, 5, 3, dtype=torch.float64)):
         functional.reset_net(net), functional.reset_net(tl)
         torch.testing.assert_close(tl(x), net(x), **TOL)
+
+
+class SpatialAttention(nn.Module):
+    """A per-step block of the user's own with a layout-dependent forward (a softmax over H*W)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.score = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        a = self.score(x)
+        return x * a.flatten(2).softmax(-1).view_as(a)
+
+
+def test_a_block_of_its_own_inside_a_seq_to_ann_container_is_not_converted_blind():
+    """Regression: its children were swapped for time-last wrappers and its forward kept, which then took
+    (N, C, H, W, T): the softmax ran over H*W*T, every output wrong, no error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.SeqToANNContainer(nn.Conv2d(2, 4, 3, padding=1), SpatialAttention(4)),
+                        layer.Linear(8, 3)).double()
+    functional.set_step_mode(net, "m")
+    x = torch.rand(4, 2, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(UnconvertibleModuleError, match=r"0\.1 \(SpatialAttention\): a module with a forward of its own"):
+        to_time_last(copy.deepcopy(net), example_input=x)
+    tl = to_time_last(copy.deepcopy(net), example_input=x, fallback="time_first")
+    torch.testing.assert_close(tl(x), net(x), **TOL)
+
+
+class ListOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.sn = layer.Conv2d(2, 4, 3, padding=1), MulFreeChannelwisePSN(4, k=2)
+        self.fc = layer.Linear(4 * 16, 3)
+        functional.set_step_mode(self, "m")
+
+    def forward(self, x):
+        s = self.sn(self.conv(x))
+        return [self.fc(s.flatten(2)).mean(0), s]  # (logits and spikes, e.g. for a firing-rate loss)
+
+
+def test_a_forward_returning_a_list_converts():
+    """Regression: refused as giving 'other outputs' (the check compared fx's immutable list by type)."""
+    torch.manual_seed(0)
+    net = ListOutput().double()
+    x = torch.rand(3, 2, 2, 4, 4, dtype=torch.float64)
+    tl = to_time_last(copy.deepcopy(net), example_input=x, strict=True)
+    functional.reset_net(net)
+    got, want = tl(x), net(x)
+    assert isinstance(got, list)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_network_holding_a_block_converted_on_its_own_is_refused_by_name():
+    """Regression: to_time_last swapped its modules without a trace or check (a time-last module was
+    inside), and the network failed at its first call inside a conv wrapper."""
+    torch.manual_seed(0)
+    net = LengthBranch().double()
+    net.fc = to_time_last(net.fc)
+    with pytest.raises(UnconvertibleModuleError, match=r"blocks converted on their own \(fc\).*to_time_first"):
+        to_time_last(net, example_input=torch.rand(6, 2, 3, dtype=torch.float64))

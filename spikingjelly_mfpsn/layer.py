@@ -65,6 +65,11 @@ def _torch_forward(module: nn.Module) -> Callable:
     return type(module).forward
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() in (4, 5) and x.is_contiguous(memory_format=torch.channels_last if x.dim() == 4
+                                                 else torch.channels_last_3d)
+
+
 def _check_tensor(x, owner: nn.Module) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{type(owner).__name__} expects a tensor, got {type(x).__name__}")
@@ -254,7 +259,8 @@ class TimeLastConv(_SpatialLayer):
             x = F.pad(x, [0, 0, *conv._reversed_padding_repeated_twice], mode=conv.padding_mode)
             padding = 0
         conv_fn = F.conv2d if self.dims == 1 else F.conv3d
-        return conv_fn(x, conv.weight.unsqueeze(-1), conv.bias, (*conv.stride, 1), padding, (*conv.dilation, 1),
+        # (contiguous: torch's CPU grouped conv3d misreads a channels-last weight viewed with a new last dim)
+        return conv_fn(x, conv.weight.unsqueeze(-1).contiguous(), conv.bias, (*conv.stride, 1), padding, (*conv.dilation, 1),
                        conv.groups)
 
 
@@ -412,8 +418,9 @@ class TimeLastGroupNorm(TimeLastVmap):
     """
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        _check_tensor(x_seq, self)
-        return self._vmap(x_seq.contiguous())
+        _check_tensor(x_seq, self)  # (a copy in the default format: a channels-last one may also count as contiguous)
+        return self._vmap(x_seq if x_seq.is_contiguous() and not _channels_last(x_seq)
+                          else x_seq.clone(memory_format=torch.contiguous_format))
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         gn = self._time_first

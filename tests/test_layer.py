@@ -485,3 +485,23 @@ def test_a_time_last_network_half_switched_to_single_steps_refuses_to_run():
     functional.reset_net(tl)
     functional.set_step_mode(tl, "m")
     torch.testing.assert_close(tl(x), net(x))
+
+
+@pytest.mark.parametrize("method", tl.METHODS)
+def test_a_grouped_channels_last_conv_on_a_channels_last_input(method):
+    """Regression: 'highdim' of a grouped Conv2d whose weight is channels-last (net.to(memory_format=...)),
+    on a channels-last input, was off by up to 3 in float32 (torch's CPU conv3d misreads the weight view)."""
+    torch.manual_seed(0)
+    conv = sj("Conv2d", 4, 2, 3, groups=2).to(memory_format=torch.channels_last)
+    x = torch.randn(T, N, 4, 8, 8)
+    x_last = x.movedim(0, -1).contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(wrap(conv, method)(x_last).movedim(-1, 0), conv(x), rtol=1e-4, atol=1e-4)
+
+
+def test_group_norm_of_one_channel_in_channels_last():
+    """Regression: a one-channel channels-last input counts as contiguous, and group norm under vmap
+    raised 'NYI: querying is_contiguous inside of vmap'."""
+    ref = layer.SeqToANNContainer(nn.GroupNorm(1, 1)).double()
+    x = torch.randn(T, N, 1, 3, 3, dtype=torch.float64)
+    x_last = x.movedim(0, -1).contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(wrap(ref)(x_last).movedim(-1, 0), ref(x), **TOL)

@@ -225,6 +225,10 @@ class _Converter:
         return m
 
     def _wrap(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
+        if per_step and layer.wrapper_class(m) is layer.TimeLastDropout:
+            self.errors.append(f"{_describe(path, m)}: a dropout inside a SeqToANNContainer draws a mask per step "
+                               f"and sample, which its time-last version (one mask for every step) does not")
+            return m
         if not per_step and getattr(m, "step_mode", "m") != "m":
             self.errors.append(f"{_describe(path, m)} has step_mode={m.step_mode!r}: the time-last layout is "
                                f"multi-step only (functional.set_step_mode(net, 'm'))")

@@ -896,3 +896,18 @@ def test_a_network_holding_a_block_converted_on_its_own_is_refused_by_name():
     net.fc = to_time_last(net.fc)
     with pytest.raises(UnconvertibleModuleError, match=r"blocks converted on their own \(fc\).*to_time_first"):
         to_time_last(net, example_input=torch.rand(6, 2, 3, dtype=torch.float64))
+
+
+def test_a_dropout_inside_a_seq_to_ann_container_is_not_given_one_mask_for_all_steps():
+    """Regression: it became a time-last dropout with one mask for every step, where time-first draws one
+    per step and sample (another model, no warning)."""
+    net = nn.Sequential(layer.SeqToANNContainer(layer.Dropout(0.5)), layer.Linear(4, 4))
+    functional.set_step_mode(net, "m")
+    with pytest.raises(UnconvertibleModuleError, match=r"0\.0 \(Dropout\): a dropout inside a SeqToANNContainer"):
+        to_time_last(copy.deepcopy(net))
+    tl = to_time_last(copy.deepcopy(net), fallback="time_first")  # (the container runs time-first)
+    x = torch.randn(6, 3, 4)
+    torch.manual_seed(0)
+    want = net(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(tl(x), want)

@@ -392,7 +392,7 @@ class TimeLastFlatten(TimeLastModule):
         _check_tensor(x_seq, self)
         n = x_seq.dim()
         start, end = self.start_dim % n, self.end_dim % n
-        if not 1 <= start <= end <= n - 2:
+        if not (-n <= self.start_dim < n and -n <= self.end_dim < n and 1 <= start <= end <= n - 2):
             raise ValueError(f"{type(self).__name__} cannot flatten dims {self.start_dim}..{self.end_dim} of a "
                              f"time-last sequence of shape {tuple(x_seq.shape)}: only dims 1..-2 may merge")
         return x_seq.flatten(start, end)

@@ -381,6 +381,9 @@ def test_bad_inputs_raise_clear_errors():
     for module in (sj("Flatten"), layer.SeqToANNContainer(nn.GroupNorm(2, 4))[0], sj("MaxPool2d", 2)):
         with pytest.raises(TypeError, match="expects a tensor, got list"):
             tl.time_last(module)([torch.randn(2, 4, 3, 3)])
+    for flatten, whole in ((sj("Flatten", -7), False), (nn.Flatten(2, 7), True)):  # (it flattened other dims)
+        with pytest.raises(ValueError, match="cannot flatten dims"):
+            tl.time_last(flatten, whole_sequence=whole)(torch.randn(3, 4, 5, 6, 2))
     with pytest.raises(ValueError, match="return_indices"):
         tl.time_last(nn.MaxPool2d(2, return_indices=True))
     with pytest.raises(TypeError, match="has no time-last wrapper"):

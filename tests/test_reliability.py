@@ -433,12 +433,13 @@ def test_a_half_neuron_on_a_backend_without_half_says_so():
         pytest.skip("the C++ backend is not available here (no compiler)")
     torch.manual_seed(9)
     x = torch.randn(5, 2, 3).half()
-    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method="cpp", threshold="param").half().eval()
-    with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
-        sn(x)
-    sn.step_mode = "s"
-    with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
-        run(sn, x)
+    for pinned in (dict(method="cpp"), dict(backend="cpp")):  # (the backend's 'auto' too: a step ran it)
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", threshold="param", **pinned).half().eval()
+        with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
+            sn(x)
+        sn.step_mode = "s"
+        with pytest.raises(ValueError, match="cannot run this input.*Methods that can"):
+            run(sn, x)
 
 
 # ---------------------------------------------------------------- a batch norm in front

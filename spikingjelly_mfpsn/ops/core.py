@@ -447,11 +447,11 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     if bad_dtype is not None:
         raise bad_dtype
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
-    if method != "auto":  # (a pinned method that cannot run the sequence cannot run its steps either)
-        _as_read_by(get(method), x.unsqueeze(0), weight, 1, "time_first")
-    if code and (method != "auto" or backend != "torch") and not (bn is not None and training) \
-            and not autocasting(x):
+    impl = None
+    if method != "auto" or backend != "torch":  # (what cannot run the sequence cannot run its steps either)
         impl = get(method if method != "auto" else choose(x.unsqueeze(0), weight, 1, "time_first", backend))
+        _as_read_by(impl, x.unsqueeze(0), weight, 1, "time_first")
+    if code and impl is not None and not (bn is not None and training) and not autocasting(x):
         if impl.step_fire is not None:
             b = -v_threshold if v_threshold is not None else bias
             folded = None if bn is None else (bn.gamma, bn.beta, bn.running_mean, bn.running_var, bn.eps)

@@ -82,8 +82,9 @@ def to_fixed(x: torch.Tensor, frac_bits: int = FRAC_BITS) -> torch.Tensor:
 
 
 def from_fixed(q: torch.Tensor, frac_bits: int = FRAC_BITS, dtype: torch.dtype = torch.float32):
-    """The float value ``q * 2**-frac_bits`` of a fixed-point tensor (scaled in float64 where ``q`` may not
-    fit ``dtype``'s range, as in float16)."""
+    """The float value ``q * 2**-frac_bits`` of a fixed-point tensor.
+
+    Scaled in float64 where ``q`` may not fit ``dtype``'s range (float16)."""
     check_fixed(q)
     work = torch.float64 if torch.finfo(dtype).max < 2.0 ** 63 else dtype
     return torch.ldexp(q.to(work), torch.tensor(-_check_bits(frac_bits, "frac_bits"), dtype=work)).to(dtype)

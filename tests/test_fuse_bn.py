@@ -413,7 +413,7 @@ def test_an_untraceable_forward_fuses_no_pair_it_runs_itself():
     """Regression: where the forward did not trace, consecutive children of any Sequential were fused,
     here changing what the forward reads as the batch norm's output (other outputs, no warning)."""
     torch.manual_seed(0)
-    net, x = IteratesItsSequential(), torch.randn(4, 2, 3)
+    net, x = IteratesItsSequential(), torch.randn(4, 2, 4, 3)  # ((T, N, C, L): SpikingJelly 0.0.0.0.14's BN1d)
     apart = copy.deepcopy(net)
     with pytest.warns(UserWarning, match="cannot trace IteratesItsSequential.forward"):
         assert fuse_batchnorm(net, example_input=x) == []

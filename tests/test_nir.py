@@ -317,10 +317,11 @@ def test_a_linear_nir_cannot_type_is_named():
                 nn.Sequential(layer.Linear(4, 5, step_mode="m"), MulFreeChannelwisePSN(3, k=2, step_mode="m"))):
         with pytest.raises(NIRExportError, match=r"layer '[01]': .*on steps of shape \(N, 3, [45]\)"):
             export_to_nir(net.eval(), torch.randn(6, 2, 3, 4))
-    net = nn.Sequential(layer.Linear(4, 3, step_mode="m"), layer.BatchNorm1d(3, step_mode="m"),
+    bn = nn.BatchNorm1d(3)  # (in a SeqToANNContainer: (T, N, C) steps in every SpikingJelly)
+    net = nn.Sequential(layer.Linear(4, 3, step_mode="m"), layer.SeqToANNContainer(bn),
                         MulFreeChannelwisePSN(3, k=2, step_mode="m")).eval()
     with torch.no_grad():
-        net[1].running_mean.uniform_(-1, 1), net[1].running_var.uniform_(0.5, 2)
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
     x = torch.randn(6, 5, 4)
     assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))
 

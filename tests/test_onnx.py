@@ -248,12 +248,13 @@ def linear_then_batch_norm(step_shape):
     statistics that differ per channel so that folding them into the wrong dim changes the spikes."""
     torch.manual_seed(0)
     c = step_shape[0]
-    net = nn.Sequential(layer.Linear(step_shape[-1], step_shape[-1]), layer.BatchNorm1d(c),
+    bn = nn.BatchNorm1d(c)  # (in a SeqToANNContainer: (T, N, C) and (T, N, C, L) steps in every SpikingJelly)
+    net = nn.Sequential(layer.Linear(step_shape[-1], step_shape[-1]), layer.SeqToANNContainer(bn),
                         MulFreeChannelwisePSN(c, k=2))
     functional.set_step_mode(net, "m")
     with torch.no_grad():
-        net[1].running_mean.uniform_(-3, 3), net[1].running_var.uniform_(0.2, 9)
-        net[1].weight.uniform_(-2, 3), net[1].bias.uniform_(-1, 2)
+        bn.running_mean.uniform_(-3, 3), bn.running_var.uniform_(0.2, 9)
+        bn.weight.uniform_(-2, 3), bn.bias.uniform_(-1, 2)
     return net.eval()
 
 
@@ -264,6 +265,6 @@ def test_a_batch_norm_is_folded_into_a_linear_only_where_it_normalises_its_featu
     net = linear_then_batch_norm((4,))
     y = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
     assert torch.equal(torch.from_numpy(y), integer_reference(net, x))
-    with pytest.raises(ONNXExportError, match=r"layer '1': a BatchNorm after the Linear '0' on steps of shape "
+    with pytest.raises(ONNXExportError, match=r"layer '1\.0': a BatchNorm after the Linear '0' on steps of shape "
                                               r"\(N, 4, 4\) normalises dim 1"):
         export_onnx(linear_then_batch_norm((4, 4)), torch.randn(6, 3, 4, 4))

@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from . import _compat, layer, rewrite, tracing
 from ._util import agree, as_args, module_slots
@@ -493,7 +494,6 @@ def _revert(m: nn.Module) -> nn.Module:
         original = m._time_first
         for name, child in _occurrences(m):
             original._modules[name] = _revert(child)
-        original.train(m.training)
         return original
     if isinstance(m, (layer.TimeLastModule, layer.TimeLastDropout)):
         return m.time_first_module
@@ -515,6 +515,13 @@ def to_time_first(net: nn.Module) -> nn.Module:
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    for name, m in net.named_modules():
+        if isinstance(m, layer.TimeLastModule) and parametrize.is_parametrized(m) and \
+                not all(isinstance(getattr(type(m.time_first_module), t, None), property) for t in m.parametrizations):
+            raise ValueError(f"{name or 'net'} ({type(m).__name__}) has a parametrization registered on the "
+                             f"time-last wrapper, which its time-first module cannot run; register it on "
+                             f"its time_first_module instead, or remove it first "
+                             f"(torch.nn.utils.parametrize.remove_parametrizations)")
     _remove_hooks(net, _boundary_enter, _boundary_exit)
     if isinstance(net.__dict__.get("forward"), GraphForward):
         del net.__dict__["forward"]

@@ -82,17 +82,49 @@ def _check_rank(x: torch.Tensor, ranks, what: str, owner: nn.Module) -> None:
                          f"got shape {tuple(x.shape)}")
 
 
+class _OnWrapped:
+    """An attribute of a wrapper that lives on the module it wraps (until the module is attached, on the
+    wrapper): one ``training`` flag for both layouts, and the flag a full backward hook registered on
+    either one sets."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.own = name, f"_own{name}"
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self
+        inner = wrapper.__dict__.get("_time_first")
+        return wrapper.__dict__[self.own] if inner is None else getattr(inner, self.name)
+
+    def __set__(self, wrapper, value) -> None:
+        inner = wrapper.__dict__.get("_time_first")
+        if inner is None:  # (nn.Module.__init__, before the module is attached)
+            wrapper.__dict__[self.own] = value
+        else:
+            setattr(inner, self.name, value)
+
+
+class _View:
+    """What every wrapper shares with its module: train/eval mode, the hook dictionaries and flags."""
+
+    training = _OnWrapped()
+    _is_full_backward_hook = _OnWrapped()
+
+    @property
+    def time_first_module(self) -> nn.Module:
+        """The wrapped time-first module (same parameters and buffers, hooks, and train/eval mode)."""
+        return self._time_first
+
+
 def _attach(wrapper: nn.Module, module: nn.Module) -> None:
-    """Make ``wrapper`` a multi-step view of ``module``: it keeps ``module`` (``_time_first``), takes its
+    """Make ``wrapper`` a multi-step view of ``module``: it keeps ``module`` (``_time_first``), shares its
     train/eval mode and gets its very hook dictionaries. A wrapper runs ``module``'s forward without
     ``module.__call__``, so hooks registered on either (before or after a conversion) run on the
     wrapper's call, on ``(N, ..., T)``."""
     for name, value in vars(module).items():
         if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
             object.__setattr__(wrapper, name, value)
-    object.__setattr__(wrapper, "_is_full_backward_hook", getattr(module, "_is_full_backward_hook", None))
     object.__setattr__(wrapper, "_time_first", module)
-    wrapper.training = module.training
     wrapper.step_mode = "m"
 
 
@@ -112,7 +144,7 @@ class _MultiStepOnly:
                              f"spikingjelly_mfpsn.convert.to_time_first(net) before setting step_mode='s'")
 
 
-class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
+class TimeLastModule(_View, _MultiStepOnly, nn.Module, MultiStepModule):
     """Base of the wrappers: a time-last view of the time-first module ``module``.
 
     Shares ``module``'s parameters, buffers, submodules and hooks (the very dictionaries), saves and loads
@@ -128,29 +160,22 @@ class TimeLastModule(_MultiStepOnly, nn.Module, MultiStepModule):
         self._version = getattr(module, "_version", 1)
         _attach(self, module)
 
-    @property
-    def training(self) -> bool:
-        """The wrapped module's train/eval mode: one flag, so that ``net.train()``/``net.eval()`` reach the
-        wrapped module wherever else it is held (a batch norm fused into its neuron is read there)."""
-        inner = self.__dict__.get("_time_first")
-        return self.__dict__.get("_training", True) if inner is None else inner.training
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        inner = self.__dict__.get("_time_first")
-        if inner is None:  # (nn.Module.__init__, before the module is attached)
-            self.__dict__["_training"] = mode
-        else:
-            inner.training = mode
-
-    @property
-    def time_first_module(self) -> nn.Module:
-        """The wrapped time-first module (same parameters and buffers, and train/eval mode)."""
-        return self._time_first
+    def __getattr__(self, name: str):
+        """Parameters, buffers and submodules (the module's own dictionaries), then the module's other
+        attributes: a wrapper runs the module's forward on itself, so a tensor a hook sets on the wrapper
+        (``torch.nn.utils.spectral_norm``, ``prune``) or a parametrization registered on either is read."""
+        d = self.__dict__
+        for store in ("_parameters", "_buffers", "_modules"):
+            if name in d.get(store, ()):
+                return d[store][name]
+        inner = d.get("_time_first")
+        if inner is None or name.startswith("__"):
+            return super().__getattr__(name)
+        return getattr(inner, name)
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
-        """One time step ``(N, ...)`` through the wrapped module."""
-        return _torch_forward(self._time_first)(self._time_first, x)
+        """One time step ``(N, ...)`` through the wrapped module's forward, run on the wrapper."""
+        return _torch_forward(self._time_first)(self, x)
 
     def _vmap(self, x_seq: torch.Tensor) -> torch.Tensor:
         """Every step at once with ``torch.vmap``.
@@ -253,15 +278,16 @@ class TimeLastConv(_SpatialLayer):
                              f"got shape {tuple(x.shape)}")
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
-        conv = self._time_first  # (its weight may be a parametrization's, computed by its class)
+        conv = self._time_first
         padding = conv.padding if isinstance(conv.padding, str) else (*conv.padding, 0)
         if conv.padding_mode != "zeros":
             x = F.pad(x, [0, 0, *conv._reversed_padding_repeated_twice], mode=conv.padding_mode)
             padding = 0
         conv_fn = F.conv2d if self.dims == 1 else F.conv3d
-        # (contiguous: torch's CPU grouped conv3d misreads a channels-last weight viewed with a new last dim)
-        return conv_fn(x, conv.weight.unsqueeze(-1).contiguous(), conv.bias, (*conv.stride, 1), padding, (*conv.dilation, 1),
-                       conv.groups)
+        # (self.weight: a parametrization's or a weight hook's, see __getattr__; contiguous: torch's CPU
+        # grouped conv3d misreads a channels-last weight viewed with a new last dim)
+        weight = self.weight.unsqueeze(-1).contiguous()
+        return conv_fn(x, weight, self.bias, (*conv.stride, 1), padding, (*conv.dilation, 1), conv.groups)
 
 
 # Pooling family -> its 2d and 3d functions, which run the 1d and 2d pools with a window of 1 along T.
@@ -325,8 +351,7 @@ class TimeLastLinear(_Tunable, TimeLastModule):
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
         f, t = x.shape[-2:]
-        linear = self._time_first  # (its weight may be a parametrization's, computed by its class)
-        y = F.conv1d(x.reshape(-1, f, t), linear.weight.unsqueeze(-1), linear.bias)
+        y = F.conv1d(x.reshape(-1, f, t), self.weight.unsqueeze(-1), self.bias)  # (see __getattr__)
         return y.reshape(*x.shape[:-2], y.shape[1], t)
 
 
@@ -360,7 +385,7 @@ class TimeLastBatchNorm(TimeLastModule):
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         track = not self.training or bn.track_running_stats
         return _compat.batch_norm(x_seq, self.running_mean if track else None, self.running_var if track else None,
-                                  bn.weight, bn.bias, use_batch_stats, factor, bn.eps)
+                                  self.weight, self.bias, use_batch_stats, factor, bn.eps)
 
 
 class TimeLastFlatten(TimeLastModule):
@@ -401,11 +426,19 @@ class TimeLastFlatten(TimeLastModule):
         return f"start_dim={self.start_dim}, end_dim={self.end_dim} (time-last)"
 
 
+# Layers that also take an unbatched step -> the rank of a batched time-last sequence: one step of another
+# rank would run unbatched, reading N as channels (time-first reads T*N, and fails or differs).
+_BATCHED_RANKS = {nn.ConvTranspose1d: 4, nn.ConvTranspose2d: 5, nn.ConvTranspose3d: 6}
+
+
 class TimeLastVmap(TimeLastModule):
     """Any stateless per-step module on ``(N, ..., T)``, vectorised over the last dim."""
 
     def forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         _check_tensor(x_seq, self)
+        rank = next((r for cls, r in _BATCHED_RANKS.items() if isinstance(self._time_first, cls)), None)
+        if rank is not None:
+            _check_rank(x_seq, (rank,), f"of {rank} dims (N, C, *spatial, T)", self)
         return self._vmap(x_seq)
 
 
@@ -424,13 +457,13 @@ class TimeLastGroupNorm(TimeLastVmap):
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         gn = self._time_first
-        return torch.group_norm(x, gn.num_groups, gn.weight, gn.bias, gn.eps, torch.backends.cudnn.enabled)
+        return torch.group_norm(x, gn.num_groups, self.weight, self.bias, gn.eps, torch.backends.cudnn.enabled)
 
 
 _DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}
 
 
-class TimeLastDropout(MemoryModule):
+class TimeLastDropout(_View, MemoryModule):
     """SpikingJelly's multi-step ``Dropout``/``Dropout2d`` on ``(N, ..., T)``.
 
     One mask, drawn at the first step of a simulation and kept until ``reset_net``, multiplies every step.
@@ -445,8 +478,6 @@ class TimeLastDropout(MemoryModule):
         _attach(self, dropout)
         self._mask_fn = _DROPOUT_MASKS[name]
         self.register_memory("mask", None)
-
-    time_first_module = TimeLastModule.time_first_module
 
     @property
     def p(self) -> float:
@@ -473,7 +504,7 @@ class TimeLastDropout(MemoryModule):
         return f"p={self.p}"
 
 
-class TimeLastSequential(_MultiStepOnly, nn.Sequential, MultiStepModule):
+class TimeLastSequential(_View, _MultiStepOnly, nn.Sequential, MultiStepModule):
     """SpikingJelly's ``SeqToANNContainer`` (per-step stateless modules) in the time-last layout.
 
     Its children, each replaced by its time-last wrapper, are applied in order.

@@ -384,6 +384,9 @@ def test_bad_inputs_raise_clear_errors():
     for flatten, whole in ((sj("Flatten", -7), False), (nn.Flatten(2, 7), True)):  # (it flattened other dims)
         with pytest.raises(ValueError, match="cannot flatten dims"):
             tl.time_last(flatten, whole_sequence=whole)(torch.randn(3, 4, 5, 6, 2))
+    # (an unbatched step: a ConvTranspose2d would read N as channels)
+    with pytest.raises(ValueError, match=r"TimeLastVmap expects a time-last sequence of 5 dims"):
+        tl.time_last(nn.ConvTranspose2d(3, 2, 3))(torch.randn(3, 4, 4, 2))
     with pytest.raises(ValueError, match="return_indices"):
         tl.time_last(nn.MaxPool2d(2, return_indices=True))
     with pytest.raises(TypeError, match="has no time-last wrapper"):
@@ -508,3 +511,105 @@ def test_group_norm_of_one_channel_in_channels_last():
     x = torch.randn(T, N, 1, 3, 3, dtype=torch.float64)
     x_last = x.movedim(0, -1).contiguous(memory_format=torch.channels_last_3d)
     torch.testing.assert_close(wrap(ref)(x_last).movedim(-1, 0), ref(x), **TOL)
+
+
+def _spectral(m):
+    torch.manual_seed(1)  # (the power iteration's random start)
+    torch.nn.utils.spectral_norm(m)
+
+
+def _pruned(m):
+    from torch.nn.utils import prune
+    prune.l1_unstructured(m, "weight", 0.5)
+
+
+def _weight_norm_hook(m):
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(m)
+
+
+WEIGHT_HOOKS = {"spectral_norm": _spectral, "prune": _pruned, "weight_norm-hook": _weight_norm_hook}
+HOOKED_LAYERS = {"Conv2d": (lambda: sj("Conv2d", 2, 3, 3, padding=1), (2, 5, 4)),
+                 "Linear": (lambda: sj("Linear", 4, 3), (4,)),
+                 "nn.ConvTranspose2d": (lambda: layer.SeqToANNContainer(nn.ConvTranspose2d(2, 3, 2)), (2, 3, 3))}
+
+
+# (spectral_norm picks dim 1 for an instance of ConvTranspose, which a wrapper is not: on the wrapper it
+# normalises along dim 0, as for any other module)
+@pytest.mark.parametrize("kind,hook,when", [
+    (kind, hook, when) for kind in HOOKED_LAYERS for hook in WEIGHT_HOOKS
+    for when in ("before", "on the wrapper", "on its module after")
+    if (kind, hook, when) != ("nn.ConvTranspose2d", "spectral_norm", "on the wrapper")])
+def test_weight_hooks_of_torch_nn_utils_run_in_both_layouts(kind, hook, when):
+    """spectral_norm, prune and the old weight_norm set the weight from a forward pre-hook on the module
+    the hook is called with (the wrapper, on a time-last call). Regression: the wrapped layer read its own
+    stale weight (spectral norm's outputs off by 0.8; the others failed on the second backward). Three
+    training steps in each layout match the time-first network, and so does the network converted back."""
+    torch.manual_seed(0)
+    build, feat = HOOKED_LAYERS[kind]
+    ref = build().double()
+    net = copy.deepcopy(ref)
+    if when == "before":
+        WEIGHT_HOOKS[hook](per_step(ref)), WEIGHT_HOOKS[hook](per_step(net))
+    net = mf.to_time_last(nn.Sequential(net))
+    if when != "before":
+        WEIGHT_HOOKS[hook](per_step(ref))
+        wrapper = net[0][0] if isinstance(net[0], tl.TimeLastSequential) else net[0]
+        WEIGHT_HOOKS[hook](wrapper if when == "on the wrapper" else wrapper.time_first_module)
+    for step in range(3):
+        if step == 2:
+            net = mf.to_time_first(net)
+        x = torch.randn(T, N, *feat, dtype=torch.float64)
+        y_ref, y = ref(x), net(x)
+        torch.testing.assert_close(y, y_ref)
+        y_ref.square().sum().backward()
+        y.square().sum().backward()
+        for a, b in zip(ref.parameters(), net.parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+    for a, b in zip(ref.state_dict().values(), net.state_dict().values()):
+        torch.testing.assert_close(b, a)
+
+
+def test_a_parametrization_registered_on_a_wrapper():
+    """It runs time-last (the wrapper's forward reads the parametrized weight); to_time_first refuses it,
+    saying where to register it, and leaves the network time-last and working."""
+    torch.manual_seed(0)
+    ref = sj("Conv2d", 2, 3, 3).double()
+    net = mf.to_time_last(nn.Sequential(copy.deepcopy(ref)))
+    torch.nn.utils.parametrizations.weight_norm(ref)
+    torch.nn.utils.parametrizations.weight_norm(net[0])
+    x = torch.randn(T, N, 2, 5, 5, dtype=torch.float64)
+    torch.testing.assert_close(net(x), ref(x))
+    with pytest.raises(ValueError, match=r"0 \(ParametrizedTimeLastConv\).*time_first_module.*remove_parametrizations"):
+        mf.to_time_first(net)
+    assert mf.convert.current_layout(net) == "time_last"
+    torch.testing.assert_close(net(x), ref(x))
+
+
+@pytest.mark.parametrize("on", ["module", "wrapper"])
+def test_full_backward_hooks_registered_after_the_conversion(on):
+    """A full backward hook gets the gradient of the layer's input only. Regression: one registered on the
+    module after the conversion ran as an old-style hook on the wrapper (one registered on the wrapper did
+    on the module after to_time_first), getting the gradients of the weight and bias too."""
+    conv = sj("Conv1d", 2, 3, 3, padding=1)
+    net = mf.to_time_last(nn.Sequential(conv))
+    seen = []
+    (conv if on == "module" else net[0]).register_full_backward_hook(lambda m, gin, gout: seen.append(
+        [tuple(g.shape) for g in gin]))
+    x = torch.randn(T, N, 2, 7, requires_grad=True)
+    net(x).sum().backward()
+    mf.to_time_first(net)(x).sum().backward()
+    assert seen == [[(N, 2, 7, T)], [(T, N, 2, 7)]]
+
+
+def test_train_and_eval_of_a_time_last_network_reach_its_dropout():
+    """Regression: the Dropout wrapper kept a training flag of its own, so a network set to eval while
+    time-last got its Dropout back in training mode from to_time_first, dropping at inference."""
+    net = mf.to_time_last(nn.Sequential(sj("Dropout", 0.5), sj("Linear", 4, 4)))
+    net.eval()
+    net = mf.to_time_first(net)
+    assert not any(m.training for m in net.modules())
+    x = torch.randn(T, N, 4)
+    torch.testing.assert_close(net[0](x), x)
+    net.train()
+    assert all(m.training for m in mf.to_time_last(net).modules())

@@ -310,12 +310,19 @@ class TimeLastPool(_SpatialLayer):
         super().__init__(pool, method)
 
     def resolve_method(self, x_seq: Optional[torch.Tensor] = None) -> str:
-        """As for every wrapper, except that a 2d pool of a float16/bfloat16 input, or under autocast, on
-        the CPU runs ``'vmap'``: torch's CPU 3d average pool has no 16-bit kernel, and CPU autocast runs 3d
-        pools in float32 where 2d ones keep the dtype."""
+        """As for every wrapper, except where a 2d pool runs ``'vmap'``: on a float16/bfloat16 input, or
+        under autocast, on the CPU (torch's CPU 3d average pool has no 16-bit kernel, and CPU autocast
+        runs 3d pools in float32 where 2d ones keep the dtype); and an average pool whose window is
+        larger than the unpadded input (torch's 3d average pool refuses it, the 2d one pads first)."""
         method = super().resolve_method(x_seq)
-        if method == "highdim" and self.dims == 2 and x_seq is not None and x_seq.device.type == "cpu" and \
-                (x_seq.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")):
+        if method != "highdim" or self.dims != 2 or x_seq is None:
+            return method
+        if x_seq.device.type == "cpu" and (x_seq.dtype in (torch.float16, torch.bfloat16)
+                                           or torch.is_autocast_enabled("cpu")):
+            return "vmap"
+        pool = self._time_first
+        if isinstance(pool, pooling._AvgPoolNd) and any(
+                size < k for size, k in zip(x_seq.shape[2:4], _ntuple(2)(pool.kernel_size))):
             return "vmap"
         return method
 

@@ -38,6 +38,7 @@ CASES = [
     ("AvgPool1d-nopad", lambda: sj("AvgPool1d", 3, 2, 1, count_include_pad=False), (3, 8)),
     ("AvgPool2d-divisor", lambda: sj("AvgPool2d", 2, divisor_override=3), (3, 6, 4)),
     ("AvgPool2d-ceil-pad", lambda: sj("AvgPool2d", 3, 2, 1, ceil_mode=True), (2, 7, 7)),
+    ("AvgPool2d-window-over-input", lambda: sj("AvgPool2d", 3, 2, 1), (2, 2, 4)),  # (torch's 3d pool refuses it)
     ("AvgPool3d", lambda: sj("AvgPool3d", 2), (2, 4, 4, 2)),
     ("AdaptiveAvgPool1d", lambda: sj("AdaptiveAvgPool1d", 3), (3, 7)),
     ("AdaptiveAvgPool2d", lambda: sj("AdaptiveAvgPool2d", (2, None)), (3, 5, 4)),

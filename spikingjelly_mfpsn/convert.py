@@ -235,10 +235,13 @@ class _Converter:
                                f"multi-step only (functional.set_step_mode(net, 'm'))")
             return m
         try:
-            return layer.time_last(m, method=self.method, whole_sequence=not per_step and type(m) is nn.Flatten)
+            new = layer.time_last(m, whole_sequence=not per_step and type(m) is nn.Flatten)
         except (TypeError, ValueError) as e:
             self.errors.append(f"{_describe(path, m)}: {e}")
             return m
+        if self.method in getattr(new, "supported_methods", ()):  # (a 3d conv or pool runs 'vmap' only)
+            new.method = self.method
+        return new
 
     def _seq_to_ann(self, container: nn.Module, path: str) -> nn.Module:
         outer_errors, self.errors = self.errors, []
@@ -272,7 +275,8 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
             including stateful neurons, at the cost of two copies per module
         boundary: install the boundary that takes and returns ``(T, N, ...)``; ``False`` makes the
             network take ``(N, ..., T)`` and return its outputs that have a time axis with time last
-        method: ``method`` of the two-way stateless wrappers (``'auto'``, ``'vmap'``, ``'highdim'``)
+        method: ``method`` of the two-way stateless wrappers (``'auto'``, ``'vmap'``, ``'highdim'``),
+            where a wrapper has it (3d convolutions and pools run ``'vmap'`` only)
         example_input: one input of the network (``(T, N, ...)``; a tuple holds several positional
             inputs). Needed where ``forward`` makes calls that depend on where the time axis is
             (``torch.flatten(x, 2)``, ``x.mean(0)``, reshapes...): the forward is traced, run on it and on

@@ -911,3 +911,17 @@ def test_a_dropout_inside_a_seq_to_ann_container_is_not_given_one_mask_for_all_s
     want = net(x)
     torch.manual_seed(0)
     torch.testing.assert_close(tl(x), want)
+
+
+def test_method_applies_where_a_wrapper_has_it():
+    """Regression: method='highdim' refused a network holding a Conv3d or a 3d pool (no 4-d kernels: they
+    run 'vmap' only); it now sets 'highdim' on the layers that have it and runs the rest by vmap."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv3d(2, 3, 3, padding=1), layer.MaxPool3d(2), MulFreeChannelwisePSN(3, k=2),
+                        layer.Flatten(2), layer.Conv1d(3, 2, 3, padding=1), MulFreeChannelwisePSN(2, k=2))
+    functional.set_step_mode(net, "m")
+    net = net.double()
+    converted = to_time_last(copy.deepcopy(net), method="highdim")
+    spatial = [m for m in converted.modules() if isinstance(m, (mf.layer.TimeLastConv, mf.layer.TimeLastPool))]
+    assert [m.resolve_method() for m in spatial] == ["vmap", "vmap", "highdim"]
+    assert_same_run(net, converted, torch.randn(3, 2, 2, 4, 4, 2, dtype=torch.float64))

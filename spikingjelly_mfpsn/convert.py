@@ -210,8 +210,8 @@ class _Converter:
             else:
                 self.actions.append(partial(setattr, m, "layout", "time_last"))
             return m
-        if _is_elementwise(m):
-            return m
+        if _is_elementwise(m) or not m._modules and type(m).forward in (nn.Sequential.forward, nn.Module.forward):
+            return m  # (an empty Sequential passes its input through; an empty ModuleList is not called)
         if layer.wrapper_class(m) is not None:
             return self._wrap(m, path, per_step)
         if type(m) is _compat.sj_layer("SeqToANNContainer"):

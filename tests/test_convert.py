@@ -925,3 +925,31 @@ def test_method_applies_where_a_wrapper_has_it():
     spatial = [m for m in converted.modules() if isinstance(m, (mf.layer.TimeLastConv, mf.layer.TimeLastPool))]
     assert [m.resolve_method() for m in spatial] == ["vmap", "vmap", "highdim"]
     assert_same_run(net, converted, torch.randn(3, 2, 2, 4, 4, 2, dtype=torch.float64))
+
+
+class _WithEmptyContainers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = layer.Linear(3, 4, step_mode="m")
+        self.skip = nn.Sequential()  # (an identity, as configurable blocks build one)
+        self.extra = nn.ModuleList()  # (never called)
+        self.neuron = MulFreeChannelwisePSN(4, k=2, step_mode="m")
+
+    def forward(self, x):
+        for m in self.extra:
+            x = m(x)
+        return self.neuron(self.skip(self.stem(x)))
+
+
+@pytest.mark.parametrize("build", [_WithEmptyContainers,
+                                   lambda: nn.Sequential(nn.Sequential(), layer.Linear(3, 2, step_mode="m"))])
+def test_empty_containers_convert(build):
+    """Regression: an empty nn.Sequential (an identity) or nn.ModuleList was refused as 'not a stateless
+    layer this package knows'."""
+    torch.manual_seed(0)
+    net = build().double()
+    converted = to_time_last(copy.deepcopy(net))
+    assert has_time_last_boundary(converted)
+    assert_same_run(net, converted, torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True))
+    x = torch.randn(4, 2, 3)
+    torch.testing.assert_close(to_time_last(nn.Sequential())(x), x)

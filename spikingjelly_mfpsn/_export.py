@@ -210,10 +210,12 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
 
 def follow(net: nn.Module, example_input: torch.Tensor, out, error: type):
     """``(output value, its per-step shape)`` of ``net`` built through ``out`` (see :func:`walk`): layer by
-    layer for an ``nn.Sequential`` (or a lone neuron), else along its forward traced on ``example_input``."""
+    layer for an ``nn.Sequential`` of layers (or a lone neuron), else along its forward traced on
+    ``example_input`` (blocks with forwards of their own, e.g. residual ones, may sit in Sequentials)."""
     feat = tuple(example_input.shape[2:])
-    if isinstance(net, (nn.Sequential, deploy.FoldedMulFreePSN)):
-        return out.chain(unique(layers(net), set(out.reserved)), out.input(), feat)
+    if isinstance(net, deploy.FoldedMulFreePSN) or isinstance(net, nn.Sequential) and not any(
+            next(m.children(), None) is not None and not tracing.is_leaf(m) for _, m in layers(net)):
+        return out.chain(unique(layers(net), set(out.reserved)), out.input(), feat)  # (no block with a forward)
     try:
         graph, _, _ = tracing.trace(net, example_input)
     except tracing.TraceFailure as e:

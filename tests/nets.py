@@ -106,6 +106,30 @@ class Residual(nn.Module):
         return self.tail(x) if self.tail is not None else x
 
 
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        from spikingjelly.activation_based import layer
+        from spikingjelly_mfpsn import MulFreeChannelwisePSN
+        super().__init__()
+        self.conv = layer.Conv1d(channels, channels, 3, padding=1, bias=False, step_mode="m")
+        self.bn = layer.BatchNorm1d(channels, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(channels, k=2, step_mode="m")
+
+    def forward(self, x):
+        return x + self.sn(self.bn(self.conv(x)))
+
+
+def residual_in_sequential(tail=()):
+    """A residual block nested in an nn.Sequential (as model zoos build stages), then SpikingJelly's
+    Flatten, a readout and the modules ``tail``."""
+    from spikingjelly.activation_based import layer
+    from spikingjelly_mfpsn import MulFreeChannelwisePSN
+    return nn.Sequential(layer.Conv1d(1, 8, 3, padding=1, bias=False, step_mode="m"),
+                         layer.BatchNorm1d(8, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"),
+                         nn.Sequential(_ResidualBlock(8)), layer.Flatten(step_mode="m"),
+                         layer.Linear(64, 10, step_mode="m"), *tail)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -10,8 +10,8 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, run_inference_example,
-                  shared_layers_net)
+from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, residual_in_sequential,
+                  run_inference_example, shared_layers_net)
 
 nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
 from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
@@ -120,14 +120,17 @@ def test_an_unquantised_neuron_is_refused():
         export_to_nir(net, torch.rand(4, 2, 3))
 
 
-def test_a_residual_network_round_trips():
+@pytest.mark.parametrize("build,readout", [(Residual, "fc"), (residual_in_sequential, "5")],
+                         ids=["forward", "block-in-Sequential"])
+def test_a_residual_network_round_trips(build, readout):
     """A forward that adds (a residual connection) and calls torch.flatten: NIR adds the edges into
-    a node, so the sum needs none; the digits give the same logits after export and import."""
+    a node, so the sum needs none; the digits give the same logits after export and import. Also with
+    the residual block nested in an nn.Sequential (regression: it was refused as a layer)."""
     torch.manual_seed(2)
     x = digits_sequences()
-    net = calibrated(Residual(), x)
+    net = calibrated(build(), x)
     graph = export_to_nir(net, x[:, :2])
-    assert sum(dst == "fc" for _, dst in graph.edges) == 1
+    assert sum(dst == readout for _, dst in graph.edges) == 1
     assert torch.equal(run(import_from_nir(graph), x), run(net, x))
 
 

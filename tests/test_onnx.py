@@ -12,8 +12,8 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, run_inference_example,
-                  shared_layers_net, small_inputs_net)
+from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, residual_in_sequential,
+                  run_inference_example, shared_layers_net, small_inputs_net)
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
@@ -92,12 +92,15 @@ def test_an_unfolded_time_last_network_is_folded_and_calibrated_on_the_example()
     assert isinstance(net[1], MulFreeChannelwisePSN)  # (the network itself is left unfolded)
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["forward", "block-in-Sequential"])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_residual_network(streaming):
-    """A forward traced with torch.fx: the residual addition is an Add, torch.flatten a Reshape."""
+def test_a_residual_network(streaming, nested):
+    """A forward traced with torch.fx: the residual addition is an Add, torch.flatten a Reshape. Also
+    with the residual block nested in an nn.Sequential (regression: it was refused as a layer)."""
     torch.manual_seed(3)
     x = digits_sequences()
-    net = deploy.fold(calibrated(Residual(tail=MulFreeChannelwisePSN(10, k=2, step_mode="m")), x, steps=20))
+    tail = MulFreeChannelwisePSN(10, k=2, step_mode="m")
+    net = deploy.fold(calibrated(residual_in_sequential((tail,)) if nested else Residual(tail=tail), x, steps=20))
     with torch.no_grad():
         deploy.set_integer(net, calibrate=x)
     want = run(net, x)

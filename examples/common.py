@@ -299,7 +299,15 @@ def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) ->
         env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
         return _convert_layout(net, args.layout, x_example), "n/a", 0.0
     layout = args.layout or "time_first"
-    return (set_method(net, args.method, layout=layout, example_input=x_example), f"{args.method} ({layout})", 0.0)
+    net = set_method(net, args.method, layout=layout, example_input=x_example)
+    kept = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN) and m.method != args.method]
+    if kept:  # (a run named after a method its layers do not run)
+        runs = dict.fromkeys([*kept[0].supported_methods, *kept[0].candidate_methods])
+        print(f"{os.path.basename(sys.argv[0])}: error: --method {args.method}: {len(kept)} MF-PSN layer(s) cannot "
+              f"run it in the {layout} layout (they run {', '.join(runs)}); pick one of those, or another --layout",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return net, f"{args.method} ({layout})", 0.0
 
 
 def autoselect_line(report) -> str:

@@ -962,3 +962,14 @@ def test_a_broken_scikit_learn_is_not_reported_as_missing(monkeypatch):
     with pytest.raises(ImportError) as e:
         data.load_digits()
     assert "pip install scikit-learn" not in str(e.value), str(e.value)
+
+
+def test_a_method_the_layout_does_not_have_is_a_usage_error(tmp_path):
+    """Regression: --method conv2d (time-last only) was logged per layer and skipped, and the run trained
+    with 'auto' under a summary and metrics that named conv2d."""
+    out = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_sequential.py"), *map(str, TINY_DIGITS),
+                        "--method", "conv2d", "--out-dir", out, "--no-progress"], capture_output=True, text=True,
+                       env=_env(), timeout=300)
+    assert r.returncode == 2 and "--method conv2d: " in r.stderr and "time_first layout" in r.stderr, r.stderr[-800:]
+    assert "Traceback" not in r.stderr and not os.path.exists(os.path.join(out, "metrics.json"))

@@ -126,6 +126,12 @@ def _readout_kept(explicit: tuple, module: nn.Module, include_readouts: bool) ->
 
 def _find(net: nn.Module, targets, include_readouts: bool) -> tuple[list, list[Skipped]]:
     """``(name, module)`` of each neuron to replace, in registration order, and the readouts left alone."""
+    if isinstance(targets, (list, set, frozenset)) and all(isinstance(t, type) for t in targets):
+        targets = tuple(targets)
+    if not (targets is None or callable(targets) or isinstance(targets, tuple) and
+            all(isinstance(t, type) for t in targets)):
+        raise TypeError(f"targets must be a neuron class, a tuple or list of them, or a predicate (name, module) "
+                        f"-> bool, got {targets!r}")
     explicit = (targets,) if isinstance(targets, type) else targets if isinstance(targets, tuple) else ()
     if targets is None:
         targets = _compat.spiking_neuron_classes() + (MulFreeChannelwisePSN,)
@@ -234,7 +240,7 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
         net: a SpikingJelly network (``net`` itself may be a neuron; the new neuron is returned)
         k: order of the new neurons
         dilation: ``'sawtooth'`` (1, 2, 3, 1, 2, 3, ... in the order the neurons run) or an int
-        targets: neuron classes (a class or tuple) or a predicate ``(name, module) -> bool``;
+        targets: neuron classes (a class, tuple or list) or a predicate ``(name, module) -> bool``;
             default: every neuron class SpikingJelly defines (IF, LIF, ParametricLIF, PSN family...) and
             MulFreeChannelwisePSN (re-configured to ``k`` and ``dilation``, with a warning: new weights)
         example_input: optional input for ``net`` (a tuple holds several positional inputs); when

@@ -101,6 +101,12 @@ def test_int_dilation_targets_and_kwargs():
     assert isinstance(net[3], MulFreeChannelwisePSN) and isinstance(net[1], neuron.LIFNode)
     with pytest.raises(ValueError, match="dilation"):
         replace_neurons(mlp(), dilation=0)
+    # A list of classes is taken as a tuple (it raised isinstance's TypeError, not naming targets).
+    net, summary = replace_neurons(mlp(), k=2, targets=[neuron.IFNode])
+    assert sum(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()) == 1
+    for bad in ("IFNode", [neuron.IFNode, "LIFNode"], 3):
+        with pytest.raises(TypeError, match="targets must be a neuron class, a tuple or list of them"):
+            replace_neurons(mlp(), targets=bad)
 
 
 def test_keeps_step_mode_dtype_and_single_step_state_resets():

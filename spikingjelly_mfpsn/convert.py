@@ -401,13 +401,13 @@ def _eval(net: nn.Module, args: tuple):
 def _check(net: nn.Module, args: tuple, reference, what: str) -> None:
     """Undo the conversion and raise if ``net`` no longer gives ``reference`` on ``args``."""
     try:
-        ok, why = agree(_eval(net, args), reference), "gives other outputs"
+        ok, why = agree(_eval(net, args), reference), "gives different outputs from the time-first network on"
     except Exception as e:  # noqa: BLE001  (any failure of the converted network)
-        ok, why = False, f"fails ({type(e).__name__}: {e})"
+        ok, why = False, f"fails ({type(e).__name__}: {e}) on"
     if not ok:
         to_time_first(net)
-        raise UnconvertibleModuleError(f"{type(net).__name__} with {what} {why} than the time-first network "
-                                       f"on the example input; it was left time-first.")
+        raise UnconvertibleModuleError(f"{type(net).__name__} with {what} {why} the example input; it was left "
+                                       f"time-first.")
 
 
 def _probes(example_input) -> list[tuple]:
@@ -456,7 +456,7 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
     reference = out_b if how == "symbolic" else _eval(net, inputs[1])  # a symbolic trace is the forward
     if not agree(out_b, reference):
         return _modules_only(net, conv, boundary, inputs,
-                             f"its concrete trace gives other outputs than the network on an input "
+                             f"its concrete trace gives different outputs from the network on an input "
                              f"{'one step longer' if grown else 'of another batch size'} (it may branch on "
                              f"the input's shape)", strict)
     swaps, decided = {}, {}

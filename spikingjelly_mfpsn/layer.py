@@ -331,6 +331,8 @@ class TimeLastPool(_SpatialLayer):
         pool, t = self._time_first, _ntuple(self.dims)
         fn = _lookup(pool, _POOL_FN)[self.dims - 1]
         if isinstance(pool, (pooling._AdaptiveAvgPoolNd, pooling._AdaptiveMaxPoolNd)):
+            if self.dims == 1 and None in t(pool.output_size):  # (the 1d pools take no None: their error)
+                return self._vmap(x)
             return fn(x, (*t(pool.output_size), None))  # output size None along T keeps every step
         window = (*t(pool.kernel_size), 1), (*t(pool.stride), 1), (*t(pool.padding), 0)
         if isinstance(pool, pooling._MaxPoolNd):
@@ -358,7 +360,9 @@ class TimeLastLinear(_Tunable, TimeLastModule):
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
         f, t = x.shape[-2:]
-        y = F.conv1d(x.reshape(-1, f, t), self.weight.unsqueeze(-1), self.bias)  # (see __getattr__)
+        if not f:  # (torch's conv1d refuses zero input channels; a Linear(0, n) gives its bias)
+            return self._vmap(x)
+        y = F.conv1d(x.flatten(0, -3), self.weight.unsqueeze(-1), self.bias)  # (self.weight: see __getattr__)
         return y.reshape(*x.shape[:-2], y.shape[1], t)
 
 

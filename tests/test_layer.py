@@ -614,3 +614,20 @@ def test_train_and_eval_of_a_time_last_network_reach_its_dropout():
     torch.testing.assert_close(net[0](x), x)
     net.train()
     assert all(m.training for m in mf.to_time_last(net).modules())
+
+
+@pytest.mark.parametrize("method", tl.METHODS)
+def test_every_method_gives_the_time_first_answer_or_error_at_the_edges(method):
+    """Regressions of 'highdim': a Linear with no input features (its bias) failed to reshape, and an
+    AdaptiveAvgPool1d with output size None, which time-first refuses, ran."""
+    with pytest.warns(UserWarning, match="zero-element"):
+        ref = layer.SeqToANNContainer(nn.Linear(0, 3))
+    x = torch.randn(T, N, 0)
+    torch.testing.assert_close(wrap(ref, method)(x.movedim(0, -1)).movedim(-1, 0), ref(x))
+    pool = sj("AdaptiveAvgPool1d", (None,))
+    x = torch.randn(T, N, 2, 5)
+    with pytest.raises(TypeError, match="output_size") as time_first:
+        pool(x)
+    with pytest.raises(TypeError) as time_last:
+        wrap(pool, method)(x.movedim(0, -1))
+    assert str(time_last.value) == str(time_first.value)

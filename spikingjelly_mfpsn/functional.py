@@ -455,7 +455,9 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
     A module supports it when its ``supported_methods`` (or, for MF-PSN neurons, ``candidate_methods``: a
     method of another available backend, which switches the neuron's backend too) has it.
 
-    ``'auto'`` is accepted by every such module; others are logged and skipped. With ``layout``, the
+    ``'auto'`` is accepted by every such module; others are skipped, with one warning per class that has
+    modules which do not support it, unless no module of that class does while modules of another class
+    do (a neuron method is not meant for the time-last layer wrappers, nor theirs for neurons). With ``layout``, the
     network is first converted to that layout (:func:`~spikingjelly_mfpsn.to_time_last` /
     :func:`~spikingjelly_mfpsn.to_time_first`, sharing parameters; ``example_input`` is passed to
     ``to_time_last``, which needs it where the forward makes calls that depend on where the time axis
@@ -466,6 +468,7 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
         ops.check_layout(layout)
         if current_layout(net) != layout:
             net = to_time_last(net, example_input=example_input) if layout == "time_last" else to_time_first(net)
+    taken, skipped = Counter(), {}
     for m in net.modules():
         supported = getattr(m, "supported_methods", None) if isinstance(m, instance) else None
         if supported is None:
@@ -473,9 +476,14 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
         supported = list(supported) + [c for c in getattr(m, "candidate_methods", ()) if c not in supported]
         if method == "auto" or method in supported:
             m.method = method
+            taken[type(m)] += 1
         else:
-            logger.warning("%s does not support method=%r (it supports %s); it keeps method=%r",
-                           type(m).__name__, method, list(supported), m.method)
+            skipped.setdefault(type(m), []).append((m, supported))
+    for cls, modules in skipped.items():
+        if taken[cls] or not taken:
+            m, supported = modules[0]
+            logger.warning("%s does not support method=%r (%d of its modules; it supports %s); they keep their "
+                           "method (%s)", cls.__name__, method, len(modules), supported, m.method)
     return net
 
 

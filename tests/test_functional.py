@@ -169,6 +169,30 @@ def test_set_backend_and_set_method(caplog):
     assert all(m.method == "auto" for m in new)
 
 
+def test_set_method_warns_once_per_class_and_not_for_another_kind(caplog):
+    """Regression: a neuron method set on a time-last network warned once per layer wrapper ("TimeLastConv
+    does not support method='conv2d'"), wrappers being no neurons; and once per neuron where none runs it."""
+    net = nn.Sequential(layer.Conv1d(2, 3, 3, step_mode="m"), MulFreeChannelwisePSN(3, k=2, step_mode="m"),
+                        layer.Conv1d(3, 3, 3, step_mode="m"), MulFreeChannelwisePSN(3, k=2, step_mode="m"),
+                        layer.Conv3d(3, 3, 1, step_mode="m"))
+    with caplog.at_level(logging.WARNING, logger="spikingjelly_mfpsn"):
+        net = set_method(net, "conv2d", layout="time_last")
+    assert [m.method for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)] == ["conv2d"] * 2
+    assert "TimeLast" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spikingjelly_mfpsn"):
+        set_method(net, "highdim")  # the Conv3d's wrapper runs 'vmap' only
+    assert [m.resolve_method() for m in net.modules() if isinstance(m, spikingjelly_mfpsn.layer.TimeLastConv)] == \
+        ["highdim", "highdim", "vmap"]
+    assert caplog.text.count("does not support") == 1 and "TimeLastConv does not support method='highdim' (1 of" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spikingjelly_mfpsn"):
+        set_method(spikingjelly_mfpsn.to_time_first(net), "conv2d")  # (time-last only): no module runs it
+    assert caplog.text.count("does not support") == 1 and "MulFreeChannelwisePSN does not support method='conv2d'" \
+        " (2 of its modules" in caplog.text
+
+
 def test_added_to_spikingjelly_functional_without_overriding():
     assert functional.replace_neurons is spikingjelly_mfpsn.replace_neurons
     assert functional.set_method is spikingjelly_mfpsn.set_method

@@ -499,17 +499,21 @@ class TimeLastDropout(_View, MemoryModule):
     def p(self, value: float) -> None:
         self._time_first.p = value
 
-    def _mask_like(self, x: torch.Tensor, step_shape) -> torch.Tensor:
+    def _mask_like(self, step: torch.Tensor) -> torch.Tensor:
         if self.mask is None:
-            # Same draw as SpikingJelly's create_mask(x_seq[0]): a contiguous (N, ...) tensor of ones.
-            self.mask = self._mask_fn(x.new_ones(step_shape), self.p, training=True)
+            # Same draw as SpikingJelly's create_mask(x_seq[0]): ones in the memory format of the first step
+            # (the draw follows memory order: a channels-last step gets the mask SpikingJelly's gets).
+            self.mask = self._mask_fn(torch.ones_like(step), self.p, training=True)
         return self.mask
 
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self._mask_like(x, x.shape) if self.training else x
+        return x * self._mask_like(x) if self.training else x
 
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
-        return x_seq * self._mask_like(x_seq, x_seq.shape[:-1]).unsqueeze(-1) if self.training else x_seq
+        if not self.training:
+            return x_seq
+        step = x_seq[..., 0] if x_seq.shape[-1] else x_seq.new_empty(x_seq.shape[:-1])  # (no steps: any)
+        return x_seq * self._mask_like(step).unsqueeze(-1)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -246,11 +246,17 @@ def test_batchnorm_matches_time_first(name, build, feat):
     check_against_time_first(ref, w, feat)
 
 
+@pytest.mark.parametrize("dense", ["contiguous", "permuted"])
 @pytest.mark.parametrize("cls_name,feat", [("Dropout", (4, 3)), ("Dropout2d", (4, 3, 3))])
-def test_dropout_one_mask_for_all_steps(cls_name, feat):
+def test_dropout_one_mask_for_all_steps(cls_name, feat, dense):
+    """The same mask as SpikingJelly's, also for steps in another memory order (regression: a permuted
+    or channels-last step got a mask drawn in another order than SpikingJelly's)."""
     ref = sj(cls_name, 0.5)
     w = tl.time_last(copy.deepcopy(ref))
     x = torch.rand(T, N, *feat) + 0.5
+    if dense == "permuted":  # (each step dense, its dims in reverse memory order)
+        order = list(range(x.dim() - 1, 1, -1))
+        x = x.permute(0, 1, *order).contiguous().permute(0, 1, *order)
     for _ in range(2):  # a second call in the same simulation reuses the mask
         torch.manual_seed(7)
         y_ref = ref(x)

@@ -173,6 +173,16 @@ class TimeLastModule(_View, _MultiStepOnly, nn.Module, MultiStepModule):
             return super().__getattr__(name)
         return getattr(inner, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        """A plain attribute of the module (``momentum``, ``eps``, a weight a hook sets) is set on the
+        module, which every method reads; the wrapper's own (declared on its class, e.g. ``step_mode``)
+        and anything else as on any module."""
+        inner = self.__dict__.get("_time_first")
+        if inner is not None and name in inner.__dict__ and name not in self.__dict__ and not hasattr(type(self), name):
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         """One time step ``(N, ...)`` through the wrapped module's forward, run on the wrapper."""
         return _torch_forward(self._time_first)(self, x)
@@ -407,6 +417,8 @@ class TimeLastFlatten(TimeLastModule):
             ``nn.Flatten`` outside SpikingJelly's containers) rather than to each step, so its dims count
             T and N; ``start_dim`` must then be >= 2 or negative (it may not merge T or N away).
     """
+
+    start_dim = end_dim = None  # (the wrapper's own: its module's, renumbered for time-last sequences)
 
     def __init__(self, flatten: nn.Flatten, whole_sequence: bool = False):
         if not isinstance(flatten, nn.Flatten):

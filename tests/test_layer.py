@@ -637,3 +637,27 @@ def test_every_method_gives_the_time_first_answer_or_error_at_the_edges(method):
     with pytest.raises(TypeError) as time_last:
         wrap(pool, method)(x.movedim(0, -1))
     assert str(time_last.value) == str(time_first.value)
+
+
+@pytest.mark.parametrize("method", tl.METHODS)
+def test_settings_changed_through_a_wrapper_reach_its_layer(method):
+    """A wrapper reads and sets its layer's plain attributes (a schedule that changes ``momentum`` or a
+    conv's padding on every module that has one): the layer, and every method, see the new value."""
+    torch.manual_seed(0)
+    for build, feat, changes in [(lambda: sj("BatchNorm2d", 3), (3, 4, 4), dict(momentum=0.9, eps=0.5)),
+                                 (lambda: layer.SeqToANNContainer(nn.LayerNorm(4)), (3, 4), dict(eps=0.5)),
+                                 (lambda: sj("Conv2d", 2, 3, 3), (2, 5, 5), dict(padding=(2, 1)))]:
+        ref = build().double()
+        w = wrap(ref, method if "padding" in changes else None)
+        for name, value in changes.items():
+            setattr(w, name, value)
+            setattr(per_step(ref), name, value)
+            assert getattr(w.time_first_module, name) == value == getattr(w, name)
+        check_against_time_first(ref, w, feat)
+        for a, b in zip(ref.buffers(), w.buffers()):
+            torch.testing.assert_close(b, a)
+    # The wrapper's own settings stay its own: a single-step layer (inside a SeqToANNContainer) stays so,
+    # and a Flatten keeps its per-step dims.
+    conv, flatten = layer.Conv2d(2, 2, 1), sj("Flatten", 2)
+    assert (tl.time_last(conv).step_mode, tl.time_last(flatten).start_dim) == ("m", 2)
+    assert (conv.step_mode, flatten.start_dim) == ("s", 2)

@@ -131,6 +131,21 @@ def test_fused_fire_matches_surrogate(layout, sg, dtype, t, n, c, feat):
     check_grads(s, s_ref, args, args_ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradients_of_charges_beyond_the_surrogates_range(layout):
+    """Regression: where 1 + (pi/2 * alpha * H)^2 overflows float32 (|H| above about 1e19), AVX-512's
+    reciprocal estimate of it is 0 and its Newton step gave inf * 0: dL/dX, dL/dW and dL/db were NaN where
+    the reference's derivative is about 1e-41. Whole vectors of lanes, with such charges in some."""
+    torch.manual_seed(0)
+    x = make_input(3, 2, LANES, (), layout, torch.float32, False)
+    big = torch.rand(x.shape) < 0.2
+    x = torch.where(big, torch.where(torch.rand(x.shape) < 0.5, 1e20, -3e25), x)
+    w, b = torch.ones(LANES, 1), torch.zeros(LANES)
+    args, args_ref = leaves(x, w, b), leaves(*(a.double() for a in (x, w, b)))
+    s = ops.get("cpp").fire(*args, 1, layout, *ops.surrogate.fused(surrogate.ATan()))
+    check_grads(s, surrogate.ATan()(reference.charge(*args_ref, 1, layout)), args, args_ref, TOL[torch.float32])
+
+
 # Lanes per step for the kernel-width tests: whole cache lines of vectors side by side (16 floats or 8
 # doubles), a whole vector after them, and single lanes, at every vector width (16, 32 or 64 bytes).
 LANES = 29

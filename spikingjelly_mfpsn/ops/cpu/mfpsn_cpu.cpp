@@ -343,13 +343,15 @@ inline V exact_if_overflowed(V h, const V* w, const V* x, int K, V b) {
 
 // x / y. Where the compiler targets AVX-512, float vectors multiply by the 14-bit reciprocal estimate
 // after one Newton step (relative error about 2^-27, a few times cheaper than a division); everything
-// else divides.
+// else divides. Where y is infinite the estimate is 0 and the step's y * r is NaN: those lanes keep
+// the estimate (x / inf = 0, as a division gives).
 template <typename S, typename V>
 inline V divide(S x, V y) {
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<S, float> && sizeof(V) == 64) {
         const V r = reinterpret_cast<V>(_mm512_maskz_rcp14_ps(0xFFFF, reinterpret_cast<__m512>(y)));
-        return x * (r * (S(2) - y * r));
+        const V yr = y * r;
+        return x * (yr == yr ? r * (S(2) - yr) : r);
     }
 #endif
     return x / y;

@@ -69,6 +69,23 @@ def shift_amounts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e.to(torch.int32), torch.sign(w).to(torch.int32)
 
 
+class _PowerOfTwoWholeSTE(torch.autograd.Function):
+    """Q with ``dQ/dw = 1``. (Not ``w + (Q(w) - w).detach()``: where ``w`` overflowed to inf, e.g. a batch
+    norm folded into it, that is NaN, while Q clamps it to the largest power of two.)"""
+
+    @staticmethod
+    def forward(w):
+        return quantize_pow2_(w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class _PowerOfTwoRoundSTE(torch.autograd.Function):
     """Q with ``round'(x) = 1``: ``dQ/dw = 2 ** round(log2|w|) / |w|`` (0 at w = 0)."""
 
@@ -94,7 +111,4 @@ def quantize(w: torch.Tensor, ste: str = "whole") -> torch.Tensor:
         raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
     if not (w.requires_grad and torch.is_grad_enabled()):
         return quantize_pow2_(w)  # no graph to build (e.g. eval under no_grad): the same values
-    if ste == "whole":
-        # Identity gradient: the forward value is Q(w), the graph is that of w.
-        return w + (quantize_pow2_(w.detach()) - w).detach()
-    return _PowerOfTwoRoundSTE.apply(w)
+    return (_PowerOfTwoWholeSTE if ste == "whole" else _PowerOfTwoRoundSTE).apply(w)

@@ -723,6 +723,24 @@ def test_a_folding_that_overflows_from_finite_tensors_is_not_refused(step_mode):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+def test_a_folded_weight_that_overflows_is_clamped_with_autograd_on(step_mode):
+    """Regression: where the folded weight gamma / sqrt(var + eps) * W overflowed float32, the torch
+    methods' straight-through quantiser gave NaN (inf + (Q - inf)) whenever autograd was on: every charge
+    NaN, no spike, where the C++ kernels (and the methods under no_grad) clamp it to 2**127."""
+    x = torch.tensor([1.0, -1.0, 2.0, -0.5, 0.25]).reshape(5, 1, 1)
+    q = reference.pow2(torch.tensor([[2 * 3e38 / (1 - 1e-5 + 1e-5) ** 0.5]], dtype=torch.float64), 127)
+    want = (reference.charge(x.double(), q, torch.tensor([0.5], dtype=torch.float64), 1, "time_first") >= 0).float()
+    for method in [m for m in ("shift_add", "conv1d", "vmap_mm", "cpp", "triton") if m in ops.names()]:
+        sn = MulFreeChannelwisePSN(1, k=1, step_mode=step_mode, method=method).eval()
+        with torch.no_grad():
+            sn.weight.fill_(2.0), sn.gamma.fill_(3e38), sn.beta.fill_(0.5), sn.running_var.fill_(1 - 1e-5)
+        assert sn.weight.requires_grad and torch.is_grad_enabled()
+        got = sn(x) if step_mode == "m" else torch.stack([sn(xt) for xt in x])
+        assert torch.equal(got, want), method
+        assert torch.isfinite(sn.fused_weight_bias()[0]).all(), method
+
+
 @pytest.mark.parametrize("kwargs,match", [(dict(eps=0.0), "eps must be a number > 0"),
                                           (dict(eps=-1e-5), "eps must be a number > 0"),
                                           (dict(eps=float("nan")), "eps must be a number > 0"),

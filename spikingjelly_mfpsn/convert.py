@@ -312,7 +312,8 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     calls = [n for n in graph.nodes if n.op == "get_attr" or n.op in ("call_function", "call_method")
              and not rewrite.is_layout_free(n)]
     if not calls and how == "symbolic":  # (a concrete trace may hold lengths and branches the forward computes)
-        return _swap_modules(net, conv, boundary)
+        several = inputs is not None and len(inputs[0]) > 1  # (the boundary moves the first input only)
+        return _checked_swap(net, conv, boundary, inputs if several else None, "its modules converted")
     if inputs is None:
         listed = "; ".join(rewrite.describe(n) for n in calls[:3]) + (" ..." if len(calls) > 3 else "")
         reason = f"it makes calls that depend on where the time axis is ({listed}) and no example_input was given"
@@ -363,13 +364,21 @@ def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.
                f"converted, so a call in forward that depends on where the time axis is would go wrong")
     if strict:
         raise UnconvertibleModuleError(message + ".")
-    reference = _reference(net, inputs) if inputs is not None else None
-    new = _swap_modules(net, conv, boundary)
     hint = ("pass example_input=<one input batch, (T, N, ...)> to trace and rewrite the forward (strict=True "
             "raises instead)" if inputs is None else "strict=True raises instead")
     warnings.warn(f"{message}; {hint}.", stacklevel=3)
-    if reference is not None and boundary:
-        _check(new, inputs[1], reference, f"its modules converted (its forward was not rewritten: {reason})")
+    return _checked_swap(net, conv, boundary, inputs, f"its modules converted (its forward was not rewritten: "
+                                                      f"{reason})")
+
+
+def _checked_swap(net, conv, boundary: bool, inputs, what: str) -> nn.Module:
+    """:func:`_swap_modules`, checked against the time-first network on the example's probes where there
+    are some (and a boundary: the outputs are then time-first): its other inputs pass the boundary as
+    they are, and a second input with a time axis would reach time-last layers time-first."""
+    reference = _reference(net, inputs) if inputs is not None and boundary else None
+    new = _swap_modules(net, conv, boundary)
+    if reference is not None:
+        _check(new, inputs[1], reference, what)
     return new
 
 
@@ -383,6 +392,13 @@ def _reference(net: nn.Module, inputs: list):
     try:
         return _eval(net, inputs[1])
     except Exception as e:  # noqa: BLE001
+        raise _probe_error(net, e) from e
+
+
+def _probe_run(net: nn.Module, run):
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001  (any failure of the user's network on a probe)
         raise _probe_error(net, e) from e
 
 
@@ -451,14 +467,15 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
                                  "longer, where the network runs (it may loop over the steps, or branch on "
                                  "their number or on the batch size)", strict)
         inputs[1] = _same_steps(inputs)
-        out_b, shapes_b = tracing.run_graph(net, graph, inputs[1])
+        out_b, shapes_b = _probe_run(net, lambda: tracing.run_graph(net, graph, inputs[1]))
         grown = False
-    reference = out_b if how == "symbolic" else _eval(net, inputs[1])  # a symbolic trace is the forward
+    # (a symbolic trace too: it records `y += v` as `y = y + v`, losing what another name of y sees)
+    reference = _probe_run(net, lambda: _eval(net, inputs[1]))
     if not agree(out_b, reference):
         return _modules_only(net, conv, boundary, inputs,
-                             f"its concrete trace gives different outputs from the network on an input "
+                             f"its {how} trace gives different outputs from the network on an input "
                              f"{'one step longer' if grown else 'of another batch size'} (it may branch on "
-                             f"the input's shape)", strict)
+                             f"the input's shape, or change in place a tensor that another name holds)", strict)
     swaps, decided = {}, {}
 
     def convert_module(m: nn.Module, path: str) -> bool:

@@ -172,6 +172,8 @@ class Rewriter:
         for n in self.graph.nodes:
             getattr(self, f"_{n.op}")(n)
             self.tpos.setdefault(n, None)
+            if _in_place(n) or n.op == "call_module" and getattr(self.root.get_submodule(n.target), "inplace", False):
+                self.moved.clear()  # (the copies made before, of it or of a view of it, are stale)
         self.new.lint()
         return self.new
 
@@ -472,7 +474,8 @@ class Rewriter:
             self._out_tpos(n, before)
         else:
             raise _NoRule
-        self.emit(n, (self.get(a, TIME_LAST), tuple(full + [time_index])), {}, form)
+        index = map_arg(tuple(full + [time_index]), lambda i: self.get(i, ORIGINAL))  # (x[:, :y.shape[1] // 2])
+        self.emit(n, (self.get(a, TIME_LAST), index), {}, form)
 
 
 _RULES = {"elementwise": Rewriter.elementwise, "flatten": Rewriter.flatten, "unsqueeze": Rewriter.unsqueeze,

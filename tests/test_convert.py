@@ -953,3 +953,116 @@ def test_empty_containers_convert(build):
     assert_same_run(net, converted, torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True))
     x = torch.randn(4, 2, 3)
     torch.testing.assert_close(to_time_last(nn.Sequential())(x), x)
+
+
+class _TwoSequences(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.fa, self.fb = layer.Linear(c, c, step_mode="m"), layer.Linear(c, c, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(c, k=2, step_mode="m")
+
+    def forward(self, x, y):
+        return self.sn(self.fa(x) + self.fb(y))
+
+
+def test_a_second_sequence_input_of_a_forward_of_modules_is_refused():
+    """Regression: a forward calling only modules was converted without the check, so a second (T, N, C)
+    input, which the boundary passes as it is, reached a time-last Linear time-first: with T = N = C the
+    outputs were wrong with no error. It is now checked, refused, and left time-first."""
+    torch.manual_seed(0)
+    net = _TwoSequences()
+    x, y = torch.randn(4, 4, 4), torch.randn(4, 4, 4)
+    want = net(x, y)
+    functional.reset_net(net)
+    with pytest.raises(UnconvertibleModuleError, match="left time-first"):
+        to_time_last(net, example_input=(x, y))
+    assert not has_time_last_boundary(net) and isinstance(net.fb, layer.Linear)
+    torch.testing.assert_close(net(x, y), want)
+
+
+class _SlicedByShape(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv = layer.Conv1d(2, c, 3, padding=1, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(c, k=2, step_mode="m")
+
+    def forward(self, x):
+        y = self.sn(self.conv(x))  # (T, N, C, L)
+        return y[..., : y.shape[-1] // 2].flatten(2).sum(-1, keepdim=True) + y[:, :, : y.shape[2] - 1, :1].flatten(2)
+
+
+def test_a_slice_bounded_by_a_computed_size_converts():
+    """Regression: a slice whose bound is computed from a shape (x[..., :x.shape[-1] // 2], a common
+    pattern) crashed to_time_last with fx's "Argument 'floordiv' ... does not belong to this Graph"."""
+    torch.manual_seed(0)
+    net = _SlicedByShape().double()
+    converted = to_time_last(copy.deepcopy(net), example_input=torch.randn(4, 3, 2, 8, dtype=torch.float64))
+    assert not any("getitem" in c for c in converted.forward.time_first_calls)
+    assert_same_run(net, converted, torch.randn(5, 2, 2, 8, dtype=torch.float64))
+
+
+class _InPlaceOnAnAlias(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv, self.conv3 = layer.Conv1d(2, c, 3, padding=1, step_mode="m"), layer.Conv1d(2, c, 3, padding=1,
+                                                                                            step_mode="m")
+        self.sn = MulFreeChannelwisePSN(c, k=2, step_mode="m")
+
+    def forward(self, x):
+        out = self.conv(x)
+        feats = [out]
+        out += self.conv3(x)  # (in place: feats[0] is the same tensor)
+        feats.append(out)
+        return self.sn(torch.stack(feats).mean(0)).flatten(2)
+
+
+def test_a_forward_whose_trace_loses_an_in_place_change_is_not_rewritten():
+    """Regression: fx records `out += v` as `out = out + v`, so a list holding `out` kept the old value in
+    the trace, and the rewritten forward (checked against the trace) gave other spikes, with no error. The
+    trace is now checked against the forward itself: here neither it nor the modules alone convert."""
+    torch.manual_seed(0)
+    net = _InPlaceOnAnAlias()
+    x = torch.randn(4, 3, 2, 8)
+    with pytest.warns(UserWarning, match="change in place a tensor that another name holds"), \
+            pytest.raises(UnconvertibleModuleError, match="left time-first"):
+        to_time_last(net, example_input=x)
+    assert not has_time_last_boundary(net) and "forward" not in net.__dict__
+
+
+def test_a_network_that_fails_on_the_second_probe_is_refused_by_name():
+    """Regression: a forward indexing samples with a tensor (y[:, torch.tensor([1, 0])]) failed on the
+    one-sample probe with a bare IndexError from inside to_time_last."""
+    class Swapped(_SlicedByShape):
+        def forward(self, x):
+            return self.sn(self.conv(x))[:, torch.tensor([1, 0])].flatten(2)
+    with pytest.raises(UnconvertibleModuleError, match="does not run on the inputs made from example_input.*"
+                                                       "IndexError"):
+        to_time_last(Swapped(), example_input=torch.randn(4, 3, 2, 8))
+
+
+class _ChangedAfterACopy(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv = layer.Conv1d(2, c, 3, padding=1, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(c, k=2, step_mode="m")
+        self.register_buffer("w", torch.randn(8, 8))  # (a parameter would need y saved, unchanged, for its grad)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.sn(self.conv(x)) - 0.5  # time-last inside
+        a = y @ self.w  # (runs time-first, on a copy of y)
+        y.add_(1)
+        b = y @ self.w  # (a copy of y as it is now)
+        self.act(y)
+        return a + b + y @ self.w
+
+
+def test_in_place_changes_after_a_copy_reach_the_next_copy():
+    """Regression: the time-first copy of a time-last value was made once and reused after an in-place
+    change of the value (y.add_(1), an in-place ReLU), so the conversion was refused as giving other
+    outputs (and, with a change in training only, would have given them)."""
+    torch.manual_seed(0)
+    net = _ChangedAfterACopy().double()
+    converted = to_time_last(copy.deepcopy(net), example_input=torch.randn(4, 3, 2, 8, dtype=torch.float64))
+    assert "forward" in converted.__dict__
+    assert_same_run(net, converted, torch.randn(5, 2, 2, 8, dtype=torch.float64))

@@ -120,6 +120,12 @@ class Unrewritable(Exception):
     """The forward cannot be rewritten (the message names the call)."""
 
 
+def call_time_first(module: torch.nn.Module, *args, **kwargs):
+    """``module`` on time-first values: a layer called on a time-last sequence at one place of a forward
+    and on a value without a time axis at another (``fc(y) + fc(y.mean(0))``) is a wrapper at both."""
+    return getattr(module, "time_first_module", module)(*args, **kwargs)
+
+
 def _in_place(n: fx.Node) -> bool:
     """``n`` writes into its first argument, a node (``x.zero_()``, ``x[i] = v``, ``torch.relu_(x)``)."""
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
@@ -207,7 +213,11 @@ class Rewriter:
         if any(self.env[a][1] == TIME_LAST for a in n.all_input_nodes):
             self.time_first_calls.append(describe(n))
         args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.get(a, ORIGINAL))
-        self.emit(n, args, kwargs, ORIGINAL)
+        if n.op == "call_module":  # (its module may be converted for a call elsewhere)
+            args, op, target = (self.new.get_attr(n.target),) + args, "call_function", call_time_first
+        else:
+            op = target = None
+        self.emit(n, args, kwargs, ORIGINAL, target, op)
 
     def _is_tensor(self, a) -> bool:
         shape = self.shape.get(a) if isinstance(a, fx.Node) else None

@@ -1066,3 +1066,28 @@ def test_in_place_changes_after_a_copy_reach_the_next_copy():
     converted = to_time_last(copy.deepcopy(net), example_input=torch.randn(4, 3, 2, 8, dtype=torch.float64))
     assert "forward" in converted.__dict__
     assert_same_run(net, converted, torch.randn(5, 2, 2, 8, dtype=torch.float64))
+
+
+class _CalledOnTwoForms(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv = layer.Conv1d(2, c, 3, padding=1, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(c, k=2, step_mode="m")
+        self.fc = layer.Linear(8, 8, step_mode="m")
+
+    def forward(self, x):
+        y = self.sn(self.conv(x))  # (T, N, C, 8)
+        return self.fc(y) + self.fc(y.mean(0))  # (the second call on (N, C, 8), broadcast over T)
+
+
+def test_a_layer_called_on_a_sequence_and_on_a_value_without_time_converts():
+    """Regression: the layer became a time-last wrapper for its call on the sequence, and its call on the
+    mean over time (run time-first) got the wrapper too: refused with the wrapper's shape error."""
+    torch.manual_seed(0)
+    net = _CalledOnTwoForms().double()
+    converted = to_time_last(copy.deepcopy(net), example_input=torch.randn(4, 3, 2, 8, dtype=torch.float64))
+    assert isinstance(converted.fc, mf.layer.TimeLastLinear)
+    assert_same_run(net, converted, torch.randn(5, 2, 2, 8, dtype=torch.float64))
+    restored = to_time_first(converted)
+    assert isinstance(restored.fc, layer.Linear)
+    assert_same_run(net, restored, torch.randn(5, 2, 2, 8, dtype=torch.float64))

@@ -301,6 +301,18 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     if tracing.is_leaf(net) or _runs_time_last(net):  # (a network converted by module swapping: still so)
         return _swap_modules(net, conv, boundary)
     inputs = _probes(example_input) if example_input is not None else None
+    attrs = set(vars(net))
+    try:
+        return _traced(net, conv, boundary, inputs, strict)
+    finally:  # (the tensor constants fx's traces set on net, but those the rewritten forward reads)
+        forward = net.__dict__.get("forward")
+        for name in set(vars(net)) - attrs - set(getattr(forward, "constants", ())):
+            if name.startswith("_tensor_constant"):
+                delattr(net, name)
+
+
+def _traced(net: nn.Module, conv: _Converter, boundary: bool, inputs, strict: bool) -> nn.Module:
+    """:func:`to_time_last` past its checks: the forward traced, and rewritten where it needs to be."""
     reads = []
     try:
         graph, how, shapes = tracing.trace(net, inputs and inputs[0], reads=reads, guards=True)
@@ -545,7 +557,8 @@ def to_time_first(net: nn.Module) -> nn.Module:
                              f"(torch.nn.utils.parametrize.remove_parametrizations)")
     _remove_hooks(net, _boundary_enter, _boundary_exit)
     if isinstance(net.__dict__.get("forward"), GraphForward):
-        del net.__dict__["forward"]
+        for name in net.__dict__.pop("forward").constants:
+            net.__dict__.pop(name, None)
     new = _revert(net)
     _compat.invalidate_reset_cache(net, new)
     return new

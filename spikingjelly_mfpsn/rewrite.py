@@ -512,6 +512,8 @@ class GraphForward:
         code = graph.python_code(root_module="self")
         self.code, self.net, self.boundary = code.src, net, boundary
         self.time_first_calls, self.traced, self.reads = list(time_first_calls), traced, list(reads)
+        # (the tensor constants fx's trace set on the network, which the code reads)
+        self.constants = sorted({n.target for n in graph.nodes if n.op == "get_attr"} & set(vars(net)))
         self._globals = dict(code.globals)
         self._compile()
 
@@ -534,7 +536,7 @@ class GraphForward:
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update({"reads": []}, **state)
+        self.__dict__.update({"reads": [], "constants": []}, **state)
         self._globals = {k: (importlib.import_module(v.name) if isinstance(v, _Module) else v)
                          for k, v in self._globals.items()}
         self._compile()

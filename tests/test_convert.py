@@ -1091,3 +1091,22 @@ def test_a_layer_called_on_a_sequence_and_on_a_value_without_time_converts():
     restored = to_time_first(converted)
     assert isinstance(restored.fc, layer.Linear)
     assert_same_run(net, restored, torch.randn(5, 2, 2, 8, dtype=torch.float64))
+
+
+def test_round_trips_leave_no_trace_constants_behind():
+    """Regression: each to_time_last left the tensor constants of fx's traces (here of the index tensor)
+    on the network, and to_time_first none of them removed: they piled up over round trips. The
+    rewritten forward keeps those it reads, and runs."""
+    class Indexed(_SlicedByShape):
+        def forward(self, x):
+            return self.sn(self.conv(x))[:, :, torch.tensor([1, 0, 2, 3])].flatten(2)
+    torch.manual_seed(0)
+    net = Indexed().double()
+    reference, attrs = copy.deepcopy(net), set(vars(net))
+    x = torch.randn(4, 3, 2, 8, dtype=torch.float64)
+    for _ in range(3):
+        net = to_time_last(net, example_input=x)
+        assert "forward" in net.__dict__
+        assert_same_run(reference, net, x)
+        net = to_time_first(net)
+        assert set(vars(net)) == attrs

@@ -173,15 +173,27 @@ class TimeLastModule(_View, _MultiStepOnly, nn.Module, MultiStepModule):
             return super().__getattr__(name)
         return getattr(inner, name)
 
-    def __setattr__(self, name: str, value) -> None:
-        """A plain attribute of the module (``momentum``, ``eps``, a weight a hook sets) is set on the
-        module, which every method reads; the wrapper's own (declared on its class, e.g. ``step_mode``)
-        and anything else as on any module."""
+    def _on_module(self, name: str) -> Optional[nn.Module]:
+        """The module, where attribute ``name`` is set and deleted on it: all but the wrapper's own
+        (declared on its class, e.g. ``step_mode``, or set before the module was attached)."""
         inner = self.__dict__.get("_time_first")
-        if inner is not None and name in inner.__dict__ and name not in self.__dict__ and not hasattr(type(self), name):
-            setattr(inner, name, value)
-        else:
+        return None if inner is None or name in self.__dict__ or hasattr(type(self), name) else inner
+
+    def __setattr__(self, name: str, value) -> None:
+        """Set on the module (``momentum``, a weight a hook such as ``prune`` sets on the wrapper: every
+        method reads the module's), or the wrapper's own (see :meth:`_on_module`)."""
+        inner = self._on_module(name)
+        if inner is None:
             super().__setattr__(name, value)
+        else:
+            setattr(inner, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        inner = self._on_module(name)
+        if inner is None:
+            super().__delattr__(name)
+        else:
+            delattr(inner, name)
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         """One time step ``(N, ...)`` through the wrapped module's forward, run on the wrapper."""
@@ -222,6 +234,7 @@ class _Tunable:
     """
 
     supported_methods: tuple = METHODS
+    _method = "auto"
 
     @property
     def method(self) -> str:
@@ -260,6 +273,7 @@ class _SpatialLayer(_Tunable, TimeLastModule):
     ``(N, C, *spatial, T)``; ``'highdim'`` exists for n <= 2 (there is no 4-d conv or pool)."""
 
     _DIMS: dict = {}
+    dims = 0  # (the wrapper's own: n of an n-d layer)
 
     def __init__(self, module: nn.Module, method: str = "auto"):
         dims = _lookup(module, self._DIMS)
@@ -386,6 +400,8 @@ class TimeLastBatchNorm(TimeLastModule):
     running-statistics updates) as time-first. A batch norm fused into the neuron after it
     (:func:`~spikingjelly_mfpsn.functional.fuse_batchnorm`) passes X through, as it does time-first.
     """
+
+    ranks = ()  # (the wrapper's own: the ranks of the time-last sequences it takes)
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
         ranks = _lookup(bn, _BN_RANKS)

@@ -661,3 +661,33 @@ def test_settings_changed_through_a_wrapper_reach_its_layer(method):
     conv, flatten = layer.Conv2d(2, 2, 1), sj("Flatten", 2)
     assert (tl.time_last(conv).step_mode, tl.time_last(flatten).start_dim) == ("m", 2)
     assert (conv.step_mode, flatten.start_dim) == ("s", 2)
+
+
+REMOVERS = {"spectral_norm": lambda m: torch.nn.utils.remove_spectral_norm(m),
+            "prune": lambda m: __import__("torch.nn.utils.prune", fromlist=["remove"]).remove(m, "weight"),
+            "weight_norm-hook": lambda m: torch.nn.utils.remove_weight_norm(m)}
+
+
+@pytest.mark.parametrize("applied_on,removed_on", [("module", "wrapper"), ("wrapper", "module"),
+                                                   ("wrapper", "wrapper")])
+@pytest.mark.parametrize("hook", list(WEIGHT_HOOKS))
+def test_weight_hooks_removed_through_either_side(hook, applied_on, removed_on):
+    """Regressions: removing spectral_norm, prune or the old weight_norm through the wrapper raised
+    AttributeError (no __delattr__), and pruning on the wrapper then removing on the module left the
+    wrapper a stale masked weight (masked gradients, updates ignored). After the removal the layer has
+    a plain weight Parameter again, which both layouts read."""
+    torch.manual_seed(0)
+    ref = sj("Conv2d", 2, 3, 3, padding=1).double()
+    w = wrap(ref)
+    (WEIGHT_HOOKS[hook])(w if applied_on == "wrapper" else w.time_first_module)
+    x = torch.randn(T, N, 2, 5, 4, dtype=torch.float64)
+    w(x.movedim(0, -1))
+    REMOVERS[hook](w if removed_on == "wrapper" else w.time_first_module)
+    layer_ = w.time_first_module
+    assert isinstance(layer_._parameters.get("weight"), nn.Parameter) and "weight" not in w.__dict__
+    with torch.no_grad():
+        layer_.weight.add_(1.0)
+    ref = copy.deepcopy(layer_)
+    check_against_time_first(ref, w, (2, 5, 4))
+    del w.padding_mode  # (deleting a setting goes to the layer, as setting it does)
+    assert "padding_mode" not in vars(layer_)

@@ -401,10 +401,7 @@ def _reference(net: nn.Module, inputs: list):
         return _eval(net, inputs[1])
     except Exception:  # noqa: BLE001
         inputs[1] = _same_steps(inputs)
-    try:
-        return _eval(net, inputs[1])
-    except Exception as e:  # noqa: BLE001
-        raise _probe_error(net, e) from e
+    return _probe_run(net, lambda: _eval(net, inputs[1]))
 
 
 def _probe_run(net: nn.Module, run):

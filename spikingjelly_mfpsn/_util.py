@@ -2,6 +2,7 @@
 the device it runs on."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -41,6 +42,18 @@ def run_hooked(net: nn.Module, x, hooks: list) -> None:
         for h in hooks:
             h.remove()
         _compat.functional.reset_net(net)
+
+
+@contextlib.contextmanager
+def modes_kept(net: nn.Module):
+    """Every module's own train/eval flag put back on leaving (``net.train(flag)`` would set them all
+    to one: a frozen batch norm, kept in eval inside a training network, would train again)."""
+    modes = [(m, m.training) for m in net.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def module_slots(net: nn.Module) -> list:

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _compat, ops
-from ._util import as_args, run_hooked
+from ._util import as_args, modes_kept, run_hooked
 from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
@@ -409,15 +409,11 @@ def estimate(net: nn.Module, x, *, costs: Optional[dict] = None, sops: str = "fo
         raise ValueError(f"x has no time steps (shape {tuple(first.shape)}): nothing to count")
     cost_table = check_costs(costs)
     _check_rates(firing_rate)
-    modes = {m: m.training for m in net.modules()}
-    net.eval()
-    try:
+    with modes_kept(net):
+        net.eval()
         _compat.functional.reset_net(net)
         records = _own_pass(net, x)  # (both passes reset the network after their run)
         sj = _spikingjelly_pass(net, x) if use_spikingjelly and _compat.op_counter is not None else None
-    finally:
-        for m, training in modes.items():
-            m.train(training)
     if not records:
         raise ValueError("net ran no Conv/Linear layer and no MF-PSN/PSN neuron: nothing to count")
     notes = [] if sj is not None else ["synaptic counts derived by this plugin (SpikingJelly's op_counter not used)"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat, layer, ops, tracing
-from ._util import module_slots, run_hooked
+from ._util import modes_kept, module_slots, run_hooked
 from .convert import current_layout, runs_time_first_inside
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
@@ -172,13 +172,10 @@ def _run_order(net: nn.Module, found: list, example_input) -> dict[int, int]:
                 raise ValueError(f"neuron {name!r} runs at several places, with {seen[id(mod)]} and {c} channels; "
                                  "a channel-wise MF-PSN has one width: give each place its own neuron")
 
-    was_training = net.training
-    net.eval()
-    try:
+    with modes_kept(net):
+        net.eval()
         run_hooked(net, example_input, [m.register_forward_pre_hook(functools.partial(hook, name))
                                         for name, m in found])
-    finally:
-        net.train(was_training)
     return seen
 
 

@@ -13,6 +13,7 @@ every value.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import re
@@ -25,7 +26,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from . import _compat, layer
-from ._util import as_args
+from ._util import as_args, modes_kept
 from .neuron import ChargeNeuronBase
 
 _LEAF_TYPES = (_compat.StepModule, _compat.MemoryModule, _compat.MultiStepModule, ChargeNeuronBase,
@@ -309,13 +310,12 @@ def _in_both_modes(net: nn.Module, trace_fn) -> fx.Graph:
     other training mode records the same forward (:class:`TraceFailure` if not: a trace would keep one
     branch of an ``if self.training``)."""
     graph = trace_fn()
-    modes, attrs = [m.training for m in net.modules()], set(net.__dict__)
+    attrs = set(net.__dict__)
     try:
-        net.train(not net.training)
-        other = trace_fn()
+        with modes_kept(net):
+            net.train(not net.training)
+            other = trace_fn()
     finally:
-        for m, mode in zip(net.modules(), modes):
-            m.training = mode
         for name in set(net.__dict__) - attrs:  # the second trace's tensor constants (fx names them anew)
             delattr(net, name)
     if _code(graph) != _code(other):
@@ -350,23 +350,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-class quiet:
+@contextlib.contextmanager
+def quiet(net: nn.Module):
     """Eval mode, no gradients, and neuron states reset after: runs on examples leave no trace."""
-
-    def __init__(self, net: nn.Module):
-        self.net = net
-
-    def __enter__(self):
-        self.training = [m.training for m in self.net.modules()]
-        self.net.eval()
-        self.grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
-
-    def __exit__(self, *exc):
-        torch.set_grad_enabled(self.grad)
-        for m, mode in zip(self.net.modules(), self.training):
-            m.training = mode
-        _compat.functional.reset_net(self.net)
+    with modes_kept(net), torch.no_grad():
+        net.eval()
+        try:
+            yield
+        finally:
+            _compat.functional.reset_net(net)
 
 
 # ---------------------------------------------------------------------------- time axes

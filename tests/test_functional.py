@@ -91,6 +91,18 @@ def test_example_input_of_a_network_of_several_inputs_is_a_tuple():
     assert (net.early.channels, net.late.channels) == (5, 3)
 
 
+@pytest.mark.parametrize("top", [True, False])
+def test_an_example_input_leaves_every_module_in_its_own_mode(top):
+    """Finding the run order put every module in the top's mode: a frozen batch norm (eval inside a
+    training network) came back training, its running statistics drifting with no error."""
+    net = nn.Sequential(layer.Conv1d(4, 5, 1, step_mode="m"), layer.BatchNorm1d(5, step_mode="m"),
+                        neuron.IFNode(step_mode="m"), layer.Dropout(0.5, step_mode="m")).train(top)
+    net[1].train(not top)
+    before = [m.training for m in net]
+    net, _ = replace_neurons(net, k=2, example_input=torch.rand(3, 2, 4, 3))
+    assert [m.training for m in net] == before
+
+
 def test_int_dilation_targets_and_kwargs():
     net, summary = replace_neurons(mlp(), k=2, dilation=2, targets=neuron.IFNode, threshold="param",
                                    quantize=False)

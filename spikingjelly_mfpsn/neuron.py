@@ -619,4 +619,6 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
              f"backend={self._backend!r}, step_mode={self.step_mode!r}")
         if self.ste != "whole":
             s += f", ste={self.ste!r}"
+        if self.input_bn is not None:  # (it normalises its input: more work, another timing)
+            s += f", input_bn={self.input_bn.batch_norm_class.__name__}"
         return s

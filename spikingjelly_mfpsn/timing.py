@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -95,20 +95,31 @@ def _method(m: nn.Module, method: str):
         m.method = old
 
 
+def _clone(a, grad: bool):
+    """A copy of an input; one that requires grad is not a leaf, as a layer's input inside a network is
+    not (an in-place layer, e.g. ``ReLU(inplace=True)``, refuses a leaf)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if grad and a.is_floating_point():
+        return a.detach().requires_grad_().clone()
+    return a.detach().clone()
+
+
 def _clone_args(args, grad: bool = True):
-    return tuple(a.detach().clone().requires_grad_(grad and a.is_floating_point()) if isinstance(a, torch.Tensor)
-                 else a for a in args)
+    return tuple(_clone(a, grad) for a in args)
 
 
-def capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple]:
-    """The positional inputs each of ``mods`` gets in a forward of ``net`` on ``x`` (its first call's)."""
-    seen: dict[str, tuple] = {}
+def capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict[str, tuple[tuple, dict]]:
+    """The positional and keyword inputs each of ``mods`` gets in a forward of ``net`` on ``x`` (its
+    first call's)."""
+    seen: dict[str, tuple[tuple, dict]] = {}
     hooks = []
     for name, m in mods:
-        def hook(mod, args, name=name):
+        def hook(mod, args, kwargs, name=name):
             if name not in seen:
-                seen[name] = _clone_args(args, grad=False)
-        hooks.append(m.register_forward_pre_hook(hook, prepend=True))  # before a fallback island's own
+                seen[name] = _clone_args(args, grad=False), {k: _clone(v, False) for k, v in kwargs.items()}
+        # (prepended: before a fallback island's own hook)
+        hooks.append(m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
     run_hooked(net, x, hooks)
     return seen
 
@@ -130,8 +141,8 @@ class _SeedGradient(torch.autograd.Function):
 
 
 def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] = time.perf_counter,
-            abandon_above: float = math.inf, input_grad: bool = True) -> float:
-    """Mean forward + backward time (seconds) of ``module(*args)``.
+            abandon_above: float = math.inf, input_grad: bool = True, kwargs: Optional[dict] = None) -> float:
+    """Mean forward + backward time (seconds) of ``module(*args, **kwargs)``.
 
     The mean is over the last ``m`` of ``2m`` timed runs, after a warm-up run (which may pay one-off costs,
     and is never timed).
@@ -156,9 +167,10 @@ def measure(module: nn.Module, args: tuple, m: int, timer: Callable[[], float] =
     times, z, warm, slow_warmups = [], None, False, 0
     while len(times) < 2 * m:
         inputs = _clone_args(args, input_grad and backward)
+        keywords = {k: _clone(v, input_grad and backward) for k, v in (kwargs or {}).items()}
         _compat.functional.reset_net(module)
         t0 = timer()
-        out = module(*inputs)
+        out = module(*inputs, **keywords)
         sync(device)
         elapsed = timer() - t0
         lost = min(times + [elapsed]) > abandon_above  # lost, whatever its backward takes (no times yet: warm-up)
@@ -192,17 +204,19 @@ def timed(measure_fn: Callable, module: nn.Module, args: tuple, m: int, **option
     return measure(module, args, m, **options) if measure_fn is measure else float(measure_fn(module, args, m))
 
 
-def time_candidates(module: nn.Module, args: tuple, m: int, measure_fn: Callable, skipped: list[str],
-                    where: str) -> dict[str, float]:
-    """Seconds of each of ``module``'s candidates on ``args``, timed in :func:`ordered` order; one that
-    cannot run takes ``inf``, and its error goes to ``skipped`` (as ``where/candidate: error``).
-    :func:`measure` stops timing a candidate once it clearly loses (``ABANDON`` times the best so far)."""
+def time_candidates(module: nn.Module, inputs: tuple[tuple, dict], m: int, measure_fn: Callable,
+                    skipped: list[str], where: str) -> dict[str, float]:
+    """Seconds of each of ``module``'s candidates on ``inputs`` (positional and keyword), timed in
+    :func:`ordered` order; one that cannot run takes ``inf``, and its error goes to ``skipped`` (as
+    ``where/candidate: error``). :func:`measure` stops timing a candidate once it clearly loses
+    (``ABANDON`` times the best so far); a ``measure_fn`` of the caller's gets the positional inputs."""
+    args, kwargs = inputs
     times: dict[str, float] = {}
     for c in ordered(module, args):
         best = min(times.values(), default=math.inf)
         with _method(module, c):
             try:
-                times[c] = timed(measure_fn, module, args, m, abandon_above=ABANDON * best)
+                times[c] = timed(measure_fn, module, args, m, abandon_above=ABANDON * best, kwargs=kwargs)
             except Exception as e:  # noqa: BLE001  (a candidate that cannot run is skipped)
                 times[c] = math.inf
                 skipped.append(f"{where}/{c}: {type(e).__name__}: {e}")

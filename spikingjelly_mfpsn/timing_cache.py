@@ -50,8 +50,22 @@ def _versions() -> dict[str, str]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    return f"cpu:{_cpu_model()}:{torch.get_num_threads()}threads"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name where the system tells it (Linux's /proc/cpuinfo; ``platform.processor()``
+    is empty there), else the machine's architecture: a cache shared by machines keeps each one's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "Hardware", "CPU part") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
     import platform
-    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+    return platform.processor() or platform.machine()
 
 
 def _where(ts: list) -> dict:

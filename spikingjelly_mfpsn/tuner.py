@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat, ops, timing, timing_cache
-from ._util import agree, as_args, device_type, tensors
+from ._util import agree, as_args, device_type, modes_kept, tensors
 from .convert import FALLBACKS, TIME_LAST_TYPES, current_layout, has_time_last_boundary, to_time_first, to_time_last
 from .report import AutoselectReport, LayerResult
 from .timing import candidates, capture_inputs, is_tunable, layers, measure, time_candidates, timed
@@ -94,18 +94,6 @@ def _restore(net: nn.Module, snap) -> None:
     _compat.functional.reset_net(net)
 
 
-@contextlib.contextmanager
-def _modes_kept(net: nn.Module):
-    """Every module's own train/eval flag put back on leaving (``net.train(flag)`` would set them all
-    to one: a frozen batch norm, kept in eval inside a training network, would train again)."""
-    modes = [(m, m.training) for m in net.modules()]
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
 def _rng_kept(net: nn.Module, x):
     """torch's random state (the CPU's, and that of the devices ``net`` and ``x`` are on) put back on
     leaving: the timed training runs draw from it (dropout), a cached call runs none, and a seeded
@@ -121,7 +109,7 @@ def _outputs(net: nn.Module, x) -> torch.Tensor:
     """Eval-mode outputs (deterministic: running statistics, no dropout), in full precision even
     under autocast: the check compares configurations, and reduced precision rounds each one its
     own way."""
-    with _modes_kept(net):
+    with modes_kept(net):
         net.eval()
         try:
             with torch.no_grad(), torch.autocast(device_type(tensors(x)), enabled=False):
@@ -317,22 +305,27 @@ class _Selection:
             times, hit = self._layer_times(layout, name, mod, inputs[name])
             plan[name] = choice = min(times, key=times.get)
             if math.isinf(times[choice]):
-                raise RuntimeError(f"no candidate of layer {name!r} could run in layout {layout!r}: "
-                                   f"{self.report.skipped[-len(times):]}")
+                if is_tunable(mod):
+                    raise RuntimeError(f"no candidate of layer {name!r} could run in layout {layout!r}: "
+                                       f"{self.report.skipped[-len(times):]}")
+                warnings.warn(f"autoselect: layer {name!r} ({type(mod).__name__}) cannot be timed on its own in "
+                              f"layout {layout!r} (see the report's skipped); its time is left out of the total")
             rows.append(LayerResult(name, type(mod).__name__, times, choice, hit))
         self.report.layouts[layout] = rows
-        self.report.totals[layout] = sum(r.times[r.choice] for r in rows)
+        self.report.totals[layout] = sum(r.times[r.choice] for r in rows if not math.isinf(r.times[r.choice]))
         return plan
 
-    def _layer_times(self, layout: str, name: str, mod: nn.Module, args: tuple) -> tuple[dict[str, float], bool]:
+    def _layer_times(self, layout: str, name: str, mod: nn.Module,
+                     inputs: tuple[tuple, dict]) -> tuple[dict[str, float], bool]:
         """Every candidate's seconds for one layer, and whether they came from the cache."""
-        key = layer_key(mod, layout, args)
+        key = layer_key(mod, layout, inputs[0] + tuple(inputs[1].values()))
         times = self.cache.get(key)
         if times is not None and set(times) == set(candidates(mod)):
             self.report.cache_hits += 1
             return times, True
-        times = time_candidates(mod, args, self.m, self.measure_fn, self.report.skipped, f"{layout}/{name}")
-        self.cache.put(key, times)
+        times = time_candidates(mod, inputs, self.m, self.measure_fn, self.report.skipped, f"{layout}/{name}")
+        if any(math.isfinite(t) for t in times.values()):  # (one that cannot be timed is tried again next time)
+            self.cache.put(key, times)
         self.report.timed += 1
         _restore(self.net, self.snap)  # timing ran forward/backward in training mode
         return times, False

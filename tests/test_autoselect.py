@@ -1,10 +1,12 @@
 """autoselect (paper Algorithm 1): choice, cache, self-check, state, zoo networks, distributed."""
 import copy
+import io
 import json
 import math
 import multiprocessing as mp
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -1293,3 +1295,84 @@ def test_bad_arguments_are_refused_before_any_timing(monkeypatch):
     with pytest.raises(ValueError, match="LOCK_TIMEOUT must be a number of seconds"):
         mf.autoselect(seq_net(), example(), measure_fn=count, progress=False)
     assert not timed
+
+
+class _KeywordGain(nn.Module):
+    def forward(self, x, *, gain):
+        return x * gain
+
+
+class _InPlaceAndKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.relu = layer.Linear(8, 6, step_mode="m"), nn.ReLU(inplace=True)
+        self.gain, self.sn = _KeywordGain(), MulFreeChannelwisePSN(6, k=2, step_mode="m")
+
+    def forward(self, x):
+        return self.sn(self.gain(self.relu(self.fc(x)), gain=torch.full((6,), 2.0)))
+
+
+def test_layers_timed_as_the_network_calls_them_in_place_or_with_keywords():
+    """A valid network made the whole autoselect fail ("no candidate of layer ... could run"): an
+    in-place layer was timed on a leaf input that requires grad, and a layer called with a keyword
+    argument was timed without it."""
+    net = _InPlaceAndKeyword()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = mf.autoselect(net, torch.rand(4, 3, 8), m=1, cache=False, progress=False, layouts=("time_first",))
+    rows = {r.name: r for r in report.layouts["time_first"]}
+    assert set(rows) == {"fc", "relu", "gain", "sn"} and not report.skipped
+    assert all(math.isfinite(t) for r in rows.values() for t in r.times.values())
+
+
+class _ThroughNumpy(nn.Module):
+    """Runs on data, not on a tensor that requires grad (as the network's first layer it gets data)."""
+
+    def forward(self, x):
+        return torch.from_numpy(x.numpy() * 2)
+
+
+def test_a_layer_that_cannot_be_timed_alone_is_left_out_of_the_total_with_a_warning():
+    """Such a layer (no choice of method to make) made the whole autoselect fail."""
+    net = nn.Sequential(_ThroughNumpy(), layer.Linear(8, 6, step_mode="m"), MulFreeChannelwisePSN(6, k=2, step_mode="m"))
+    x = torch.rand(4, 3, 8)
+    with pytest.warns(UserWarning, match=r"layer '0' \(_ThroughNumpy\) cannot be timed on its own"):
+        report = mf.autoselect(net, x, m=1, cache=False, progress=False, layouts=("time_first",))
+    rows = report.layouts["time_first"]
+    assert report.totals["time_first"] == sum(r.times[r.choice] for r in rows[1:]) > 0
+    assert any("numpy" in s for s in report.skipped) and report.methods["2"] != "-"
+
+
+def test_timings_are_kept_per_cpu_model(tmp_path, monkeypatch):
+    """The CPU's key was its architecture alone (Linux's ``platform.processor()`` is empty): a cache on a
+    shared home directory gave one machine another model's timings."""
+    import builtins
+    real_open = builtins.open
+
+    def cpuinfo_of(model):
+        def fake_open(path, *args, **kwargs):
+            if str(path) == "/proc/cpuinfo":
+                return io.StringIO(f"processor\t: 0\nmodel name\t: {model}\n\n")
+            return real_open(path, *args, **kwargs)
+        return fake_open
+
+    path, x = str(tmp_path / "c.json"), example()
+    counts = []
+    for model in ("CPU model one", "CPU model two", "CPU model one"):
+        monkeypatch.setattr(builtins, "open", cpuinfo_of(model))
+        fake = FakeTimes()
+        mf.autoselect(seq_net(), x, cache=path, measure_fn=fake, progress=False)
+        counts.append(fake.calls)
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0
+
+
+def test_a_neuron_that_normalises_its_input_gets_timings_of_its_own(tmp_path):
+    """The layer key did not see a fused input batch norm: the fused neuron (more work; on CUDA triton
+    fuses it and the others do not) took the plain neuron's cached timings."""
+    path, x = str(tmp_path / "c.json"), torch.rand(6, 3, 2, 5)
+    plain, fused = _with_dropout(), _with_dropout()
+    mf.fuse_batchnorm(fused)
+    mf.autoselect(plain, x, cache=path, measure_fn=FakeTimes(), progress=False, layouts=("time_first",))
+    report = mf.autoselect(fused, x, cache=path, measure_fn=FakeTimes(), progress=False, layouts=("time_first",))
+    row = next(r for r in report.layouts["time_first"] if r.kind == "MulFreeChannelwisePSN")
+    assert not row.cached and "input_bn=BatchNorm1d" in repr(fused[2])

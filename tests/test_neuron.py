@@ -604,6 +604,9 @@ def test_a_network_saved_with_cpp_loads_where_cpp_does_not_run(request):
     converted = mf.to_time_last(copy.deepcopy(loaded))  # the pinned method gives way to 'auto' ...
     with pytest.raises(ValueError, match=say):  # ... of the cpp backend, which is not here either
         converted(x)
+    mf.functional.set_method(loaded, "auto")  # (the message named it, but 'auto' stays within the backend)
+    with pytest.raises(ValueError, match=say + r" \(its method 'auto' picks among backend 'cpp''s\)"):
+        loaded(x)
     mf.functional.set_backend(loaded, "torch")
     assert (loaded[1].backend, loaded[1].method) == ("torch", "auto")
     torch.testing.assert_close(loaded(x), expected)

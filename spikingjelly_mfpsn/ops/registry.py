@@ -248,8 +248,8 @@ def not_here(backend: str) -> ValueError:
     """
     why = _UNAVAILABLE_REASONS.get(backend) or _INSTALL_HINTS.get(backend, "its backend is not available")
     return ValueError(f"method {backend!r} cannot run here: {why}. Here the methods are {sorted(_REGISTRY)}; a "
-                      f"network saved where it ran switches with functional.set_backend(net, 'torch') or "
-                      f"set_method(net, 'auto')")
+                      f"network saved where it ran switches with functional.set_backend(net, 'torch') (its "
+                      f"method 'auto' picks among backend {backend!r}'s)")
 
 
 def find(name: str) -> Optional[Implementation]:

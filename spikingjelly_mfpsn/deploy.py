@@ -386,9 +386,9 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state holds "
                              f"{tuple(queue[-1].shape)} {queue[-1].dtype} inputs; call functional.reset_net(net) "
                              f"before feeding another shape or switching arithmetic")
-        history = queue + (q,)
-        spikes = self._int_spikes(torch.stack(history), x, "time_first", last=1)[0]
         keep = (self.k - 1) * self.dilation
+        history = queue + (q.clone() if keep and q is x else q,)  # (an int64 input: the caller's own tensor)
+        spikes = self._int_spikes(torch.stack(history), x, "time_first", last=1)[0]
         self.x_queue = history[-keep:] if keep > 0 else ()
         return spikes
 

@@ -343,15 +343,18 @@ class ChargeNeuronBase(MemoryModule):
     def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._refuse_time_last_step()
         args = self._checked_args(x)
-        x = self._normalised(x, args, False)
+        given, x = x, self._normalised(x, args, False)
         queue = self.x_queue
         if queue and queue[-1].shape != x.shape:
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
-        history = queue + (self._promoted(x),)
-        spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         keep = (self.k - 1) * self.dilation
+        stored = self._promoted(x)
+        if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
+            stored = stored.clone()
+        history = queue + (stored,)
+        spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes if spikes.dtype == x.dtype else spikes.to(x.dtype)  # (computed in the promoted dtype)
 

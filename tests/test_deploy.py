@@ -322,6 +322,27 @@ def test_streaming_matches_multi_step_with_constant_memory(arithmetic):
 
 
 @pytest.mark.parametrize("arithmetic", ["float", "integer"])
+def test_streaming_through_one_refilled_buffer_matches_multi_step(arithmetic):
+    """The step history held the caller's tensor itself (a float input, or an int64 fixed-point one in
+    integer arithmetic): frames streamed through one preallocated buffer rewrote it, silently."""
+    torch.manual_seed(12)
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=3, dilation=2, threshold="bn", exp_init=False,
+                                                    step_mode="m")).eval())
+    x = on_grid(9, 2, 3)
+    if arithmetic == "integer":
+        deploy.set_integer(f, FRAC_BITS)
+        x = (x * 2 ** FRAC_BITS).long()
+    with torch.no_grad():
+        want = f(x)
+        f.step_mode = "s"
+        buffer, got = torch.empty_like(x[0]), []
+        for x_t in x:
+            buffer.copy_(x_t)
+            got.append(f(buffer))
+    assert torch.equal(torch.stack(got), want)
+
+
+@pytest.mark.parametrize("arithmetic", ["float", "integer"])
 def test_streaming_state_moves_with_the_network_and_keeps_its_dtype(arithmetic):
     """Mid-stream, ``net.to(device)`` moves every neuron's queued steps (integer ones too, which a dtype
     cast such as ``net.double()`` leaves integer)."""

@@ -270,6 +270,23 @@ def test_single_step_training_gradients_match_multi_step():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("threshold", ["param", "bn"])
+def test_single_step_keeps_its_own_copy_of_each_input(threshold):
+    """The step history held the caller's tensor itself: a stream fed through one refilled buffer (or an
+    input changed in place after the step) rewrote the history, and the spikes differed from
+    multi-step with no error."""
+    m, s = _pair(3, 2, threshold)
+    m.eval(), s.eval()
+    x = seq(10, 4, 3, (2,))
+    buffer = torch.empty_like(x[0])
+    out_s = []
+    with torch.no_grad():
+        for t in range(10):
+            buffer.copy_(x[t])
+            out_s.append(s(buffer))
+    torch.testing.assert_close(torch.stack(out_s), m(x), rtol=0, atol=0)
+
+
 def test_reset_and_detach():
     sn = MulFreeChannelwisePSN(channels=2, k=3, dilation=2, threshold="param", step_mode="s")
     x = torch.randn(4, 2, requires_grad=True)

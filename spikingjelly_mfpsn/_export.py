@@ -21,18 +21,35 @@ from .neuron import MulFreeChannelwisePSN
 STEP_CONTAINERS = tuple(c for c in map(_compat.sj_layer, ("SeqToANNContainer", "MultiStepContainer")) if c)
 
 
-def layers(net: nn.Module, prefix: str = "", whole: bool = True) -> list[tuple[str, nn.Module]]:
+# The forwards of containers that run their children one after the other.
+_CHAIN_FORWARDS = (nn.Sequential.forward, *(c.forward for c in STEP_CONTAINERS))
+_KNOWN = ("torch", "spikingjelly", "spikingjelly_mfpsn")  # (packages whose layers the exporters know)
+
+
+def is_chain(m: nn.Module) -> bool:
+    """An ``nn.Sequential`` (SpikingJelly's step containers are ones) that runs its children in turn: not
+    a subclass with a forward of its own (e.g. a residual block written as one)."""
+    return isinstance(m, nn.Sequential) and type(m).forward in _CHAIN_FORWARDS
+
+
+def layers(net: nn.Module, prefix: str = "", whole: bool = True, error: type = ValueError) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` in execution order: nested Sequential containers (SeqToANNContainer is one) opened.
     ``whole``: the modules see the whole (T, N, ...) sequence (not inside a SeqToANNContainer or
     MultiStepContainer, which hand them steps): a plain ``torch.nn.Flatten`` there is given as the same
-    flatten of one step."""
-    if isinstance(net, nn.Sequential):
+    flatten of one step. ``error`` for a layer whose class overrides its forward (the exporters know
+    layers by their class)."""
+    if is_chain(net):
         out, whole = [], whole and not isinstance(net, STEP_CONTAINERS)
         for name, child in net._modules.items():  # (every place: a layer used twice is listed twice)
             if child is not None:
-                out += layers(child, f"{prefix}{name}.", whole)
+                out += layers(child, f"{prefix}{name}.", whole, error)
         return out
     name = prefix.rstrip(".") or type(net).__name__
+    owner = next(c for c in type(net).__mro__ if "forward" in c.__dict__)
+    if owner.__module__.split(".")[0] not in _KNOWN and not next(net.children(), None):
+        raise error(f"layer {name!r} ({type(net).__name__}) has a forward of its own, defined in {owner.__module__}: "
+                    f"the exporters know torch.nn's and SpikingJelly's layers by their class, so they cannot "
+                    f"export what it computes")
     return [(name, _StepFlatten(name, net) if whole and type(net) is nn.Flatten else net)]
 
 
@@ -189,7 +206,7 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
             values[node] = values[folded_into[node]]
         elif node.op == "call_module":
             module = net.get_submodule(node.target)
-            seq = layers(module, f"{node.target}.")
+            seq = layers(module, f"{node.target}.", error=error)
             user = next(iter(node.users)) if len(node.users) == 1 else None
             if len(seq) == 1 and user is not None and user.op == "call_module" and \
                     isinstance(net.get_submodule(user.target), BATCH_NORMS):
@@ -213,9 +230,9 @@ def follow(net: nn.Module, example_input: torch.Tensor, out, error: type):
     layer for an ``nn.Sequential`` of layers (or a lone neuron), else along its forward traced on
     ``example_input`` (blocks with forwards of their own, e.g. residual ones, may sit in Sequentials)."""
     feat = tuple(example_input.shape[2:])
-    if isinstance(net, deploy.FoldedMulFreePSN) or isinstance(net, nn.Sequential) and not any(
-            next(m.children(), None) is not None and not tracing.is_leaf(m) for _, m in layers(net)):
-        return out.chain(unique(layers(net), set(out.reserved)), out.input(), feat)  # (no block with a forward)
+    if isinstance(net, deploy.FoldedMulFreePSN) or is_chain(net) and not any(
+            next(m.children(), None) is not None and not tracing.is_leaf(m) for _, m in layers(net, error=error)):
+        return out.chain(unique(layers(net, error=error), set(out.reserved)), out.input(), feat)  # (no block)
     try:
         graph, _, _ = tracing.trace(net, example_input)
     except tracing.TraceFailure as e:

@@ -119,6 +119,33 @@ class _ResidualBlock(nn.Module):
         return x + self.sn(self.bn(self.conv(x)))
 
 
+class SequentialResidual(nn.Sequential):
+    """A residual block written as an ``nn.Sequential`` subclass: its forward adds the input back."""
+
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+class StandardisedConv1d(nn.Conv1d):
+    """A weight-standardised convolution: a torch.nn layer whose subclass computes with another weight."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean(dim=(1, 2), keepdim=True)) / (w.std(dim=(1, 2), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
+def residual_sequential_subclass(tail=()):
+    """:func:`residual_in_sequential` with the block a :class:`SequentialResidual`."""
+    from spikingjelly.activation_based import layer
+    from spikingjelly_mfpsn import MulFreeChannelwisePSN
+    block = SequentialResidual(layer.Conv1d(8, 8, 3, padding=1, bias=False, step_mode="m"),
+                               layer.BatchNorm1d(8, step_mode="m"), MulFreeChannelwisePSN(8, k=2, step_mode="m"))
+    net = residual_in_sequential(tail)
+    net[3] = block
+    return net
+
+
 def residual_in_sequential(tail=()):
     """A residual block nested in an nn.Sequential (as model zoos build stages), then SpikingJelly's
     Flatten, a readout and the modules ``tail``."""

@@ -10,8 +10,8 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, residual_in_sequential,
-                  run_inference_example, shared_layers_net)
+from nets import (Residual, SharedPool, StandardisedConv1d, calibrated, digits_sequences, export_error_without,
+                  residual_in_sequential, residual_sequential_subclass, run_inference_example, shared_layers_net)
 
 nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
 from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
@@ -106,8 +106,11 @@ def test_conv2d_and_avgpool2d_networks():
 
 
 @pytest.mark.parametrize("bad, what", [(layer.MaxPool1d(2, 2, step_mode="m"), "MaxPool1d"),
-                                       (layer.AvgPool1d(3, 3, step_mode="m"), "power-of-two")])
+                                       (layer.AvgPool1d(3, 3, step_mode="m"), "power-of-two"),
+                                       (layer.SeqToANNContainer(StandardisedConv1d(4, 4, 1)),
+                                        r"layer '2\.0' \(StandardisedConv1d\) has a forward of its own")])
 def test_a_layer_nir_cannot_express_is_named(bad, what):
+    """A torch.nn layer's subclass with its own forward was exported as the torch.nn layer."""
     net = nn.Sequential(layer.Conv1d(1, 4, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
                         bad)
     with pytest.raises(NIRExportError, match=r"layer '2'.*" + what if what == "MaxPool1d" else what):
@@ -120,12 +123,14 @@ def test_an_unquantised_neuron_is_refused():
         export_to_nir(net, torch.rand(4, 2, 3))
 
 
-@pytest.mark.parametrize("build,readout", [(Residual, "fc"), (residual_in_sequential, "5")],
-                         ids=["forward", "block-in-Sequential"])
+@pytest.mark.parametrize("build,readout", [(Residual, "fc"), (residual_in_sequential, "5"),
+                                           (residual_sequential_subclass, "5")],
+                         ids=["forward", "block-in-Sequential", "Sequential-subclass"])
 def test_a_residual_network_round_trips(build, readout):
     """A forward that adds (a residual connection) and calls torch.flatten: NIR adds the edges into
     a node, so the sum needs none; the digits give the same logits after export and import. Also with
-    the residual block nested in an nn.Sequential (regression: it was refused as a layer)."""
+    the residual block nested in an nn.Sequential (regression: it was refused as a layer), and written
+    as an nn.Sequential subclass (regression: exported as a chain of its children, the addition lost)."""
     torch.manual_seed(2)
     x = digits_sequences()
     net = calibrated(build(), x)

@@ -12,8 +12,9 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import (Residual, SharedPool, calibrated, digits_sequences, export_error_without, residual_in_sequential,
-                  run_inference_example, shared_layers_net, small_inputs_net)
+from nets import (Residual, SharedPool, StandardisedConv1d, calibrated, digits_sequences, export_error_without,
+                  residual_in_sequential, residual_sequential_subclass, run_inference_example, shared_layers_net,
+                  small_inputs_net)
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
@@ -92,15 +93,18 @@ def test_an_unfolded_time_last_network_is_folded_and_calibrated_on_the_example()
     assert isinstance(net[1], MulFreeChannelwisePSN)  # (the network itself is left unfolded)
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["forward", "block-in-Sequential"])
+@pytest.mark.parametrize("nested", ["forward", "block-in-Sequential", "Sequential-subclass"])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_residual_network(streaming, nested):
     """A forward traced with torch.fx: the residual addition is an Add, torch.flatten a Reshape. Also
-    with the residual block nested in an nn.Sequential (regression: it was refused as a layer)."""
+    with the residual block nested in an nn.Sequential (regression: it was refused as a layer), and
+    written as an nn.Sequential subclass (regression: exported as a chain, the addition lost)."""
     torch.manual_seed(3)
     x = digits_sequences()
     tail = MulFreeChannelwisePSN(10, k=2, step_mode="m")
-    net = deploy.fold(calibrated(residual_in_sequential((tail,)) if nested else Residual(tail=tail), x, steps=20))
+    build = {"forward": lambda: Residual(tail=tail), "block-in-Sequential": lambda: residual_in_sequential((tail,)),
+             "Sequential-subclass": lambda: residual_sequential_subclass((tail,))}[nested]
+    net = deploy.fold(calibrated(build(), x, steps=20))
     with torch.no_grad():
         deploy.set_integer(net, calibrate=x)
     want = run(net, x)
@@ -240,6 +244,10 @@ def test_what_cannot_be_exported_is_named():
         export_onnx(good, torch.randn(4, 2, 5))
     with pytest.raises(ValueError, match=r"example_input must have no empty dim.*\(4, 0, 3\)"):
         export_onnx(good, torch.randn(4, 0, 3))
+    own = nn.Sequential(layer.SeqToANNContainer(StandardisedConv1d(3, 4, 1)),
+                        MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    with pytest.raises(ONNXExportError, match=r"layer '0\.0' \(StandardisedConv1d\) has a forward of its own"):
+        export_onnx(own, torch.randn(4, 2, 3, 5))  # (it was exported as a plain Conv1d)
     flat = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
                          nn.Flatten(-2)).eval()
     with pytest.raises(ValueError, match=r"layer '2': torch.nn.Flatten\(start_dim=-2.*time or batch"):

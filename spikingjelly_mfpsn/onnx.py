@@ -236,8 +236,11 @@ def _integer_copy(net: nn.Module, example_input: torch.Tensor) -> nn.Module:
     net = prepared(net, example_input)
     neurons = deploy.folded_neurons(net)
     if any(m.frac_bits is None for _, m in neurons):
+        kept = [(m, m.frac_bits, m.acc_frac_bits) for _, m in neurons if m.frac_bits is not None]
         with torch.no_grad():
-            deploy.set_integer(net, calibrate=example_input)
+            deploy.set_integer(net, calibrate=example_input)  # (calibrates every neuron: the set ones get theirs back)
+        for m, frac_bits, acc_frac_bits in kept:
+            m.frac_bits, m.acc_frac_bits = frac_bits, acc_frac_bits
     return net
 
 

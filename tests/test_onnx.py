@@ -279,3 +279,20 @@ def test_a_batch_norm_is_folded_into_a_linear_only_where_it_normalises_its_featu
     with pytest.raises(ONNXExportError, match=r"layer '1\.0': a BatchNorm after the Linear '0' on steps of shape "
                                               r"\(N, 4, 4\) normalises dim 1"):
         export_onnx(linear_then_batch_norm((4, 4)), torch.randn(6, 3, 4, 4))
+
+
+def test_a_format_set_on_one_neuron_is_kept_while_the_others_are_calibrated():
+    """export_onnx recalibrated every neuron where one had no format, overwriting the formats the
+    user set (15 of 512 spikes differed from the integer network asked for, with no error)."""
+    torch.manual_seed(0)
+    x = torch.rand(8, 16, 8)
+    net = nn.Sequential(layer.Linear(8, 6, step_mode="m"), MulFreeChannelwisePSN(6, k=2, step_mode="m"),
+                        layer.Linear(6, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"))
+    folded = deploy.fold(calibrated(net, x))
+    deploy.set_integer(folded[1], frac_bits=0)  # (a coarse format, which calibration would not pick)
+    want = copy.deepcopy(folded)
+    with torch.no_grad():
+        deploy.set_integer(want, calibrate=x)
+    deploy.set_integer(want[1], frac_bits=0)
+    got = torch.from_numpy(session(export_onnx(folded, x)).run(None, {"x": x.numpy()})[0])
+    assert torch.equal(got, run(want, x)) and folded[3].frac_bits is None

@@ -99,6 +99,14 @@ def check_dt(dt, name: str = "dt") -> float:
     return float(dt)
 
 
+def described(x) -> str:
+    """What ``x`` is, for an error about an example input: a tensor's dtype and shape, or another type."""
+    if isinstance(x, torch.Tensor):
+        return f"a {str(x.dtype).replace('torch.', '')} tensor of shape {tuple(x.shape)}"
+    kind = type(x).__qualname__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__qualname__}"
+    return f"a {kind}" + (" (not a torch.Tensor)" if hasattr(x, "shape") else "")
+
+
 def per_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module``'s stateless op on one step ``x`` (N, ...), through its torch.nn base class's forward
     (a SpikingJelly layer in multi-step mode expects a time axis); a dropout, in eval, passes ``x``."""
@@ -201,6 +209,9 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
         if node.op == "placeholder":
             values[node] = out.input()
         elif node.op == "output":
+            if not isinstance(node.args[0], fx.Node):
+                raise error(f"{type(net).__name__}'s forward returns {type(node.args[0]).__name__}: the exporters write "
+                            f"a network with one output, a tensor")
             return values[node.args[0]]
         elif node in folded_into:  # a BatchNorm folded into the layer before it
             values[node] = values[folded_into[node]]

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover (the message is tested by simulating a m
     _nir = None
 
 from . import deploy
-from ._export import bn_after, check_dt, fold_bn, follow, is_dropout, per_step, prepared
+from ._export import bn_after, check_dt, described, fold_bn, follow, is_dropout, per_step, prepared
 
 __all__ = ["NIRExportError", "NIRImportError", "NIRNetwork", "export_to_nir", "import_from_nir"]
 
@@ -74,7 +74,21 @@ def _weighted(name, module, bn, feat):
     if isinstance(module, nn.Conv1d):
         padding = 0 if module.padding == "valid" else module.padding[0]
         return nir.Conv1d(feat[-1], weight, module.stride[0], padding, module.dilation[0], 1, bias)
-    return nir.Conv2d(tuple(feat[-2:]), weight, module.stride, module.padding, module.dilation, 1, bias)
+    node = nir.Conv2d(tuple(feat[-2:]), weight, module.stride, module.padding, module.dilation, 1, bias)
+    _check_conv2d_output(name, node, module)
+    return node
+
+
+def _check_conv2d_output(name, node, module) -> None:
+    """NIRExportError where the NIR package infers another output size than the layer's: NIR 1.0.8 reads
+    a Conv2d's kernel size from its height alone, so a graph with a non-square kernel fails its type
+    check (and ``nir.read`` would refuse the file)."""
+    from nir.ir.conv import calculate_conv_output
+    hw = calculate_conv_output(node.input_shape, node.padding, node.dilation, node.weight.shape[2:], node.stride)
+    if list(node.output_type["output"][1:]) != list(hw):
+        raise NIRExportError(f"layer {name!r}: this NIR package ({getattr(_nir, '__version__', '?')}) gives a Conv2d "
+                             f"the output size of a square kernel, and kernel_size={module.kernel_size} is not; a "
+                             f"graph holding it fails NIR's type check")
 
 
 def _ungrouped(weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -96,7 +110,8 @@ def _avgpool1d(name, module, feat, dtype):
                                                                       module.padding))
     if size & (size - 1) or module.ceil_mode or (pad and not module.count_include_pad):
         raise NIRExportError(f"layer {name!r}: AvgPool1d is exported as a Conv1d with weights 1/kernel_size, exact only "
-                             f"for a power-of-two kernel_size without ceil_mode (got {module})")
+                             f"for a power-of-two kernel_size without ceil_mode, and with count_include_pad where it "
+                             f"pads (got {module})")
     c = feat[0]
     weight = _ungrouped(torch.full((c, 1, size), 1.0 / size, dtype=dtype), c)
     return _nir.Conv1d(feat[-1], _np(weight), stride, pad, 1, 1, np.zeros(c, dtype=_np(weight).dtype))
@@ -239,7 +254,7 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     dt = check_dt(dt)
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3:
         raise ValueError("example_input must be a time-first tensor (T, N, ...) with at least 3 dims, got "
-                         f"{getattr(example_input, 'shape', type(example_input).__name__)}")
+                         + described(example_input))
     if example_input.dtype not in (torch.float16, torch.float32, torch.float64):
         raise ValueError(f"example_input (and net) must be float16, float32 or float64, the dtypes a NIR graph's "
                          f"NumPy arrays have, got {example_input.dtype}: export a copy, e.g. net.float()")

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover (the message is tested with the package 
     _onnx = None
 
 from . import deploy
-from ._export import STEP_CONTAINERS, bn_after, fold_bn, follow, is_dropout, per_step, prepared
+from ._export import STEP_CONTAINERS, bn_after, described, fold_bn, follow, is_dropout, per_step, prepared
 from .neuron import MulFreeChannelwisePSN
 
 __all__ = ["ONNXExportError", "export_onnx"]
@@ -265,8 +265,7 @@ def _check_args(onnx, example_input, opset, streaming):
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 3 \
             or example_input.dtype != torch.float32:
         raise ValueError("example_input must be a float32 time-first tensor (T, N, ...) with at least 3 dims, got "
-                         f"{getattr(example_input, 'dtype', type(example_input).__name__)} "
-                         f"{tuple(getattr(example_input, 'shape', ()))}")
+                         + described(example_input))
     if not example_input.numel():
         raise ValueError(f"example_input must have no empty dim (it fixes the model's shapes), got shape "
                          f"{tuple(example_input.shape)}")

@@ -169,6 +169,8 @@ def test_bad_arguments():
         export_to_nir(net, torch.rand(3, 1, 1), dt=0)
     with pytest.raises(ValueError, match="example_input"):
         export_to_nir(net, torch.rand(3, 1))
+    with pytest.raises(ValueError, match=r"got a numpy.ndarray \(not a torch.Tensor\)"):  # (it named its shape)
+        export_to_nir(net, torch.rand(3, 1, 1).numpy())
     with pytest.raises(ValueError, match=r"must be float16, float32 or float64.*got torch.bfloat16"):
         export_to_nir(boundary_neuron().bfloat16(), torch.rand(3, 1, 1, dtype=torch.bfloat16))
 
@@ -389,3 +391,34 @@ def test_a_graph_of_mixed_dtypes_names_them_and_runs_once_made_one():
             net(x.to(dtype))
     want = (x * torch.tensor([2.0, 3.0])) @ torch.from_numpy(weight).t()
     torch.testing.assert_close(net.float()(x), want)
+
+
+def test_a_non_square_convolution_round_trips_or_is_named_where_nir_cannot_type_it():
+    """NIR 1.0.8 gives a Conv2d the output size of a square kernel of its height: export_to_nir raised
+    NIR's bare "Type inference error". Where the installed NIR types it right, it must round trip."""
+    from nir.ir.conv import calculate_conv_output
+    torch.manual_seed(0)
+    x = torch.rand(4, 2, 1, 8, 8)
+    net = nn.Sequential(layer.Conv2d(1, 2, (3, 2), step_mode="m"), MulFreeChannelwisePSN(2, k=2, step_mode="m")).eval()
+    probe = nir.Conv2d((8, 8), np.zeros((2, 1, 3, 2), dtype=np.float32), 1, 0, 1, 1, np.zeros(2, dtype=np.float32))
+    if list(probe.output_type["output"][1:]) == list(calculate_conv_output((8, 8), 0, 1, (3, 2), 1)):
+        assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))
+    else:
+        with pytest.raises(NIRExportError, match=r"layer '0'.*kernel_size=\(3, 2\) is not"):
+            export_to_nir(net, x)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn = layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")
+
+    def forward(self, x):
+        h = self.sn(self.fc(x))
+        return h, h + h
+
+
+def test_a_forward_with_several_outputs_is_named():
+    """It raised a bare KeyError."""
+    with pytest.raises(NIRExportError, match="_TwoOutputs's forward returns tuple: .* one output"):
+        export_to_nir(_TwoOutputs().eval(), torch.rand(4, 2, 3))

@@ -148,6 +148,20 @@ def test_errors():
     body, x = integer_body(2)
     with pytest.raises(ValueError, match="float32"):
         export_onnx(body, x.double())
+    with pytest.raises(ValueError, match=r"got a numpy.ndarray \(not a torch.Tensor\)"):  # (it named float32)
+        export_onnx(body, x.numpy())
+    with pytest.raises(ONNXExportError, match="_TwoOutputs's forward returns tuple: .* one output"):  # (a KeyError)
+        export_onnx(_TwoOutputs().eval(), torch.rand(4, 2, 3))
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn = layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")
+
+    def forward(self, x):
+        h = self.sn(self.fc(x))
+        return h, h + h
     net = nn.Sequential(layer.Linear(8, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
                         nn.Softplus()).eval()
     with pytest.raises(ONNXExportError, match=r"layer '2' \(Softplus\)"):

@@ -10,9 +10,11 @@ convention counts one ADD per multiply/shift, accumulating, plus one ADD per ste
 * PSN: ``T^2`` MUL and ``T^2 + T`` ADD (a dense ``(T, T)`` matrix product plus the threshold).
 
 Synaptic layers (paper Eq. syn energy, after Spikformer): an *encoding* layer (a Conv/Linear that runs
-before any spiking neuron on non-spike input) costs its dense MACs (FLOPs); every other Conv/Linear
-costs ``SOPs = fr x T x FLOPs(l)`` accumulates (AC), ``fr`` = the mean of its input (the firing rate
-for spikes, the mean spike count per element for average-pooled spikes). Energy at 45 nm:
+before any spiking neuron on non-spike input) costs its dense MACs (FLOPs), and so does a *dense* one
+(a Conv/Linear after a neuron whose input is not spikes: values outside [0, 1], e.g. the output of
+another Linear); every other Conv/Linear costs ``SOPs = fr x T x FLOPs(l)`` accumulates (AC), ``fr`` =
+the mean of its input (the firing rate for spikes, the mean spike count per element for average-pooled
+spikes). Energy at 45 nm:
 :data:`COSTS_45NM`, all overridable.
 
 Two counts are kept per layer and compared by the tests: ``counts`` (the closed forms / paper
@@ -212,7 +214,8 @@ def _synaptic_layer(module: nn.Module) -> Optional[nn.Module]:
 class LayerCount:
     """One neuron or synaptic layer of an :class:`EnergyReport` (all counts per sample).
 
-    ``role``: ``'neuron'``, ``'encoding'`` (dense MACs) or ``'synaptic'`` (SOPs). ``counts``: what the
+    ``role``: ``'neuron'``, ``'encoding'`` or ``'dense'`` (dense MACs: non-spike input before any neuron,
+    or after one) or ``'synaptic'`` (SOPs). ``counts``: what the
     energy uses (closed forms; SOPs by the paper's formula or the events, see ``sops``);
     ``counted``: what ran; ``spikingjelly``: SpikingJelly's counters (2.x), else ``None``.
     """
@@ -255,8 +258,8 @@ class EnergyReport:
 
     @property
     def synaptic_ops(self) -> dict[str, float]:
-        """``{'mac': encoding MACs (FLOPs), 'sop': SOPs}`` per sample."""
-        ops_ = self.ops(("encoding", "synaptic"))
+        """``{'mac': encoding and dense MACs (FLOPs), 'sop': SOPs}`` per sample."""
+        ops_ = self.ops(("encoding", "dense", "synaptic"))
         return {"mac": ops_.get("mac", 0), "sop": ops_.get("sop", 0)}
 
     @property
@@ -325,11 +328,12 @@ def _own_pass(net: nn.Module, x) -> list[dict]:
         binary = bool(((x_in == 0) | (x_in == 1)).all())
         macs = dense_macs(module, out)
         record = dict(name=name, kind=type(module).__name__, binary=binary)
-        if binary or any(r["role"] == "neuron" for r in records):
+        after_neuron = any(r["role"] == "neuron" for r in records)
+        if binary or after_neuron and bool(((x_in >= 0) & (x_in <= 1)).all()):  # (spikes, or pooled spikes)
             record.update(role="synaptic", firing_rate=float(x_in.double().mean()), dense=macs,
                           counted={"sop": spike_events(module, x_in)})
-        else:  # non-spike input before any neuron
-            record.update(role="encoding", counts={"mac": macs}, counted={"mac": macs})
+        else:  # non-spike input, before any neuron or after one
+            record.update(role="dense" if after_neuron else "encoding", counts={"mac": macs}, counted={"mac": macs})
         records.append(record)
 
     hooks = []
@@ -442,7 +446,7 @@ def _layer_counts(records: list[dict], sj: Optional[dict], root: str, firing_rat
             # SpikingJelly counts events only for binary inputs (it treats pooled spikes as dense MACs).
             events = theirs["sop"] if theirs is not None and r["binary"] else r["counted"]["sop"]
             r["counts"] = {"sop": fr * r["dense"] if sops == "formula" else events}
-        elif r["role"] == "encoding" and theirs is not None:
+        elif r["role"] in ("encoding", "dense") and theirs is not None:
             r["counts"] = {"mac": theirs.get("mac", 0)}
         layers.append(LayerCount(r["name"], r["role"], r["kind"], _per_sample(r["counts"], batch),
                                  _per_sample(r["counted"], batch), _per_sample(theirs, batch),

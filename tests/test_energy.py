@@ -309,3 +309,21 @@ def test_a_layer_called_twice_counts_as_two_copies(use_spikingjelly, sops):
         counts = [energy.estimate(m, x, sops=sops, use_spikingjelly=use_spikingjelly).synaptic_ops
                   for m in (shared, copies)]
         assert counts[0] == counts[1] and counts[0]["mac"] > 0
+
+
+@pytest.mark.parametrize("sops", ["formula", "events"])
+def test_a_layer_on_values_that_are_not_spikes_costs_dense_macs_after_a_neuron_too(sops):
+    """A Linear fed by another Linear after a neuron was costed as SOPs with the mean of its input as
+    the firing rate: -2562 SOP, and a negative energy, for an input of mean -5."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(8, 16), MulFreeChannelwisePSN(16, k=2), layer.Linear(16, 16),
+                        layer.Linear(16, 4), MulFreeChannelwisePSN(4, k=2))
+    with torch.no_grad():
+        net[2].bias.fill_(-5.0)
+    functional.set_step_mode(net, "m")
+    t, n = 8, 4
+    report = energy.estimate(net, torch.rand(t, n, 8), sops=sops)
+    roles = {row.name: (row.role, row.counts) for row in report.layers}
+    assert roles["3"] == ("dense", {"mac": t * 4 * 16})  # (per sample: T steps x 4 outputs x 16 inputs)
+    assert roles["2"][0] == "synaptic" and report.synaptic_ops["mac"] == t * 16 * 8 + t * 4 * 16
+    assert all(v >= 0 for row in report.layers for v in row.counts.values()) and report.total_energy_uj > 0

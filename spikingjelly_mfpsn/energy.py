@@ -43,7 +43,7 @@ from ._util import as_args, modes_kept, run_hooked
 from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
-from .neuron import MulFreeChannelwisePSN
+from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
 #: Energy per operation in pJ at 45 nm (paper Sec. 5.4: FP32 MUL/ADD, FIX32 SHIFT, MAC/AC of Eq. syn).
 COSTS_45NM = {"mul": 3.7, "add": 0.9, "shift": 0.13, "mac": 4.6, "ac": 0.9}
@@ -504,23 +504,30 @@ if _compat.op_counter is not None:
         def bind_model(self, model: nn.Module) -> None:
             super().bind_model(model)
             self._neuron_mode = _compat.op_counter.ModuleCounterMode([self.neuron_counter], model=model)
+            self._fused = [m for m in model.modules() if isinstance(m, FusedBatchNorm)]
 
         def __enter__(self):
             if self._neuron_mode is None:
                 raise RuntimeError("MulFreeEnergyProfiler.bind_model() must be called before entering.")
             self.neuron_counter.reset()
             self._neuron_mode.__enter__()
+            self._hooks = [m.register_forward_hook(_run_fused_batch_norm) for m in self._fused]
             try:
                 return super().__enter__()
             except BaseException:
-                self._neuron_mode.__exit__(None, None, None)
+                self._leave(None, None, None)
                 raise
 
         def __exit__(self, exc_type, exc, tb):
             try:
                 return super().__exit__(exc_type, exc, tb)
             finally:
-                self._neuron_mode.__exit__(exc_type, exc, tb)
+                self._leave(exc_type, exc, tb)
+
+        def _leave(self, *exc) -> None:
+            for h in self._hooks:
+                h.remove()
+            self._neuron_mode.__exit__(*exc)
 
         def get_report(self):
             report = super().get_report()
@@ -531,6 +538,17 @@ if _compat.op_counter is not None:
             report.energy_compute_pj += neuron_pj
             report.energy_total_pj += neuron_pj
             return report
+
+    @torch.no_grad()
+    def _run_fused_batch_norm(module, args, out) -> None:
+        """A fused batch norm's normalisation, run where SpikingJelly's counters see it (the neuron that
+        applies it is ignored by them) on copies of its statistics and discarded: the same counts as the
+        network before ``fuse_batchnorm``. The counts depend on the input's size and channels only."""
+        stats = [None if t is None else t.clone() for t in (module.running_mean, module.running_var)]
+        if module.training and module.num_batches_tracked is not None:  # (torch's BatchNorm counts its batches)
+            module.num_batches_tracked.clone().add_(1)
+        F.batch_norm(args[0].reshape(-1, module.num_features), *stats, module.weight, module.bias,
+                     module.training or stats[0] is None, 0.0, module.eps)
 else:
     def _needs_spikingjelly2(name: str):
         def missing(*args, **kwargs):

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from spikingjelly.activation_based import functional, layer
 
+import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, energy
 
 from nets import Gained
@@ -327,3 +328,32 @@ def test_a_layer_on_values_that_are_not_spikes_costs_dense_macs_after_a_neuron_t
     assert roles["3"] == ("dense", {"mac": t * 4 * 16})  # (per sample: T steps x 4 outputs x 16 inputs)
     assert roles["2"][0] == "synaptic" and report.synaptic_ops["mac"] == t * 16 * 8 + t * 4 * 16
     assert all(v >= 0 for row in report.layers for v in row.counts.values()) and report.total_energy_uj > 0
+
+
+@needs_op_counter
+@pytest.mark.parametrize("training", [False, True])
+def test_the_profiler_counts_a_fused_batch_norm_as_the_batch_norm_it_was(training):
+    """After fuse_batchnorm the normalisation runs inside the neuron, whose ops the profiler ignores: the
+    same network was reported cheaper (mac 11520 against 12800), and its state must not change."""
+    torch.manual_seed(5)
+    net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1), layer.BatchNorm2d(4), MulFreeChannelwisePSN(4, k=3),
+                        layer.Flatten(), layer.Linear(64, 3), MulFreeChannelwisePSN(3))
+    functional.set_step_mode(net, "m")
+    x = torch.randn(5, 2, 2, 4, 4)
+    net(x)
+    functional.reset_net(net)
+    net.train(training)
+    fused = copy.deepcopy(net)
+    spikingjelly_mfpsn.fuse_batchnorm(fused)
+    reports = []
+    for n in (net, fused):
+        before = {k: v.clone() for k, v in n.state_dict().items()}
+        profiler = energy.MulFreeEnergyProfiler()
+        profiler.bind_model(n)
+        with profiler, torch.no_grad():
+            n(x)
+        functional.reset_net(n)
+        reports.append(profiler.get_report())
+        assert all(torch.equal(v, before[k]) for k, v in n.state_dict().items()) or training
+    assert reports[0].counts == reports[1].counts and reports[0].counts["mac"] > 0
+    assert reports[0].energy_total_pj == pytest.approx(reports[1].energy_total_pj)

@@ -353,6 +353,8 @@ class ChargeNeuronBase(MemoryModule):
         stored = self._promoted(x)
         if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
             stored = stored.clone()
+        if keep and not queue:  # zeros before the first step: one length from the first step on, so
+            queue = (torch.zeros_like(stored),) * keep  # torch.compile traces it once, not once per length
         history = queue + (stored,)
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()

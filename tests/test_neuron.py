@@ -252,7 +252,7 @@ def test_single_step_equals_multi_step(rank, k, d, threshold):
         x = seq(t, 4, 3, FEATURES[rank])
         functional.reset_net(s)
         out_s = torch.stack([s(x[i]) for i in range(t)])
-        assert len(s.x_queue) == min(t, (k - 1) * d)
+        assert len(s.x_queue) == (k - 1) * d  # (one length from the first step on: zeros before it)
         torch.testing.assert_close(out_s, m(x), rtol=0, atol=0)
 
 
@@ -285,6 +285,22 @@ def test_single_step_keeps_its_own_copy_of_each_input(threshold):
             buffer.copy_(x[t])
             out_s.append(s(buffer))
     torch.testing.assert_close(torch.stack(out_s), m(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k,d", [(2, 7), (3, 4), (4, 3)])
+def test_a_compiled_single_step_network_streams_past_the_recompile_limit(k, d):
+    """The step history grew by one input per step until it held (k-1)*d: a new length for torch.compile
+    to trace every step, which past dynamo's recompile limit (8) failed with fullgraph=True."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = MulFreeChannelwisePSN(channels=3, k=k, dilation=d, threshold="param", step_mode="m").eval()
+    s = copy.deepcopy(m)
+    s.step_mode = "s"
+    compiled = torch.compile(s, fullgraph=True, backend="eager")
+    x = torch.randn(12, 2, 3)
+    with torch.no_grad():
+        out = torch.stack([compiled(x_t) for x_t in x])
+    torch.testing.assert_close(out, m(x), rtol=0, atol=0)
 
 
 def test_reset_and_detach():

@@ -46,6 +46,18 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
     return ops.choose(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout, backend)
 
 
+class LazyBuffer(nn.UninitializedBuffer):
+    """torch's ``UninitializedBuffer``, which ``copy.deepcopy`` copies as it does an ``UninitializedParameter``
+    (pytorch/pytorch#83168 fixed it for parameters only): a network right after ``replace_neurons``
+    holds lazy neurons. tests/test_neuron.py tells when torch's own copies."""
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:  # (a cast, e.g. .double(), gives one without the persistent flag)
+            memo[id(self)] = type(self)(self.requires_grad, self.data.device, self.data.dtype,
+                                        getattr(self, "persistent", True))
+        return memo[id(self)]
+
+
 class FusedBatchNorm(nn.Module):
     """A batch norm whose normalisation the MF-PSN after it applies (``functional.fuse_batchnorm``).
 
@@ -529,8 +541,8 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         if threshold == "bn":
             self.gamma = nn.UninitializedParameter()
             self.beta = nn.UninitializedParameter()
-            self.register_buffer("running_mean", nn.UninitializedBuffer())
-            self.register_buffer("running_var", nn.UninitializedBuffer())
+            self.register_buffer("running_mean", LazyBuffer())
+            self.register_buffer("running_var", LazyBuffer())
             self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
         else:
             self.v_threshold = nn.UninitializedParameter()

@@ -32,7 +32,8 @@ def is_chain(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward in _CHAIN_FORWARDS
 
 
-def layers(net: nn.Module, prefix: str = "", whole: bool = True, error: type = ValueError) -> list[tuple[str, nn.Module]]:
+def layers(net: nn.Module, prefix: str = "", whole: bool = True,
+           error: type = ValueError) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` in execution order: nested Sequential containers (SeqToANNContainer is one) opened.
     ``whole``: the modules see the whole (T, N, ...) sequence (not inside a SeqToANNContainer or
     MultiStepContainer, which hand them steps): a plain ``torch.nn.Flatten`` there is given as the same

@@ -37,13 +37,22 @@ def exp_init_weight(channels: int, k: int) -> torch.Tensor:
     return row.repeat(channels, 1)
 
 
-def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend: str = "torch") -> str:
+def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend: str = "torch",
+                   step_mode: str = "m") -> str:
     """The implementation ``method='auto'`` uses before any autoselect pass.
 
     See ``ops.choose``: the supported implementation of the highest declared priority; on CUDA tensors the
-    fused kernels.
+    fused kernels. ``x``: the neuron's input, a sequence in ``layout`` (``step_mode='m'``, at least
+    ``(T, N, C)``) or one step ``(N, C, ...)`` (``step_mode='s'``).
     """
-    return ops.choose(x, x.new_empty(x.shape[ops.channel_dim(layout)], k), dilation, layout, backend)
+    if step_mode not in ("m", "s"):
+        raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() < (3 if step_mode == "m" else 2):
+        what = "sequence (T, N, C, ...) or (N, C, ..., T)" if step_mode == "m" else "step (N, C, ...)"
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a {what} for step_mode={step_mode!r}, got {got}")
+    channels = x.shape[ops.channel_dim(layout) if step_mode == "m" else 1]
+    return ops.choose(x, x.new_empty(channels, k), dilation, layout, backend)
 
 
 class LazyBuffer(nn.UninitializedBuffer):

@@ -390,6 +390,12 @@ def test_auto_method_uses_documented_default():
     assert ops.get(chosen).supports(xl, torch.empty(3, 16), 1, "time_last")
     sn.method = "conv1d"
     assert sn.resolve_method(x) == "conv1d"
+    # One step: its channels are on dim 1 (an (N, C) step raised IndexError, an (N, C, H, W) one read H)
+    step = MulFreeChannelwisePSN(channels=3, k=2, step_mode="s")
+    for x1 in (torch.randn(2, 3), torch.randn(2, 3, 5, 5)):
+        assert spikingjelly_mfpsn.default_method(x1, 2, 1, "time_first", step_mode="s") == step.resolve_method(x1)
+    with pytest.raises(ValueError, match=r"x must be a sequence .* for step_mode='m', got \(2, 3\)"):
+        spikingjelly_mfpsn.default_method(torch.randn(2, 3), 2, 1, "time_first")
     assert set(sn.supported_methods) == set(ops.names(layout="time_first", backend="torch"))
 
 

@@ -518,13 +518,14 @@ def _widest_format(name: str, m: "FoldedMulFreePSN", top: float, acc_frac_bits: 
     int64 accumulator of neuron ``m`` (the widths :func:`int_charge` and :func:`int_bias` check)."""
     if not math.isfinite(top):
         raise ValueError(f"calibrate: layer {name!r}'s input holds NaN or inf (max |x| = {top})")
-    top_bits = math.frexp(top)[1] + headroom_bits if top > 0 else 0  # bits of the integer part, + headroom
     bias_top = float(m.bias.detach().abs().max()) if m.bias.numel() else 0.0
     bias_bits = math.frexp(bias_top)[1] if bias_top > 0 else 0
     for f in range(_MAX_BITS, -1, -1):
         extra = (acc_frac_bits - f) if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, f) - f
         shifts = max(0, int(m.shift.max()) + extra) if m.shift.numel() else 0
-        if top_bits + f + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS \
+        # (the bits of the largest input in format f: rounding may carry it up to the next power of two)
+        input_bits = round(math.ldexp(top, headroom_bits + f)).bit_length() if top > 0 else 0
+        if input_bits + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS \
                 and f + extra <= _MAX_BITS:
             return f
     if bias_bits + (acc_frac_bits if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, 0)) >= _MAX_BITS:

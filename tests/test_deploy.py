@@ -506,6 +506,23 @@ def test_calibration_headroom_bounds_the_inputs():
         net(x * 1e6)
 
 
+@pytest.mark.parametrize("headroom", [0, 2])
+def test_the_calibrated_format_holds_its_largest_input_rounded_up(headroom):
+    """An input just below a power of two rounds up to it in fixed point, one bit more than the format
+    was chosen for: with weights spanning 40 octaves, set_integer failed on its own calibration data
+    (headroom 0), or on an input 2**headroom times its largest (the docs say such inputs fit)."""
+    sn = MulFreeChannelwisePSN(1, k=2, step_mode="m", threshold="param", exp_init=False)
+    with torch.no_grad():
+        sn.weight.copy_(torch.tensor([[2.0 ** 20, 2.0 ** -20]]))
+        sn.v_threshold.fill_(1.0)
+    f = deploy.fold(sn.eval())
+    x = torch.tensor([1 - 2.0 ** -24, 0.5, -0.25]).view(3, 1, 1)
+    deploy.set_integer(f, calibrate=x, headroom_bits=headroom)
+    functional.reset_net(f)
+    top = x * 2 ** headroom
+    assert torch.equal(f(top), reference_spikes(f, top))
+
+
 def test_the_most_negative_int64_is_out_of_range():
     """Regression: abs() of int64's most negative value stays negative, so the range check passed
     it and the accumulator wrapped silently."""

@@ -474,6 +474,8 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
     if not isinstance(headroom_bits, int) or isinstance(headroom_bits, bool) or not 0 <= headroom_bits <= _MAX_BITS:
         raise ValueError(f"headroom_bits must be an int in [0, {_MAX_BITS}], got {headroom_bits!r}")
     neurons = folded_neurons(net)
+    if calibrate is not None:
+        _check_multi_step(neurons, "set_integer(calibrate=...)")
     found = {name: (m.frac_bits, m.acc_frac_bits, m.layer_name) for name, m in neurons}
     try:
         formats = {name: frac_bits if frac_bits is not None else FRAC_BITS for name, _ in neurons}
@@ -538,6 +540,15 @@ def _widest_format(name: str, m: "FoldedMulFreePSN", top: float, acc_frac_bits: 
                         f"pass acc_frac_bits to round the smallest taps down"))
 
 
+def _check_multi_step(neurons: list, what: str) -> None:
+    """ValueError naming the folded neurons in single-step mode: ``what`` runs whole sequences."""
+    single = [name for name, m in neurons if m.step_mode != "m"]
+    if single:
+        raise ValueError(f"{what} runs the network on whole sequences (T, N, ...), and the folded neurons "
+                         f"{', '.join(single)} are in step_mode='s': functional.set_step_mode(net, 'm') first "
+                         f"(and back to 's' after, to stream)")
+
+
 def set_float(net: nn.Module) -> nn.Module:
     """Run every folded neuron of ``net`` on the float path again (clears single-step state)."""
     for _, m in folded_neurons(net):
@@ -576,8 +587,7 @@ def agreement(net: nn.Module, x, frac_bits: Optional[int] = None,
     formats = {n: (frac_bits if frac_bits is not None else m.frac_bits if m.frac_bits is not None else FRAC_BITS,
                    acc_frac_bits if acc_frac_bits is not None or frac_bits is not None else m.acc_frac_bits)
                for n, m in neurons}
-    if any(m.step_mode != "m" for _, m in neurons):
-        raise ValueError("agreement needs the folded neurons in step_mode='m' (whole sequences)")
+    _check_multi_step(neurons, "agreement")
     found = {n: (m.frac_bits, m.acc_frac_bits) for n, m in neurons}
     try:
         set_float(net)

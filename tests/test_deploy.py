@@ -463,6 +463,12 @@ def test_bad_input_gives_clear_errors():
         deploy.fold(MulFreeChannelwisePSN(None, step_mode="m"))
     with pytest.raises(ValueError, match="quantize=True"):
         deploy.fold(MulFreeChannelwisePSN(3, quantize=False))
+    # Calibration runs whole sequences: a streaming net failed in a channel check, or named agreement
+    streaming = deploy.fold(nn.Sequential(layer.Linear(8, 3), MulFreeChannelwisePSN(3, k=2)).eval())
+    for x in (torch.rand(5, 2, 8), torch.rand(2, 8)):
+        with pytest.raises(ValueError, match=r"calibrate=.*whole sequences.*neurons 1 are in step_mode='s'"):
+            deploy.set_integer(streaming, calibrate=x)
+    assert streaming[1].frac_bits is None
 
 
 # ---------------------------------------------------------------- no silent wrong answers

@@ -46,8 +46,10 @@ def run_hooked(net: nn.Module, x, hooks: list) -> None:
 
 @contextlib.contextmanager
 def modes_kept(net: nn.Module):
-    """Every module's own train/eval flag put back on leaving (``net.train(flag)`` would set them all
-    to one: a frozen batch norm, kept in eval inside a training network, would train again)."""
+    """Put every module's own train/eval flag back on leaving.
+
+    ``net.train(flag)`` would set them all to one: a frozen batch norm, kept in eval inside a training
+    network, would train again."""
     modes = [(m, m.training) for m in net.modules()]
     try:
         yield

@@ -264,6 +264,7 @@ class ChargeNeuronBase(MemoryModule):
     def _check_rank(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        ops.registry.check_dense(x)
         if self.step_mode == "s":
             if not 2 <= x.dim() <= 5:
                 raise ValueError(f"single-step x must be (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); "
@@ -371,6 +372,9 @@ class ChargeNeuronBase(MemoryModule):
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
         keep = (self.k - 1) * self.dilation
+        if queue and len(queue) != keep:  # (the history is keep long from the first step on)
+            raise ValueError(f"the stored state holds {len(queue)} inputs but k={self.k}, dilation={self.dilation} "
+                             f"take {keep}: call functional.reset_net(net) after changing k or dilation")
         stored = self._promoted(x)
         if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
             stored = stored.clone()
@@ -430,7 +434,11 @@ class CheckpointConfig:
                 return (f"the checkpoint's {where} is uninitialised (channels=None, saved before its first "
                         f"forward): load it into a neuron built with channels=None, or save after a forward")
         saved = {}
-        if isinstance(config, torch.Tensor) and config.numel() == 2:
+        if config is not None and not (isinstance(config, torch.Tensor) and config.numel() == 2):
+            return (f"the checkpoint's {where} has {self.CONFIG_KEY}="
+                    f"{config.tolist() if isinstance(config, torch.Tensor) else config!r}, not [k, dilation]: the "
+                    f"checkpoint is damaged, or it is not an MF-PSN neuron's")
+        if config is not None:
             saved["k"], saved["dilation"] = (int(v) for v in config.tolist())
         if isinstance(shaped, torch.Tensor) and shaped.dim() == 2:
             saved.setdefault("k", shaped.shape[1])

@@ -341,6 +341,19 @@ def test_single_step_shape_change_is_a_clear_error():
     sn(torch.randn(5, 2, 3))  # fine after a reset
 
 
+def test_changing_the_dilation_mid_sequence_is_a_clear_error():
+    """The old history was read with the new dilation: 3 and 6 spikes differed from multi-step on the
+    next two steps, with no error."""
+    sn = MulFreeChannelwisePSN(channels=2, k=2, dilation=1, threshold="param", step_mode="s")
+    for _ in range(3):
+        sn(torch.randn(4, 2))
+    sn.dilation = 2
+    with pytest.raises(ValueError, match="holds 1 inputs but k=2, dilation=2 take 2.*reset_net"):
+        sn(torch.randn(4, 2))
+    functional.reset_net(sn)
+    sn(torch.randn(4, 2))  # fine after a reset
+
+
 def test_state_follows_dtype_and_device_moves():
     sn = MulFreeChannelwisePSN(channels=2, k=2, threshold="param", step_mode="s")
     sn(torch.randn(3, 2))

@@ -247,6 +247,10 @@ def test_a_checkpoint_of_another_order_dilation_or_width_is_refused_by_name(lazy
             target.load_state_dict(saved)
         if lazy:
             assert target[1].channels is None  # nothing was materialised from the refused checkpoint
+    # A damaged (k, dilation) record loaded without a word
+    for bad in (torch.tensor([7, 7, 7]), torch.tensor([3])):
+        with pytest.raises(RuntimeError, match=r"layer '1' has order_dilation=\[.*\], not \[k, dilation\]"):
+            net(None if lazy else 4, 3, 2, threshold).load_state_dict({**saved, "1.order_dilation": bad})
 
 
 def test_a_folded_checkpoint_of_another_order_dilation_or_width_is_refused_by_name():
@@ -599,6 +603,10 @@ def test_a_sparse_input_is_refused_by_name_in_every_method(step):
                 ops.mf_psn_step([None, x[0]], w, bias=torch.zeros(3), method=method)
             else:
                 ops.mf_psn(x, w, bn=_bn(3), method=method, training=True)
+    # The neuron names its own argument (a single step named the kernels' taps[-1])
+    neuron = MulFreeChannelwisePSN(3, k=2, step_mode="s" if step else "m")
+    with pytest.raises(TypeError, match=r"^x must be a dense tensor"):
+        neuron(x[0] if step else x)
 
 
 @pytest.mark.parametrize("method", ["cpp", "triton"])

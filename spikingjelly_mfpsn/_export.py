@@ -51,6 +51,10 @@ def layers(net: nn.Module, prefix: str = "", whole: bool = True,
         raise error(f"layer {name!r} ({type(net).__name__}) has a forward of its own, defined in {owner.__module__}: "
                     f"the exporters know torch.nn's and SpikingJelly's layers by their class, so they cannot "
                     f"export what it computes")
+    if whole and type(net) in BATCH_NORMS:  # (torch's own, not SpikingJelly's multi-step one)
+        raise error(f"layer {name!r}: torch.nn.{type(net).__name__} in a multi-step network normalises dim 1 of the "
+                    f"(T, N, ...) sequence, its batch axis, which no per-step layer does; use SpikingJelly's "
+                    f"layer.{type(net).__name__} (or put it in a SeqToANNContainer)")
     return [(name, _StepFlatten(name, net) if whole and type(net) is nn.Flatten else net)]
 
 

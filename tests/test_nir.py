@@ -422,3 +422,12 @@ def test_a_forward_with_several_outputs_is_named():
     """It raised a bare KeyError."""
     with pytest.raises(NIRExportError, match="_TwoOutputs's forward returns tuple: .* one output"):
         export_to_nir(_TwoOutputs().eval(), torch.rand(4, 2, 3))
+
+
+def test_a_torch_batch_norm_on_the_whole_sequence_is_named():
+    """torch's own BatchNorm1d in a multi-step Sequential normalises dim 1 of (T, N, C), the batch (the
+    network runs where N == C); it was folded into the Linear's features: every output differed."""
+    net = nn.Sequential(layer.Linear(8, 4, step_mode="m"), nn.BatchNorm1d(4),
+                        MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    with pytest.raises(NIRExportError, match=r"layer '1': torch.nn.BatchNorm1d .* its batch axis"):
+        export_to_nir(net, torch.rand(5, 4, 8))

@@ -258,6 +258,10 @@ def test_what_cannot_be_exported_is_named():
         export_onnx(good, torch.randn(4, 2, 5))
     with pytest.raises(ValueError, match=r"example_input must have no empty dim.*\(4, 0, 3\)"):
         export_onnx(good, torch.randn(4, 0, 3))
+    whole_bn = nn.Sequential(layer.Linear(8, 4, step_mode="m"), nn.BatchNorm1d(4),
+                             MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
+    with pytest.raises(ONNXExportError, match=r"layer '1': torch.nn.BatchNorm1d .* its batch axis"):
+        export_onnx(whole_bn, torch.rand(5, 4, 8))  # (it was folded into the Linear's features)
     own = nn.Sequential(layer.SeqToANNContainer(StandardisedConv1d(3, 4, 1)),
                         MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
     with pytest.raises(ONNXExportError, match=r"layer '0\.0' \(StandardisedConv1d\) has a forward of its own"):

@@ -193,14 +193,17 @@ def _is_add(node: fx.Node) -> bool:
         (node.op == "call_method" and node.target == "add" and not node.kwargs)
 
 
-def _flatten_start(node: fx.Node) -> Optional[int]:
-    """The start dim of a ``torch.flatten(x, start)`` / ``x.flatten(start)`` to the end, else None."""
+def _flatten_start(node: fx.Node, shapes: dict) -> Optional[int]:
+    """The start dim (counted from 0) of a ``torch.flatten(x, start)`` / ``x.flatten(start)`` to the end,
+    else None."""
     if node.target not in (torch.flatten, "flatten") or node.op not in ("call_function", "call_method"):
         return None
     args = list(node.args[1:]) + [node.kwargs.get(k) for k in ("start_dim", "end_dim") if k in node.kwargs]
     start = args[0] if args else 0
     end = args[1] if len(args) > 1 else -1
-    return start if end == -1 and isinstance(start, int) else None
+    if end != -1 or not isinstance(start, int):
+        return None
+    return start + len(shapes[node.args[0]]) if start < 0 else start
 
 
 def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
@@ -232,8 +235,8 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
         elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):
             values[node] = out.sum(fresh(node.name, used), values[node.args[0]], values[node.args[1]],
                                    tuple(shapes[node][2:]))
-        elif _flatten_start(node) is not None and _flatten_start(node) >= 2:
-            values[node] = out.flatten(fresh(node.name, used), values[node.args[0]], _flatten_start(node),
+        elif (start := _flatten_start(node, shapes)) is not None and start >= 2:
+            values[node] = out.flatten(fresh(node.name, used), values[node.args[0]], start,
                                        tuple(shapes[node.args[0]][2:]))
         else:
             raise error(f"{rewrite.describe(node)} cannot be exported: the exporters follow modules, "

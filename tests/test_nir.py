@@ -431,3 +431,22 @@ def test_a_torch_batch_norm_on_the_whole_sequence_is_named():
                         MulFreeChannelwisePSN(4, k=2, step_mode="m")).eval()
     with pytest.raises(NIRExportError, match=r"layer '1': torch.nn.BatchNorm1d .* its batch axis"):
         export_to_nir(net, torch.rand(5, 4, 8))
+
+
+class _FlattenInForward(nn.Module):
+    def __init__(self, start):
+        super().__init__()
+        self.start = start
+        self.conv = layer.Conv2d(1, 2, 1, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m")
+
+    def forward(self, x):
+        return torch.flatten(self.sn(self.conv(x)), self.start)
+
+
+@pytest.mark.parametrize("start", [2, -2, -3])
+def test_a_torch_flatten_in_a_forward_to_the_end_round_trips(start):
+    """A negative start (a flatten of each step's features, counted from the end) was refused."""
+    net = _FlattenInForward(start).eval()
+    x = torch.rand(3, 2, 1, 3, 4)
+    assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))

@@ -314,3 +314,24 @@ def test_a_format_set_on_one_neuron_is_kept_while_the_others_are_calibrated():
     deploy.set_integer(want[1], frac_bits=0)
     got = torch.from_numpy(session(export_onnx(folded, x)).run(None, {"x": x.numpy()})[0])
     assert torch.equal(got, run(want, x)) and folded[3].frac_bits is None
+
+
+class _FlattenInForward(nn.Module):
+    def __init__(self, start):
+        super().__init__()
+        self.start = start
+        self.conv = layer.Conv2d(1, 2, 1, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m")
+
+    def forward(self, x):
+        return torch.flatten(self.sn(self.conv(x)), self.start)
+
+
+@pytest.mark.parametrize("start", [2, -2, -3])
+def test_a_torch_flatten_in_a_forward_to_the_end_exports(start):
+    """A negative start (a flatten of each step's features, counted from the end) was refused."""
+    torch.manual_seed(0)
+    net = _FlattenInForward(start).eval()
+    x = torch.rand(3, 2, 1, 3, 4)
+    y = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
+    assert torch.equal(torch.from_numpy(y), integer_reference(net, x))

@@ -483,6 +483,10 @@ def set_integer(net: nn.Module, frac_bits: Optional[int] = None, acc_frac_bits: 
             tops = _input_magnitudes(net, calibrate, neurons)
             formats = {name: _widest_format(name, m, tops.get(name, 0.0), acc_frac_bits, headroom_bits)
                        for name, m in neurons}
+            unseen = [name for name, _ in neurons if not tops.get(name)]
+            if unseen:  # (a format fit to no range: larger inputs overflow, and an exported model wraps)
+                warnings.warn(f"set_integer: the calibration data gives the folded neurons {', '.join(unseen)} "
+                              f"only zero inputs, so their formats are fit to no range; calibrate on real data")
         for name, m in neurons:
             m.frac_bits, m.acc_frac_bits, m.x_queue, m.layer_name = formats[name], acc_frac_bits, (), name
             with m._naming_overflow():

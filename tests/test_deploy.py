@@ -740,3 +740,14 @@ def test_from_fixed_gives_a_float16_value_whose_integer_it_cannot_hold():
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         want = torch.tensor([2.0 ** -4, -(2.0 ** 6) - 2.0 ** -24, 3 * 2.0 ** -24], dtype=torch.float64).to(dtype)
         assert torch.equal(deploy.from_fixed(q, 24, dtype), want)
+
+
+def test_calibrating_on_zeros_warns():
+    """An all-zero 'shape' example (as torch.onnx.export users pass) fit the formats to no range, silently:
+    larger inputs then overflow, and an exported model wraps around."""
+    f = deploy.fold(randomise(MulFreeChannelwisePSN(3, k=2, threshold="param", exp_init=False, step_mode="m")).eval())
+    with pytest.warns(UserWarning, match="neurons .* only zero inputs.*calibrate on real data"):
+        deploy.set_integer(f, calibrate=torch.zeros(4, 2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        deploy.set_integer(f, calibrate=on_grid(4, 2, 3))

@@ -73,7 +73,7 @@ class _Graph:
 
     def chain(self, seq, x: str, feat: tuple):
         """Add the layers ``seq`` on value ``x`` of per-step shape ``feat``: ``(value, its per-step shape)``."""
-        probe, i = torch.zeros(1, *feat), 0
+        probe, i = torch.zeros(1, *feat, dtype=torch.float32), 0  # (the default dtype may be another)
         while i < len(seq):
             name, module = seq[i]
             if isinstance(module, deploy.FoldedMulFreePSN):

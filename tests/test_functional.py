@@ -208,6 +208,9 @@ def test_set_method_warns_once_per_class_and_not_for_another_kind(caplog):
 def test_added_to_spikingjelly_functional_without_overriding():
     assert functional.replace_neurons is spikingjelly_mfpsn.replace_neurons
     assert functional.set_method is spikingjelly_mfpsn.set_method
+    # (the docs call them on SpikingJelly's functional: an AttributeError there)
+    assert functional.fuse_batchnorm is spikingjelly_mfpsn.fuse_batchnorm
+    assert functional.unfuse_batchnorm is spikingjelly_mfpsn.unfuse_batchnorm
     if sj.HAS_SET_BACKEND:  # 0.0.0.0.14 keeps its own, which works on MF-PSN
         assert functional.set_backend is not spikingjelly_mfpsn.set_backend
         sn = MulFreeChannelwisePSN(channels=2)

@@ -335,3 +335,21 @@ def test_a_torch_flatten_in_a_forward_to_the_end_exports(start):
     x = torch.rand(3, 2, 1, 3, 4)
     y = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
     assert torch.equal(torch.from_numpy(y), integer_reference(net, x))
+
+
+def test_a_float32_network_exports_under_a_float64_default_dtype():
+    """A probe took torch's default dtype: a float32 network failed with "mat1 and mat2 must have the
+    same dtype"."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(8, 6, step_mode="m"), MulFreeChannelwisePSN(6, k=2, step_mode="m"),
+                        layer.Linear(6, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"))
+    x = torch.rand(8, 4, 8)
+    net = calibrated(net, x)
+    want = integer_reference(net, x)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = export_onnx(net, x)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(torch.from_numpy(session(model).run(None, {"x": x.numpy()})[0]), want)

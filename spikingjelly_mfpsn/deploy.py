@@ -429,8 +429,15 @@ def fold(net: nn.Module) -> nn.Module:
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    folded = {}
+    for name, m in net.named_modules():  # (every neuron first: one refused leaves the network as it was)
+        if isinstance(m, MulFreeChannelwisePSN):
+            try:
+                folded[id(m)] = FoldedMulFreePSN.from_neuron(m)
+            except ValueError as e:
+                raise ValueError(f"cannot fold layer {name or type(net).__name__!r}: {e}") from None
     functional.unfuse_batchnorm(net)
-    return _swap(net, MulFreeChannelwisePSN, FoldedMulFreePSN.from_neuron).eval()
+    return _swap(net, MulFreeChannelwisePSN, lambda m: folded[id(m)]).eval()
 
 
 def unfold(net: nn.Module) -> nn.Module:

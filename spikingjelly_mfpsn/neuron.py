@@ -636,7 +636,8 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         a right shift).
         """
         if not self.quantize:
-            raise ValueError("export_shifts needs quantize=True: unquantised weights are not powers of two")
+            raise ValueError("its weights are not quantised (quantize=False), so they are not powers of two: "
+                             "folding (and export_shifts) needs a neuron trained with quantize=True")
         with torch.no_grad():
             w, b = self.fused_weight_bias()
             shift, sign = shift_amounts(w)

@@ -463,6 +463,15 @@ def test_bad_input_gives_clear_errors():
         deploy.fold(MulFreeChannelwisePSN(None, step_mode="m"))
     with pytest.raises(ValueError, match="quantize=True"):
         deploy.fold(MulFreeChannelwisePSN(3, quantize=False))
+    # A refused neuron leaves the network as it was (it was half folded, its batch norms unfused)
+    half = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+                         MulFreeChannelwisePSN(4, k=2, step_mode="m"), layer.Linear(4, 2, step_mode="m"),
+                         MulFreeChannelwisePSN(2, k=2, quantize=False, step_mode="m"))
+    mf_functional.fuse_batchnorm(half)
+    kinds = [type(m) for m in half]
+    with pytest.raises(ValueError, match="cannot fold layer '4': its weights are not quantised"):
+        deploy.fold(half)
+    assert [type(m) for m in half] == kinds and half[2].input_bn is half[1]
     # Calibration runs whole sequences: a streaming net failed in a channel check, or named agreement
     streaming = deploy.fold(nn.Sequential(layer.Linear(8, 3), MulFreeChannelwisePSN(3, k=2)).eval())
     for x in (torch.rand(5, 2, 8), torch.rand(2, 8)):

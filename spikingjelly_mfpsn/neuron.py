@@ -178,6 +178,19 @@ class ChargeNeuronBase(MemoryModule):
         self._layout = ops.check_layout(value)
         self._keep_method_if(lambda impl: value in impl.layouts)
 
+    @property
+    def step_mode(self) -> str:
+        return self._step_mode
+
+    @step_mode.setter
+    def step_mode(self, value: str) -> None:
+        """SpikingJelly's, refusing a switch to ``'s'`` of a time-last neuron (as the time-last layers do)
+        rather than failing at its next forward (one built time-last in SpikingJelly's default ``'s'``
+        runs once ``set_step_mode(net, 'm')`` is called)."""
+        if value == "s" and self.__dict__.get("_layout") == "time_last":
+            self._refuse_time_last_step()
+        MemoryModule.step_mode.fset(self, value)
+
     def _keep_method_if(self, fits) -> None:
         """Back to ``method='auto'`` unless the pinned method is registered here and ``fits(impl)``: one
         pinned for another layout or backend, or one that does not run here (e.g. in a network saved
@@ -225,6 +238,8 @@ class ChargeNeuronBase(MemoryModule):
             _check_method_layout(method, layout)
         if surrogate_function is not None:
             self.surrogate_function = surrogate_function
+        if layout == "time_first":  # (in the order that never pairs step_mode='s' with layout='time_last')
+            self.layout = layout
         if step_mode is not None:
             self.step_mode = step_mode
         self.layout = layout

@@ -1024,3 +1024,12 @@ def test_a_time_last_neuron_refuses_to_run_single_steps():
         sn(torch.rand(2, 3, 4, 5))
     sn.step_mode = "m"
     assert sn(torch.rand(2, 3, 4, 5)).shape == (2, 3, 4, 5)
+    # Switching it to single steps is refused at once (it failed at the next forward only) ...
+    with pytest.raises(ValueError, match="layout='time_last' runs whole"):
+        sn.step_mode = "s"
+    assert sn.step_mode == "m"
+    # ... while configure switches both, in either direction
+    sn.configure(step_mode="s", layout="time_first")
+    assert (sn.step_mode, sn.layout) == ("s", "time_first") and sn(torch.rand(2, 3, 4)).shape == (2, 3, 4)
+    sn.configure(step_mode="m", layout="time_last")
+    assert (sn.step_mode, sn.layout) == ("m", "time_last")

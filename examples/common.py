@@ -100,7 +100,8 @@ def add_common_args(p: argparse.ArgumentParser, epochs: int, batch_size: int, lr
                    help="no progress bars on a terminal (there are none when stderr is not a terminal: "
                         "one line per epoch)")
     g.add_argument("--verbose", action="store_true",
-                   help="print autoselect's full timing table (otherwise one line with its choice)")
+                   help="print autoselect's full timing table where it timed the layers (otherwise, and for a "
+                        "choice from its cache, one line with its choice)")
 
 
 def data_dir_problem(dataset: str, data_dir: Optional[str]) -> Optional[str]:
@@ -159,6 +160,8 @@ def check_data_dir(p: argparse.ArgumentParser, dataset: str, data_dir: Optional[
 
 
 MAX_THREADS = 4 * (os.cpu_count() or 256)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # (a larger rate or decay overflows the optimiser's float32)
+MAX_SEED = 2 ** 53
 
 
 def check_common_args(p: argparse.ArgumentParser, args) -> None:
@@ -170,10 +173,12 @@ def check_common_args(p: argparse.ArgumentParser, args) -> None:
     for name in ("limit_train", "limit_test", "stop_after"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
-    if not args.weight_decay >= 0:
-        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not 0 < args.lr <= FLOAT32_MAX:
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 <= args.weight_decay <= FLOAT32_MAX:
+        p.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    if abs(args.seed) > MAX_SEED:  # (each epoch seeds seed * 1000 + epoch, which must fit an int64)
+        p.error(f"--seed must be in [-{MAX_SEED}, {MAX_SEED}], got {args.seed}")
     if not 0 <= args.label_smoothing < 1:
         p.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     if args.method != "auto":
@@ -266,8 +271,8 @@ def main(parse_args: Callable, build_task: Callable, argv=None) -> dict:
     env = setup(args)
     try:
         task = build_task(args, env)
-    except (FileNotFoundError, DataError) as e:  # missing or damaged data: the message says what to do
-        raise SystemExit(str(e))
+    except (FileNotFoundError, DataError, ImportError) as e:  # missing or damaged data, or a missing optional
+        raise SystemExit(str(e))                                 # package: the message says what to do
     result = fit(task, args, env)
     teardown(env)
     return result
@@ -294,20 +299,29 @@ def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) ->
         with autocast(args, env):
             report = autoselect(net, x_example, layouts=layouts, progress=False)
         env.log(str(report) if args.verbose else autoselect_line(report))
+        if args.layout and report.layout != args.layout:  # (a run named after a layout it does not run)
+            usage_exit(f"--layout {args.layout}: the network cannot run in it ({'; '.join(report.skipped)})")
         return net, f"auto ({report.layout})", report.seconds
     if not any(isinstance(m, MulFreeChannelwisePSN) for m in net.modules()):
         env.log(f"method={args.method}: the network has no MF-PSN layer; ignored")
-        return _convert_layout(net, args.layout, x_example), "n/a", 0.0
+        try:
+            return _convert_layout(net, args.layout, x_example), "n/a", 0.0
+        except (TypeError, ValueError) as e:  # (e.g. a LIF network, which has no time-last form)
+            usage_exit(f"--layout {args.layout}: {' '.join(line.strip() for line in str(e).splitlines())}")
     layout = args.layout or "time_first"
     net = set_method(net, args.method, layout=layout, example_input=x_example)
     kept = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN) and m.method != args.method]
     if kept:  # (a run named after a method its layers do not run)
         runs = dict.fromkeys([*kept[0].supported_methods, *kept[0].candidate_methods])
-        print(f"{os.path.basename(sys.argv[0])}: error: --method {args.method}: {len(kept)} MF-PSN layer(s) cannot "
-              f"run it in the {layout} layout (they run {', '.join(runs)}); pick one of those, or another --layout",
-              file=sys.stderr)
-        raise SystemExit(2)
+        usage_exit(f"--method {args.method}: {len(kept)} MF-PSN layer(s) cannot run it in the {layout} layout (they "
+                   f"run {', '.join(runs)}); pick one of those, or another --layout")
     return net, f"{args.method} ({layout})", 0.0
+
+
+def usage_exit(message: str):
+    """Exit with status 2 and ``message``, as argparse does for a bad command line."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def autoselect_line(report) -> str:
@@ -485,7 +499,7 @@ def fit(task: Task, args, env: Env) -> dict:
         os.makedirs(args.out_dir, exist_ok=True)
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, first_epoch + args.stop_after)
     for epoch in range(first_epoch, last_epoch):
-        t0 = time.time()
+        t0, lr = time.time(), optimizer.param_groups[0]["lr"]  # (the rate the epoch starts with)
         seed_all(args.seed, env.rank, epoch)  # dropout and shuffling depend only on (seed, rank, epoch): resumable
         gen.manual_seed(args.seed * 1000 + epoch)
         if sampler is not None:
@@ -497,7 +511,7 @@ def fit(task: Task, args, env: Env) -> dict:
         test_loss, test_acc = run_epoch(net, model, test_loader, task, env, criterion, f"{tag} test",
                                         progress=not args.no_progress, amp=amp)
         history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_acc=train_acc, test_loss=test_loss,
-                            test_acc=test_acc, lr=optimizer.param_groups[0]["lr"], seconds=time.time() - t0))
+                            test_acc=test_acc, lr=lr, seconds=time.time() - t0))
         env.log(f"{tag}: train loss {train_loss:.4f} acc {train_acc:.4f} | test loss {test_loss:.4f} "
                 f"acc {test_acc:.4f} | {history[-1]['seconds']:.1f}s")
         if env.main:
@@ -532,9 +546,10 @@ def finish(run_info: dict, history: list, wall: float, task: Task, args, env: En
 
 # ------------------------------------------------------------------------------------------- files
 
-# Options the optimiser, the schedule or the data order depend on: a resumed run must keep them.
+# Options the optimiser, the schedule or the data order depend on, and the test set the history's
+# accuracies are taken on: a resumed run must keep them.
 TRAINING_OPTIONS = ("lr", "weight_decay", "batch_size", "limit_train", "label_smoothing", "seed",
-                    "delay_lr", "dropout", "duration")
+                    "delay_lr", "dropout", "duration", "limit_test")  # (limit_test: one history, one test set)
 
 
 def training_options(args, env: Env) -> dict:

@@ -17,7 +17,7 @@ import spikingjelly_mfpsn  # noqa: F401  (adds MulFreeChannelwisePSN and functio
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--epochs", type=int, default=3, help="passes over the training digits")
     p.add_argument("--k", type=int, default=2, help="order of the MF-PSN neurons")
     p.add_argument("--seed", type=int, default=0, help="seed of the network and the data split")

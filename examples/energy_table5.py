@@ -3,7 +3,7 @@
 Network (paper Appendix E): {{c128k3s1-BN-SN}*3-APk2s2}*2-FC256-SN-FC100, T = 32 (one image column
 per step), MF-PSN order k = 16. Run::
 
-    python examples/energy_table5.py [--batch 8] [--seed 0] [--calibrate 2] [--firing-rate 0.0143]
+    python examples/energy_table5.py [--batch 8] [--seed 0] [--calibrate 0] [--firing-rate 0.0143]
 
 Prints a table like the paper's Table 5 for PSN (SpikingJelly 2.x only) and MF-PSN (d = 1 as the
 paper's Table 1 assumes, and the sawtooth dilations 1, 2, 3, ...), then each network's per-layer counts

@@ -15,6 +15,7 @@ ONNX model, whole-sequence to OUT.onnx and streaming to OUT.stream.onnx (pip ins
 "spikingjelly_mfpsn[onnx]"), and runs the first with onnxruntime.
 """
 import argparse
+import importlib.util
 import os
 
 import torch
@@ -77,10 +78,14 @@ def main():
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
-    for flag, path in (("--nir", args.nir), ("--onnx", args.onnx)):
+    for flag, path, package in (("--nir", args.nir, "nir"), ("--onnx", args.onnx, "onnx")):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder is not None and not os.path.isdir(folder):
             parser.error(f"{flag} {path}: the folder {folder} is not there; create it first")
+        if path and os.path.isdir(path):
+            parser.error(f"{flag} {path} is a folder: give the file to write")
+        if path and importlib.util.find_spec(package) is None:  # (before the run, not after it)
+            parser.error(f"{flag} needs the {package} package: pip install \"spikingjelly_mfpsn[{package}]\"")
     torch.manual_seed(args.seed)
     net = sequential_cifar_net(mfpsn(k=16, sawtooth=True))
     calibrate(net, 2)

@@ -4,7 +4,7 @@ Images are fed column by column (T = width) to the network {{cCk3s1-BN-SN}*3-APk
 or pixel by pixel with --pixel (T = H*W) to FC128-BN-SN-{RB128}*2-APk4s4-FC256-BN-SN-{RB256}*2-FC.
 AdamW with a cosine learning-rate schedule and label smoothing, as in the paper.
 
-    python examples/train_sequential.py                      # bundled 8x8 digits, a few minutes on 2 CPU cores
+    python examples/train_sequential.py                      # bundled 8x8 digits, under a minute on 2 CPU cores
     python examples/train_sequential.py --pixel              # pixel by pixel (T = 64)
     python examples/train_sequential.py --dataset cifar10 --data-dir DIR --channels 128 --epochs 256
     torchrun --nproc_per_node=2 examples/train_sequential.py # DistributedDataParallel

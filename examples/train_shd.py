@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float, default=0.4, help="dropout after each hidden layer")
     g.add_argument("--delays", default="auto", choices=("auto", "on", "off"),
                    help="learnable delays (dcls package); auto: when dcls is installed")
-    g.add_argument("--max-delay", type=int, default=25, help="largest delay in time steps")
+    g.add_argument("--max-delay", type=int, default=25,
+                   help="delay kernel size in time steps: delays 0 .. max-delay - 1 (an even size is rounded up to "
+                        "the next odd one)")
     g.add_argument("--delay-lr", type=float, default=0.05, help="learning rate of the delay positions")
     common.add_common_args(p, epochs=30, batch_size=128, lr=1e-3, out_dir="runs/shd")
     p.set_defaults(weight_decay=1e-5)
@@ -47,8 +49,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.dropout < 1:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    if not args.delay_lr >= 0:
-        p.error(f"--delay-lr must be >= 0, got {args.delay_lr}")
+    if not 0 <= args.delay_lr <= common.FLOAT32_MAX:
+        p.error(f"--delay-lr must be a finite number >= 0, got {args.delay_lr}")
     if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
         p.error(f"--duration must be a finite number of seconds > 0, got {args.duration}")
     if args.delays == "on" and not models.dcls_available():

@@ -44,14 +44,26 @@ TINY = {
 # ----------------------------------------------------------------------------------------- builders
 
 @pytest.mark.parametrize("script,args,says", [
+    ("train_sequential.py", ["--lr", "inf"], "--lr must be a finite number > 0"),
+    ("train_sequential.py", ["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0"),
+    ("train_sequential.py", ["--seed", str(10 ** 17)], "--seed must be in"),
+    ("train_sequential.py", ["--neuron", "lif", "--layout", "time_last", "--method", "conv1d", "--limit-train", "8",
+                             "--limit-test", "8", "--epochs", "1"], "--layout time_last: cannot convert"),
+    ("train_shd.py", ["--delay-lr", "inf"], "--delay-lr must be a finite number >= 0"),
+    ("mulfree_inference.py", ["--nir", "."], "--nir . is a folder"),
     ("energy_table5.py", ["--batch", "0"], "--batch must be >= 1"),
     ("energy_table5.py", ["--calibrate", "-1"], "--calibrate >= 0"),
     ("energy_table5.py", ["--firing-rate", "-0.5"], "--firing-rate must be in [0, 1]"),
     ("mulfree_inference.py", ["--batch", "0"], "--batch must be >= 1"),
 ])
-def test_the_inference_scripts_refuse_bad_arguments(script, args, says):
+def test_the_scripts_refuse_bad_arguments(script, args, says, tmp_path):
     """--batch 0 printed 'equal spikes nan', a negative one a traceback, a negative firing rate a
-    negative energy."""
+    negative energy; an infinite rate or a huge seed failed in training with a traceback, as did a
+    time-last layout for a network without a time-last form; --nir naming a folder failed after the run."""
+    if script.startswith("train"):
+        args = [*args, "--out-dir", str(tmp_path / "run"), "--no-progress"]
+    if script == "train_shd.py":
+        args = [*args, *_data_argv("train_shd", "shd", "ok", tmp_path)]
     r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
                        env=_env(), timeout=120)
     assert r.returncode == 2 and says in r.stderr, (r.returncode, r.stdout[-500:], r.stderr[-500:])
@@ -410,6 +422,9 @@ def test_train_sequential_learns_and_resumes_exactly(tmp_path):
     metrics = read_metrics(a)
     assert_learns(metrics, chance=0.1)
     assert "summary: sequential digits" in out.splitlines()[-1]
+    # The rate each epoch starts with, down the cosine (it recorded the rate after the epoch: 0.0 last)
+    rates = [h["lr"] for h in metrics["history"]]
+    assert rates[0] == pytest.approx(1e-2) and rates[0] > rates[1] > rates[2] > 0
     for name in ("checkpoint.pt", "curves.png", "metrics.json"):
         assert os.path.getsize(os.path.join(a, name)) > 0
     # Two epochs, stop, resume for the third: the same numbers as the uninterrupted run.

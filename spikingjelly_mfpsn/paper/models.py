@@ -192,7 +192,8 @@ class DelayedLinear(_TimeMixing):
 
     It is ``Dcls1d`` from the ``dcls`` package (Hammouamri et al. 2023, the SHD network of the paper).
 
-    Each synapse has one weight and one learnable delay in ``[0, max_delay - 1]`` steps. Call
+    Each synapse has one weight and one learnable delay in ``[0, max_delay - 1]`` steps (an even
+    ``max_delay`` is rounded up to the next odd one: Dcls centres its kernel). Call
     :func:`clamp_delays` after every optimiser step to keep the delays in range.
     """
 

@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 SJ2 ?= spikingjelly==2.0.0
 SJ14 ?= spikingjelly==0.0.0.0.14
-TRAIN_EXTRAS = ninja scikit-learn matplotlib
+TRAIN_EXTRAS = ninja scikit-learn matplotlib h5py
 EXTRAS = ninja pytest hypothesis scikit-learn matplotlib h5py triton==3.9.0 dcls==0.1.1 nir==1.0.8 nirtorch==2.6 onnx==1.23.2 onnxruntime==1.32.0 sphinx==9.0.4 furo==2025.12.19
 
 .PHONY: demo train test test-sj2 test-sj14 bench clean test-zoo docs

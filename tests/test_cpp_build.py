@@ -1,9 +1,12 @@
 """Building and loading the C++ operators of backend 'cpp': the build cache, an unwritable cache, a failing
 compiler, no compiler at all. Each case runs in a fresh Python process (a process loads the operators once)."""
+import functools
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -12,9 +15,9 @@ from spikingjelly_mfpsn.ops import cpp_ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_python(code, **env):
+def run_python(code, cwd=None, **env):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=600)
+                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=600, cwd=cwd)
 
 
 needs_compiler = pytest.mark.skipif(cpp_ops.compiler() is None, reason="no C++ compiler (g++/clang++ or $CXX): "
@@ -23,8 +26,9 @@ needs_compiler = pytest.mark.skipif(cpp_ops.compiler() is None, reason="no C++ c
 
 @needs_compiler
 def test_build_cache_survives_a_corrupted_library(tmp_path):
-    """A build cached in the build directory is loaded by the next process, not rebuilt; a library there
-    that no longer loads (here: overwritten) is rebuilt, not a crash."""
+    """A build cached in the build directory is loaded by the next process, not rebuilt (but other sources
+    are built, whatever their file times; a wait for another process's build is announced); a library
+    there that no longer loads (here: overwritten) is rebuilt, not a crash."""
     code = """
         import time, torch
         from spikingjelly_mfpsn import ops
@@ -37,17 +41,41 @@ def test_build_cache_survives_a_corrupted_library(tmp_path):
         want = ops.charge(x, w, None, 1, "time_first", "shift_add")
         assert torch.allclose(h, want), (h, want)
     """
-    first = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
+    # (from a copy of the package, whose sources the test changes in place below)
+    copy = tmp_path / "copy" / "spikingjelly_mfpsn"
+    shutil.copytree(os.path.join(ROOT, "spikingjelly_mfpsn"), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    run = functools.partial(run_python, code, cwd=tmp_path, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path / "build"),
+                            PYTHONPATH=str(copy.parent))
+    first = run()
     assert first.returncode == 0, first.stderr
-    libs = list(tmp_path.glob("*/*.so"))
+    libs = list(tmp_path.glob("build/*/*.so"))
     assert len(libs) == 1, libs
-    second = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
+    second = run()
     assert second.returncode == 0, second.stderr
     assert float(second.stdout.split("load took")[1].split()[0]) < 10  # loaded, not compiled again
+    # Waiting for another process's build said nothing (and had no bound): a holder of the lock is named
+    import filelock
+    held = filelock.FileLock(str(libs[0].parent / "build.lock"), thread_local=False)
+    held.acquire()
+    threading.Timer(8, held.release).start()
+    waited = run()
+    assert waited.returncode == 0 and "waiting for another process building" in waited.stderr, waited.stderr
+    # Sources changed with older file times (a copy that keeps them, another version reinstalled) loaded the
+    # cached build: they must be built (here they do not compile, which says they were)
+    originals = {}
+    for source in cpp_ops.SOURCES:
+        changed = copy / "ops" / source.parent.name / source.name
+        originals[changed] = changed.read_text()
+        changed.write_text("#error other sources\n" + originals[changed])
+        os.utime(changed, (978307200, 978307200))  # 2001
+    other = run()
+    assert other.returncode != 0 and "other sources" in other.stderr, (other.stdout, other.stderr[-2000:])
+    for changed, text in originals.items():
+        changed.write_text(text)
     libs[0].write_bytes(b"not a shared library")
-    third = run_python(code, SPIKINGJELLY_MFPSN_BUILD=str(tmp_path))
+    third = run()
     assert third.returncode == 0, third.stderr
-    assert [p for p in tmp_path.glob("*/*.so") if p.read_bytes()[:4] == b"\x7fELF"]
+    assert [p for p in tmp_path.glob("build/*/*.so") if p.read_bytes()[:4] == b"\x7fELF"]
 
 
 @needs_compiler
@@ -96,7 +124,7 @@ def test_without_compiler():
         print(sn(torch.randn(4, 2, 3)).shape)
     """, CXX="/nonexistent/compiler")
     assert out.returncode == 0, out.stderr
-    assert "ERROR: backend='cpp' cannot run here: no C++ compiler" in out.stdout
+    assert "ERROR: backend='cpp' cannot run here: $CXX='/nonexistent/compiler' names no compiler" in out.stdout
     assert "torch.Size([4, 2, 3])" in out.stdout
 
 
@@ -151,7 +179,7 @@ def test_the_build_command_without_a_compiler_or_ninja():
     one line, no traceback; ``--help`` lists the command."""
     out = run_main("build", CXX="/nonexistent/compiler")
     assert out.returncode == 1, (out.stdout, out.stderr)
-    assert len(out.stderr.strip().splitlines()) == 1 and "no C++ compiler" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "names no compiler" in out.stderr, out.stderr
     no_ninja = run_python("""
         import sys
         from torch.utils import cpp_extension
@@ -164,6 +192,28 @@ def test_the_build_command_without_a_compiler_or_ninja():
         assert len(no_ninja.stderr.strip().splitlines()) == 1 and "needs ninja" in no_ninja.stderr, no_ninja.stderr
     helped = run_main("--help")
     assert helped.returncode == 0 and "build" in helped.stdout, helped.stderr
+    # Flags that do not split were a traceback from shlex ("No closing quotation"), naming nothing
+    quoted = run_main("build", SPIKINGJELLY_MFPSN_CXXFLAGS='-DX="a')
+    if cpp_ops.compiler() is not None:
+        assert quoted.returncode == 1 and len(quoted.stderr.strip().splitlines()) == 1, quoted.stderr
+        assert "$SPIKINGJELLY_MFPSN_CXXFLAGS='-DX=\"a' cannot be split" in quoted.stderr, quoted.stderr
+
+
+@needs_compiler
+def test_a_relative_cxx_is_made_absolute_and_one_with_flags_is_named(tmp_path):
+    """A relative $CXX was kept relative, and the build (which runs in the build directory) did not find it;
+    a $CXX with flags was 'no C++ compiler found' (the build runs it as one command)."""
+    link = tmp_path / "my-c++"
+    link.symlink_to(shutil.which(cpp_ops.compiler()))
+    code = """
+        from spikingjelly_mfpsn.ops import cpp_ops
+        print(repr(cpp_ops.compiler()), cpp_ops.unavailable_reason())
+    """
+    for cxx, says in (("./my-c++", f"{str(link)!r} None"),
+                      ("./my-c++ -Wall", "flags go in $SPIKINGJELLY_MFPSN_CXXFLAGS")):
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT, "CXX": cxx}, timeout=120)
+        assert says in out.stdout, (out.stdout, out.stderr)
 
 
 @needs_compiler

@@ -57,6 +57,7 @@ SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / name for name in ("mfpsn_ops.cpp", "mfpsn_cpu_f32.cpp", "mfpsn_cpu_f64.cpp")]
 HEADERS = [SOURCE_DIR / name for name in ("mfpsn_cpu.h", "mfpsn_cpu.cpp")]
 BUILD_ENV, FLAGS_ENV = "SPIKINGJELLY_MFPSN_BUILD", "SPIKINGJELLY_MFPSN_CXXFLAGS"
+BUILD_WAIT_S = 1800  # the longest wait for another process's build (a first build takes about a minute)
 DTYPES = (torch.float32, torch.float64)
 _STE_CODES = {None: 0, "whole": 1, "round": 2}
 
@@ -66,10 +67,12 @@ class BuildError(RuntimeError):
 
 
 def compiler() -> Optional[str]:
-    """The C++ compiler the backend uses, or None."""
+    """The C++ compiler the backend uses (``$CXX``: one executable, its path made absolute where relative,
+    since the build runs in its own directory), or None."""
     env = os.environ.get("CXX")
     if env:
-        return shutil.which(env) or (env if os.path.isfile(env) else None)
+        found = shutil.which(env)
+        return None if found is None else os.path.abspath(found) if os.sep in env else env
     return next(filter(None, map(shutil.which, ("g++", "clang++", "c++"))), None)
 
 
@@ -93,7 +96,20 @@ def _installation() -> list[str]:
 
 
 def _flags() -> list[str]:
-    return ["-O3", "-march=native", *surrogate.cpp_defines(), *shlex.split(os.environ.get(FLAGS_ENV, ""))]
+    try:
+        extra = shlex.split(os.environ.get(FLAGS_ENV, ""))
+    except ValueError as e:
+        raise BuildError(f"${FLAGS_ENV}={os.environ[FLAGS_ENV]!r} cannot be split into compiler flags ({e})") from None
+    return ["-O3", "-march=native", *surrogate.cpp_defines(), *extra]
+
+
+def _sources_digest() -> str:
+    """The kernels' source text: a build is keyed by it, not by file times (a copy that keeps an older
+    time, e.g. ``cp -a`` or a reinstall of another version, would load the other sources' build)."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def unwritable(path: Path) -> Optional[str]:
@@ -138,7 +154,7 @@ def _toolchain(cxx: str):
 def _build(cxx: str, flags: list[str], openmp: bool) -> Path:
     """Build (where not cached) and load the library; returns its directory."""
     flags = flags + (["-fopenmp"] if openmp else [])
-    key = "\0".join([cxx, *flags, *_installation(), _cpu_id()])
+    key = "\0".join([cxx, *flags, *_installation(), _cpu_id(), _sources_digest()])
     name = "mfpsn_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     directory = _writable(build_dir() / name)
     try:
@@ -170,7 +186,7 @@ def _announce_build(directory: Path) -> None:
 
 def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> None:
     from torch.utils import cpp_extension
-    with filelock.FileLock(str(directory / "build.lock")):
+    with _build_lock(directory):
         with contextlib.suppress(FileNotFoundError):  # a build killed midway leaves cpp_extension's own lock
             (directory / "lock").unlink()
         if not _up_to_date(directory / f"{name}.so"):
@@ -178,6 +194,25 @@ def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> No
         cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"] if openmp else [], build_directory=str(directory),
                            is_python_module=False, verbose=False)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """The directory's build lock; waiting for another process's build is said once, and bounded."""
+    lock = filelock.FileLock(str(directory / "build.lock"))
+    try:
+        lock.acquire(timeout=5)
+    except filelock.Timeout:
+        logger.warning("spikingjelly_mfpsn: waiting for another process building the C++ kernels in %s", directory)
+        try:
+            lock.acquire(timeout=BUILD_WAIT_S)
+        except filelock.Timeout:
+            raise BuildError(f"another process has held {lock.lock_file} for {BUILD_WAIT_S // 60} minutes without "
+                             f"finishing its build (stopped or hung?): end it, then build again") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 _LOCK = threading.Lock()
@@ -196,19 +231,22 @@ def load() -> Path:
         cxx = compiler()
         if cxx is None:
             raise BuildError("backend 'cpp' needs a C++ compiler (g++, clang++ or $CXX)")
-        errors = []
+        errors, flags = [], _flags()
         with _toolchain(cxx):
             from torch.utils import cpp_extension
             if not cpp_extension.is_ninja_available():
                 raise BuildError("backend 'cpp' needs ninja to build its C++ operators (pip install ninja)")
             for openmp in (True, False):  # without OpenMP the kernels run on one thread
                 try:
-                    directory = _build(cxx, _flags(), openmp)
+                    directory = _build(cxx, flags, openmp)
                     break
+                except BuildError:
+                    raise
                 except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                     errors.append(f"{e}\n{getattr(e, 'output', None) or ''}"[-3000:])
             else:
-                raise BuildError("the C++ operators of backend 'cpp' did not build:\n" + "\n".join(errors))
+                extra = f" (with ${FLAGS_ENV}={os.environ[FLAGS_ENV]!r})" if os.environ.get(FLAGS_ENV) else ""
+                raise BuildError(f"the C++ operators of backend 'cpp' did not build{extra}:\n" + "\n".join(errors))
         _register_fakes()
         _LOADED.append(directory)
         return directory
@@ -288,6 +326,9 @@ def unavailable_reason() -> Optional[str]:
         return (f"its kernels' source {', '.join(missing)} is missing from this installation of "
                 f"spikingjelly_mfpsn (reinstall the package)")
     if compiler() is None:
+        if os.environ.get("CXX"):
+            return (f"$CXX={os.environ['CXX']!r} names no compiler found here (one executable: flags go in "
+                    f"${FLAGS_ENV})")
         return "no C++ compiler found (set $CXX or install g++ or clang++)"
     return None
 

@@ -215,3 +215,32 @@ def run_inference_example(*args) -> str:
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+
+
+class TwoOutputs(nn.Module):
+    """A forward with two outputs: spikes and their double."""
+
+    def __init__(self):
+        from spikingjelly.activation_based import layer
+        from spikingjelly_mfpsn import MulFreeChannelwisePSN
+        super().__init__()
+        self.fc, self.sn = layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")
+
+    def forward(self, x):
+        h = self.sn(self.fc(x))
+        return h, h + h
+
+
+class FlattenInForward(nn.Module):
+    """Conv2d, MF-PSN, then ``torch.flatten(x, start)`` in the forward, on (T, N, 1, H, W)."""
+
+    def __init__(self, start):
+        from spikingjelly.activation_based import layer
+        from spikingjelly_mfpsn import MulFreeChannelwisePSN
+        super().__init__()
+        self.start = start
+        self.conv = layer.Conv2d(1, 2, 1, step_mode="m")
+        self.sn = MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m")
+
+    def forward(self, x):
+        return torch.flatten(self.sn(self.conv(x)), self.start)

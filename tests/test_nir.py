@@ -10,8 +10,9 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import (Residual, SharedPool, StandardisedConv1d, calibrated, digits_sequences, export_error_without,
-                  residual_in_sequential, residual_sequential_subclass, run_inference_example, shared_layers_net)
+from nets import (FlattenInForward, Residual, SharedPool, StandardisedConv1d, TwoOutputs, calibrated,
+                  digits_sequences, export_error_without, residual_in_sequential, residual_sequential_subclass,
+                  run_inference_example, shared_layers_net)
 
 nir = pytest.importorskip("nir", reason="the nir package is not installed (pip install \"spikingjelly_mfpsn[nir]\")")
 from spikingjelly_mfpsn.nir import NIRExportError, NIRImportError, export_to_nir, import_from_nir  # noqa: E402
@@ -408,20 +409,10 @@ def test_a_non_square_convolution_round_trips_or_is_named_where_nir_cannot_type_
             export_to_nir(net, x)
 
 
-class _TwoOutputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.sn = layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")
-
-    def forward(self, x):
-        h = self.sn(self.fc(x))
-        return h, h + h
-
-
 def test_a_forward_with_several_outputs_is_named():
     """It raised a bare KeyError."""
-    with pytest.raises(NIRExportError, match="_TwoOutputs's forward returns tuple: .* one output"):
-        export_to_nir(_TwoOutputs().eval(), torch.rand(4, 2, 3))
+    with pytest.raises(NIRExportError, match="TwoOutputs's forward returns tuple: .* one output"):
+        export_to_nir(TwoOutputs().eval(), torch.rand(4, 2, 3))
 
 
 def test_a_torch_batch_norm_on_the_whole_sequence_is_named():
@@ -433,20 +424,9 @@ def test_a_torch_batch_norm_on_the_whole_sequence_is_named():
         export_to_nir(net, torch.rand(5, 4, 8))
 
 
-class _FlattenInForward(nn.Module):
-    def __init__(self, start):
-        super().__init__()
-        self.start = start
-        self.conv = layer.Conv2d(1, 2, 1, step_mode="m")
-        self.sn = MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m")
-
-    def forward(self, x):
-        return torch.flatten(self.sn(self.conv(x)), self.start)
-
-
 @pytest.mark.parametrize("start", [2, -2, -3])
 def test_a_torch_flatten_in_a_forward_to_the_end_round_trips(start):
     """A negative start (a flatten of each step's features, counted from the end) was refused."""
-    net = _FlattenInForward(start).eval()
+    net = FlattenInForward(start).eval()
     x = torch.rand(3, 2, 1, 3, 4)
     assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))

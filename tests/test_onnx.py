@@ -12,9 +12,9 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, to_time_last
 from spikingjelly_mfpsn.paper import models
 
-from nets import (Residual, SharedPool, StandardisedConv1d, calibrated, digits_sequences, export_error_without,
-                  residual_in_sequential, residual_sequential_subclass, run_inference_example, shared_layers_net,
-                  small_inputs_net)
+from nets import (FlattenInForward, Residual, SharedPool, StandardisedConv1d, TwoOutputs, calibrated,
+                  digits_sequences, export_error_without, residual_in_sequential, residual_sequential_subclass,
+                  run_inference_example, shared_layers_net, small_inputs_net)
 
 onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install \"spikingjelly_mfpsn[onnx]\")")
@@ -150,18 +150,8 @@ def test_errors():
         export_onnx(body, x.double())
     with pytest.raises(ValueError, match=r"got a numpy.ndarray \(not a torch.Tensor\)"):  # (it named float32)
         export_onnx(body, x.numpy())
-    with pytest.raises(ONNXExportError, match="_TwoOutputs's forward returns tuple: .* one output"):  # (a KeyError)
-        export_onnx(_TwoOutputs().eval(), torch.rand(4, 2, 3))
-
-
-class _TwoOutputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.sn = layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m")
-
-    def forward(self, x):
-        h = self.sn(self.fc(x))
-        return h, h + h
+    with pytest.raises(ONNXExportError, match="TwoOutputs's forward returns tuple: .* one output"):  # (a KeyError)
+        export_onnx(TwoOutputs().eval(), torch.rand(4, 2, 3))
     net = nn.Sequential(layer.Linear(8, 4, step_mode="m"), MulFreeChannelwisePSN(4, k=2, step_mode="m"),
                         nn.Softplus()).eval()
     with pytest.raises(ONNXExportError, match=r"layer '2' \(Softplus\)"):
@@ -316,22 +306,11 @@ def test_a_format_set_on_one_neuron_is_kept_while_the_others_are_calibrated():
     assert torch.equal(got, run(want, x)) and folded[3].frac_bits is None
 
 
-class _FlattenInForward(nn.Module):
-    def __init__(self, start):
-        super().__init__()
-        self.start = start
-        self.conv = layer.Conv2d(1, 2, 1, step_mode="m")
-        self.sn = MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0, step_mode="m")
-
-    def forward(self, x):
-        return torch.flatten(self.sn(self.conv(x)), self.start)
-
-
 @pytest.mark.parametrize("start", [2, -2, -3])
 def test_a_torch_flatten_in_a_forward_to_the_end_exports(start):
     """A negative start (a flatten of each step's features, counted from the end) was refused."""
     torch.manual_seed(0)
-    net = _FlattenInForward(start).eval()
+    net = FlattenInForward(start).eval()
     x = torch.rand(3, 2, 1, 3, 4)
     y = session(export_onnx(net, x)).run(None, {"x": x.numpy()})[0]
     assert torch.equal(torch.from_numpy(y), integer_reference(net, x))

@@ -36,6 +36,7 @@ Nothing is changed unless the whole network converts.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from functools import partial
@@ -92,19 +93,31 @@ def _first_arg(module, args, what):
     return args[0]
 
 
+def _wrapped(module) -> bool:
+    """A time-first layer whose time-last wrapper shares its hook dictionaries (a single layer converted):
+    the boundary is the wrapper's, and the layer itself still runs time-first."""
+    return not isinstance(module, TIME_LAST_TYPES) and layer.wrapper_class(module) is not None
+
+
 def _boundary_enter(module, args):
     """(T, N, ...) -> (N, ..., T) at the input of a time-last network."""
+    if _wrapped(module):
+        return None
     x = _first_arg(module, args, "time-last inside and takes (T, N, ...)")
     return (x.movedim(0, -1).contiguous(), *args[1:])
 
 
 def _boundary_exit(module, args, output):
     """(N, ..., T) -> (T, N, ...) at its output."""
-    return _map_tensors(output, lambda y: y.movedim(-1, 0).contiguous())
+    return None if _wrapped(module) else _map_tensors(output, lambda y: y.movedim(-1, 0).contiguous())
 
 
 def _island_enter(module, args):
     """(N, ..., T) -> (T, N, ...) at the input of a module run time-first inside a time-last network."""
+    if getattr(module, "step_mode", "m") != "m":  # (set_step_mode(net, 's') reached it, then was refused)
+        raise ValueError(f"{type(module).__name__} runs time-first inside a time-last network, multi-step only, "
+                         f"but has step_mode={module.step_mode!r}: set_step_mode(net, 'm'), or convert the network "
+                         f"back with to_time_first(net) before setting step_mode='s'")
     x = _first_arg(module, args, "time-first inside a time-last network")
     return (x.movedim(-1, 0).contiguous(), *args[1:])
 
@@ -291,7 +304,11 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
     if method not in ("auto",) + layer.METHODS:
         raise ValueError(f"method must be 'auto' or one of {layer.METHODS}, got {method!r}")
     conv = _Converter(fallback, method)
-    if isinstance(net.__dict__.get("forward"), GraphForward):
+    forward = net.__dict__.get("forward")
+    if has_time_last_boundary(net) != boundary and (isinstance(forward, GraphForward) or not boundary):
+        raise ValueError(f"net was converted to the time-last layout with boundary={not boundary}: convert it back "
+                         f"first (to_time_first(net)), then to_time_last(net, boundary={boundary}, ...)")
+    if isinstance(forward, GraphForward):
         return net  # converted already
     blocks = [name for name, m in net.named_modules() if m is not net and has_time_last_boundary(m)]
     if blocks and not has_time_last_boundary(net):
@@ -385,23 +402,29 @@ def _modules_only(net, conv, boundary, inputs, reason: str, strict: bool) -> nn.
 
 def _checked_swap(net, conv, boundary: bool, inputs, what: str) -> nn.Module:
     """:func:`_swap_modules`, checked against the time-first network on the example's probes where there
-    are some (and a boundary: the outputs are then time-first): its other inputs pass the boundary as
-    they are, and a second input with a time axis would reach time-last layers time-first."""
-    reference = _reference(net, inputs) if inputs is not None and boundary else None
+    are some (and a boundary: the outputs are then time-first), in eval and in training mode (a forward
+    may branch on ``self.training``): its other inputs pass the boundary as they are, and a second input
+    with a time axis would reach time-last layers time-first."""
+    references = _references(net, inputs) if inputs is not None and boundary else []
     new = _swap_modules(net, conv, boundary)
-    if reference is not None:
-        _check(new, inputs[1], reference, what)
+    for args, training, reference in references:
+        _check(new, args, training, reference, what)
     return new
 
 
-def _reference(net: nn.Module, inputs: list):
-    """The time-first network's outputs on the longer probe, or (a network that runs for the example's
-    number of steps only) on one sample of the example."""
+def _references(net: nn.Module, inputs: list) -> list:
+    """``(args, training, outputs)`` of the time-first network in eval and in training mode, on the longer
+    probe, or (a network that runs for the example's number of steps only) on one sample of the example.
+    A network that does not run in training mode on either probe is checked in eval mode only."""
     try:
-        return _eval(net, inputs[1])
+        _eval(net, inputs[1])
     except Exception:  # noqa: BLE001
         inputs[1] = _same_steps(inputs)
-    return _probe_run(net, lambda: _eval(net, inputs[1]))
+    references = [(inputs[1], False, _probe_run(net, lambda: _eval(net, inputs[1])))]
+    for args in (inputs[1], inputs[0]):
+        with contextlib.suppress(Exception):
+            return references + [(args, True, _eval(net, args, training=True))]
+    return references
 
 
 def _probe_run(net: nn.Module, run):
@@ -418,21 +441,23 @@ def _probe_error(net: nn.Module, e: Exception) -> UnconvertibleModuleError:
         f"left time-first: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
 
 
-def _eval(net: nn.Module, args: tuple):
-    with tracing.quiet(net):
+def _eval(net: nn.Module, args: tuple, training: bool = False):
+    with tracing.quiet(net, training):
         return net(*args)
 
 
-def _check(net: nn.Module, args: tuple, reference, what: str) -> None:
+def _check(net: nn.Module, args: tuple, training: bool, reference, what: str) -> None:
     """Undo the conversion and raise if ``net`` no longer gives ``reference`` on ``args``."""
     try:
-        ok, why = agree(_eval(net, args), reference), "gives different outputs from the time-first network on"
+        ok, why = agree(_eval(net, args, training), reference), "gives different outputs from the time-first network"
     except Exception as e:  # noqa: BLE001  (any failure of the converted network)
-        ok, why = False, f"fails ({type(e).__name__}: {e}) on"
+        ok, why = False, f"fails ({type(e).__name__}: {e})"
     if not ok:
         to_time_first(net)
-        raise UnconvertibleModuleError(f"{type(net).__name__} with {what} {why} the example input; it was left "
-                                       f"time-first.")
+        mode = "training" if training else "eval"
+        raise UnconvertibleModuleError(f"{type(net).__name__} with {what} {why} in {mode} mode on an input made "
+                                       f"from example_input (two of its samples, or one of them one step longer); "
+                                       f"it was left time-first.")
 
 
 def _probes(example_input) -> list[tuple]:
@@ -509,7 +534,7 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
             parent._modules[name] = swaps[id(child)]
     net.__dict__["forward"] = rewrite.GraphForward(checked, net, True, rewriter.time_first_calls, how, reads)
     _compat.invalidate_reset_cache(net)
-    _check(net, inputs[1], reference, "its forward rewritten")
+    _check(net, inputs[1], False, reference, "its forward rewritten")
     if not boundary:
         inner = rewrite.Rewriter(net, graph, (shapes_a, shapes_b), steps, lambda m, p: decided.get(p, False),
                                  False, grown).run()

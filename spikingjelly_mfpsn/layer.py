@@ -138,7 +138,7 @@ class _MultiStepOnly:
 
     @step_mode.setter
     def step_mode(self, value: str) -> None:
-        if value != "m":
+        if value != "m" and "_time_first" in self.__dict__:  # (not SpikingJelly's MemoryModule.__init__'s 's')
             raise ValueError(f"{type(self).__name__} is a time-last layer and runs whole sequences only "
                              f"(step_mode='m', got {value!r}); convert the network back with "
                              f"spikingjelly_mfpsn.convert.to_time_first(net) before setting step_mode='s'")
@@ -384,8 +384,8 @@ class TimeLastLinear(_Tunable, TimeLastModule):
 
     def _highdim(self, x: torch.Tensor) -> torch.Tensor:
         f, t = x.shape[-2:]
-        if not f:  # (torch's conv1d refuses zero input channels; a Linear(0, n) gives its bias)
-            return self._vmap(x)
+        if not f or not self._time_first.out_features:  # (torch's conv1d refuses zero channels either way;
+            return self._vmap(x)                        # a Linear(0, n) gives its bias)
         y = F.conv1d(x.flatten(0, -3), self.weight.unsqueeze(-1), self.bias)  # (self.weight: see __getattr__)
         return y.reshape(*x.shape[:-2], y.shape[1], t)
 
@@ -502,11 +502,11 @@ class TimeLastGroupNorm(TimeLastVmap):
 _DROPOUT_MASKS = {"Dropout": F.dropout, "Dropout2d": F.dropout2d}
 
 
-class TimeLastDropout(_View, MemoryModule):
+class TimeLastDropout(_View, _MultiStepOnly, MemoryModule):
     """SpikingJelly's multi-step ``Dropout``/``Dropout2d`` on ``(N, ..., T)``.
 
     One mask, drawn at the first step of a simulation and kept until ``reset_net``, multiplies every step.
-    (In ``step_mode='s'`` it takes one step ``(N, ...)``, like SpikingJelly's.)
+    Multi-step only, as the other time-last layers.
     """
 
     def __init__(self, dropout: nn.Module):
@@ -534,9 +534,6 @@ class TimeLastDropout(_View, MemoryModule):
             self.mask = self._mask_fn(torch.ones_like(step), self.p, training=True)
         return self.mask
 
-    def single_step_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self._mask_like(x) if self.training else x
-
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return x_seq
@@ -544,7 +541,7 @@ class TimeLastDropout(_View, MemoryModule):
         return x_seq * self._mask_like(step).unsqueeze(-1)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}"
+        return f"{type(self._time_first).__name__}, p={self.p}"
 
 
 class TimeLastSequential(_View, _MultiStepOnly, nn.Sequential, MultiStepModule):

@@ -350,11 +350,21 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+# Layers drawing random numbers per element, which a time-first and a time-last network draw in another order
+RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                 _compat.sj_layer("Dropout"), layer.TimeLastDropout)
+
+
 @contextlib.contextmanager
-def quiet(net: nn.Module):
-    """Eval mode, no gradients, and neuron states reset after: runs on examples leave no trace."""
-    with modes_kept(net), torch.no_grad():
-        net.eval()
+def quiet(net: nn.Module, training: bool = False):
+    """Eval mode, no gradients, and neuron states reset after: runs on examples leave no trace. With
+    ``training``, training mode but for the random layers (:data:`RANDOM_LAYERS`), and every buffer and
+    torch's random state as they were before (two runs draw the same numbers)."""
+    with modes_kept(net), torch.no_grad(), _state_kept(net) if training else contextlib.nullcontext():
+        net.train(training)
+        for m in net.modules():
+            if isinstance(m, RANDOM_LAYERS):
+                m.eval()
         try:
             yield
         finally:

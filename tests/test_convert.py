@@ -528,6 +528,14 @@ class TrainingBranch(DataBranch):
         return y.mean(0)
 
 
+class TrainingTimeMean(DataBranch):
+    """A mean over time in training mode only: modules-only conversion is right in eval mode alone."""
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.mean(0, keepdim=True).expand_as(y) if self.training else y
+
+
 class NoGradBlock(DataBranch):
     """A forward with a ``torch.no_grad()`` block (a trace records its calls, not the gradient mode)."""
 
@@ -570,6 +578,7 @@ class InPlaceOnSlice(DataBranch):
                                       (InPlaceOnSlice, "changes a tensor in place"),
                                       (StepLoop, "trace fails on an input one step longer"),
                                       (TrainingBranch, "depends on self.training"),
+                                      (TrainingTimeMean, "depends on self.training"),
                                       (NoGradBlock, "switches gradient or autocast mode")])
 def test_untraceable_forward_is_never_silently_wrong(cls, why):
     torch.manual_seed(0)
@@ -583,6 +592,50 @@ def test_untraceable_forward_is_never_silently_wrong(cls, why):
         to_time_last(net, example_input=x)
     assert structure(net) == before and not has_time_last_boundary(net)
     torch.testing.assert_close(net(x), expected, **TOL)
+
+
+class DataBranchWithDropouts(DataBranch):
+    """Untraceable (control flow on the data) but layout-free: its modules convert, dropouts included."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop, self.elementwise_drop = layer.Dropout(0.5, step_mode="m"), nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.elementwise_drop(self.drop(self.fc(x)))
+        return -y if y.sum() > 0 else y
+
+
+def test_an_untraceable_forward_with_dropouts_converts_checked_in_both_modes():
+    """The modules-only conversion is checked in training mode too, where dropouts draw their masks in
+    another order time-last: they do not make it refuse."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    net = DataBranchWithDropouts().double().eval()
+    expected = net(x)
+    with pytest.warns(UserWarning, match="control flow depends on tensor data"):
+        converted = to_time_last(net, example_input=x)
+    assert has_time_last_boundary(converted)
+    torch.testing.assert_close(converted(x), expected, **TOL)
+    assert converted.train()(x).shape == x.shape[:2] + (2,)
+
+
+@pytest.mark.parametrize("kind, first", [("rewritten", False), ("rewritten", True), ("swapped", True)])
+def test_converting_again_with_another_boundary_is_refused(kind, first):
+    """A second to_time_last with another ``boundary`` kept the first one (a rewritten forward then read
+    its input in the other layout); a network converted by module swapping only gets a boundary added."""
+    torch.manual_seed(0)
+    net = (CallsNet("reshape") if kind == "rewritten" else seq_cifar_net()).double().eval()
+    x = torch.rand(3, 2, 2, 6, 6, dtype=torch.float64) if kind == "rewritten" else torch.randn(5, 2, 3, 8).double()
+    reference = net(x)
+    functional.reset_net(net)
+    converted = to_time_last(copy.deepcopy(net), example_input=x, boundary=first)
+    with pytest.raises(ValueError, match=f"with boundary={first}: convert it back first"):
+        to_time_last(converted, example_input=x, boundary=not first)
+    assert has_time_last_boundary(converted) == first
+    out = converted(x if first else x.movedim(0, -1))
+    torch.testing.assert_close(out if first else out.movedim(-1, 0), reference, **TOL)
+    assert to_time_last(converted, example_input=x, boundary=first) is converted
 
 
 class ElementwiseTrainingBranch(DataBranch):

@@ -498,6 +498,55 @@ def test_a_time_last_network_half_switched_to_single_steps_refuses_to_run():
     torch.testing.assert_close(tl(x), net(x))
 
 
+def test_a_time_last_dropout_refuses_single_steps_first_and_an_island_at_its_forward():
+    """A Dropout before the first other time-last layer took step_mode='s' (a mask per step), and so did a
+    module run time-first (fallback='time_first'), reading the whole sequence as one step, silently."""
+    from spikingjelly.activation_based import neuron
+    torch.manual_seed(0)
+    x = torch.rand(4, 3, 4) * 3
+    net = nn.Sequential(layer.Dropout(0.5), layer.Linear(4, 3))
+    functional.set_step_mode(net, "m")
+    last = mf.to_time_last(net)
+    with pytest.raises(ValueError, match="TimeLastDropout is a time-last layer"):
+        functional.set_step_mode(last, "s")
+    assert last[0].step_mode == "m"
+    y = last(torch.ones(4, 2, 4))
+    assert all(torch.equal(y[0], y[t]) for t in range(4)), "one mask for every step"
+    net = nn.Sequential(neuron.LIFNode(), layer.Linear(4, 3))
+    functional.set_step_mode(net, "m")
+    last = mf.to_time_last(copy.deepcopy(net), fallback="time_first")
+    with pytest.raises(ValueError):
+        functional.set_step_mode(last, "s")
+    functional.reset_net(last)
+    with pytest.raises(ValueError, match="LIFNode runs time-first inside a time-last network.*step_mode='s'"):
+        last(x)
+    functional.set_step_mode(last, "m")
+    functional.reset_net(last)
+    torch.testing.assert_close(last(x), net(x))
+
+
+@pytest.mark.parametrize("name, args", [("MaxPool1d", (2,)), ("Conv1d", (3, 4, 3))])
+def test_a_single_layer_converted_leaves_the_layer_itself_time_first(name, args):
+    """Converting a network that is one layer returns a wrapper, which shares the layer's hooks: its
+    boundary ran on the layer itself too, which then read time-first input as time-last."""
+    torch.manual_seed(0)
+    lay = sj(name, *args)
+    x = torch.randn(4, 2, 3, 6)
+    want = lay(x)
+    last = mf.to_time_last(lay)
+    torch.testing.assert_close(lay(x), want)
+    torch.testing.assert_close(last(x), want)
+    back = mf.to_time_first(last)
+    torch.testing.assert_close(back(x), want)
+
+
+@pytest.mark.parametrize("method", tl.METHODS)
+def test_a_linear_with_no_outputs(method):
+    lin = sj("Linear", 3, 0)
+    x = torch.randn(T, N, 3)
+    assert wrap(lin, method)(x.movedim(0, -1)).shape == (N, 0, T) == lin(x).movedim(0, -1).shape
+
+
 @pytest.mark.parametrize("method", tl.METHODS)
 def test_a_grouped_channels_last_conv_on_a_channels_last_input(method):
     """Regression: 'highdim' of a grouped Conv2d whose weight is channels-last (net.to(memory_format=...)),

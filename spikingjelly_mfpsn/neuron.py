@@ -586,6 +586,13 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
             self._load_hook.remove()
             del self._initialize_hook, self._load_hook
 
+    def _replicate_for_data_parallel(self):
+        """``torch.nn.DataParallel``'s copy of a built neuron (torch's lazy-module mixin refuses every module,
+        built or not: its own lazy modules change class once built)."""
+        if self.has_uninitialized_params():
+            return LazyModuleMixin._replicate_for_data_parallel(self)
+        return ChargeNeuronBase._replicate_for_data_parallel(self)
+
     # ------------------------------------------------------------------ parameters
     def _materialize(self, channels: int) -> None:
         with torch.no_grad():

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import spikingjelly_mfpsn  # noqa: F401
-from spikingjelly.activation_based import layer, neuron
+from spikingjelly.activation_based import functional, layer, neuron
 from spikingjelly_mfpsn import fuse_batchnorm
 
 import reference
@@ -156,3 +156,14 @@ def test_a_tensor_on_another_device_than_the_current_one():
     s1 = sn.to("cuda:1")(x.to("cuda:1"))
     s0 = ref(x.to("cuda:0"))
     assert torch.equal(s1.cpu(), s0.cpu())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_data_parallel_over_two_devices():
+    """nn.DataParallel replicates every module; torch's lazy-module mixin refused every MF-PSN."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), bn_neuron()).cuda().eval()  # (batch statistics per device)
+    x = torch.randn(8, 4, 16, device="cuda")
+    want = net(x)
+    functional.reset_net(net)
+    torch.testing.assert_close(torch.nn.DataParallel(net, device_ids=[0, 1], dim=1)(x), want)

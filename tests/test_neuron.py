@@ -1033,3 +1033,15 @@ def test_a_time_last_neuron_refuses_to_run_single_steps():
     assert (sn.step_mode, sn.layout) == ("s", "time_first") and sn(torch.rand(2, 3, 4)).shape == (2, 3, 4)
     sn.configure(step_mode="m", layout="time_last")
     assert (sn.step_mode, sn.layout) == ("m", "time_last")
+
+
+def test_a_built_neuron_replicates_for_data_parallel():
+    """nn.DataParallel (torch.nn.parallel.replicate) copies each module by its _replicate_for_data_parallel:
+    torch's lazy-module mixin refused every MF-PSN, built or not ("run a dummy forward pass"). The CUDA
+    test with two devices runs DataParallel itself."""
+    for sn in (MulFreeChannelwisePSN(4, k=2, step_mode="m"), MulFreeChannelwisePSN(k=2, threshold="param")):
+        sn(torch.randn(3, 2, 4))
+        replica = sn._replicate_for_data_parallel()
+        assert type(replica) is type(sn) and replica._memories is not sn._memories
+    with pytest.raises(RuntimeError, match="uninitialized parameters"):
+        MulFreeChannelwisePSN(k=2)._replicate_for_data_parallel()

@@ -212,7 +212,7 @@ def _replacement(old: nn.Module, k: int, dilation: int, channels: Optional[int],
     """A new MF-PSN for ``old``: its step mode, surrogate function, training mode and (an MF-PSN's)
     settings and channels, where ``neuron_kwargs`` does not set them."""
     kwargs = {**_settings_of(old), **neuron_kwargs}
-    if "surrogate_function" not in kwargs and isinstance(getattr(old, "surrogate_function", None), nn.Module):
+    if "surrogate_function" not in kwargs and callable(getattr(old, "surrogate_function", None)):
         kwargs["surrogate_function"] = copy.deepcopy(old.surrogate_function)
     kwargs.setdefault("step_mode", _compat.step_mode_of(old))
     if runs_time_first_inside(old):  # (without its transposes, the new neuron must run time-last there itself)
@@ -293,6 +293,12 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
 def _check_replace_args(net: nn.Module, dilation, neuron_kwargs: dict) -> None:
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
+    # (the run-time settings an existing MF-PSN takes in place: checked before any neuron takes them)
+    for name, check in (("layout", ops.check_layout), ("backend", ops.check_backend), ("method", ops.get)):
+        if neuron_kwargs.get(name, "auto") != "auto":
+            check(neuron_kwargs[name])
+    if neuron_kwargs.get("step_mode", "s") not in ("s", "m"):
+        raise ValueError(f"step_mode must be 's' or 'm', got {neuron_kwargs['step_mode']!r}")
     if neuron_kwargs.get("layout") == "time_first" and current_layout(net) == "time_last":
         raise ValueError("layout='time_first' for the neurons of a network converted by to_time_last, whose "
                          "layers hand them time-last sequences: call to_time_first(net) first")

@@ -31,8 +31,12 @@ THRESHOLDS = ("bn", "param")
 def exp_init_weight(channels: int, k: int) -> torch.Tensor:
     """``(C, k)`` weights ``(..., 1/4, 1/2, 1)`` per channel, like SpikingJelly's SlidingPSN exp_init.
 
-    Every value is already a power of two, so quantisation leaves the initial neuron unchanged.
+    Every value is already a power of two, so quantisation leaves the initial neuron unchanged (in float32,
+    taps older than 149 steps are 0).
     """
+    if not (_is_int(channels) and channels >= 0):
+        raise ValueError(f"channels must be an int >= 0, got {channels!r}")
+    _check_settings(k=k)
     row = torch.pow(2.0, -torch.arange(k - 1, -1, -1, dtype=torch.float32))
     return row.repeat(channels, 1)
 
@@ -51,6 +55,9 @@ def default_method(x: torch.Tensor, k: int, dilation: int, layout: str, backend:
         what = "sequence (T, N, C, ...) or (N, C, ..., T)" if step_mode == "m" else "step (N, C, ...)"
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a {what} for step_mode={step_mode!r}, got {got}")
+    _check_settings(k=k, dilation=dilation)
+    ops.check_layout(layout)
+    ops.check_backend(backend)
     channels = x.shape[ops.channel_dim(layout) if step_mode == "m" else 1]
     return ops.choose(x, x.new_empty(channels, k), dilation, layout, backend)
 
@@ -159,6 +166,8 @@ class ChargeNeuronBase(MemoryModule):
                                  f"build a new neuron{rebuild}")
         if name in _SETTINGS:
             _check_settings(**{name: value})
+        if name == "surrogate_function" and not isinstance(value, nn.Module):
+            self._modules.pop(name, None)  # (a plain function, as SpikingJelly's neurons take: an attribute)
         super().__setattr__(name, value)
 
     def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
@@ -230,7 +239,20 @@ class ChargeNeuronBase(MemoryModule):
 
     def configure(self, *, layout=None, backend=None, method=None, step_mode=None, surrogate_function=None):
         """Set the run-time settings given (the rest stay), checked as the constructor checks them; the
-        weights and state stay. ``method`` must run ``layout`` (the new or the current one)."""
+        weights and state stay. ``method`` must run ``layout`` (the new or the current one). On an error
+        nothing changes."""
+        saved = {name: self.__dict__[name] for name in ("_layout", "_backend", "_method", "_step_mode")
+                 if name in self.__dict__}
+        surrogate_before = self.__dict__.get("surrogate_function", self._modules.get("surrogate_function"))
+        try:
+            return self._configure(layout, backend, method, step_mode, surrogate_function)
+        except BaseException:
+            self.__dict__.update(saved)
+            if surrogate_before is not None:
+                self.surrogate_function = surrogate_before
+            raise
+
+    def _configure(self, layout, backend, method, step_mode, surrogate_function):
         if not _surrogate_ok(surrogate_function):
             raise ValueError(_SURROGATE_EXPECTED + f"{surrogate_function!r}")
         layout = ops.check_layout(layout if layout is not None else self._layout)
@@ -326,7 +348,7 @@ class ChargeNeuronBase(MemoryModule):
         while inputs keep the shape and dtype last checked, and the neuron its configuration."""
         args = self._mf_psn_args()
         w = args["weight"]
-        key = (x.shape, x.dtype, w.shape, w.dtype, self._layout, self.step_mode) \
+        key = (x.shape, x.dtype, x.layout, w.shape, w.dtype, self._layout, self.step_mode) \
             if isinstance(x, torch.Tensor) else None
         if key is None or key != self.__dict__.get("_checked_key"):
             self._check_input(x)
@@ -475,7 +497,8 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-_SURROGATE_EXPECTED = "surrogate_function must be a surrogate function instance (e.g. surrogate.ATan()) or None, got "
+_SURROGATE_EXPECTED = ("surrogate_function must be a surrogate function instance (e.g. surrogate.ATan()) or a "
+                       "function of the charge, or None, got ")
 
 
 def _surrogate_ok(sg) -> bool:
@@ -496,7 +519,8 @@ _SETTINGS = {
     "eps": (lambda v: _is_number(v) and 0.0 < v < math.inf, "eps must be a number > 0 (added to the variance)"),
     "v_threshold_init": (lambda v: _is_number(v) and math.isfinite(v), "v_threshold must be a finite number"),
     "surrogate_function": (lambda v: callable(v) and not isinstance(v, type),
-                           "surrogate_function must be a surrogate function instance (e.g. surrogate.ATan())"),
+                           "surrogate_function must be a surrogate function instance (e.g. surrogate.ATan()) or "
+                           "a function of the charge"),
 }
 
 

@@ -409,6 +409,14 @@ def test_auto_method_uses_documented_default():
         assert spikingjelly_mfpsn.default_method(x1, 2, 1, "time_first", step_mode="s") == step.resolve_method(x1)
     with pytest.raises(ValueError, match=r"x must be a sequence .* for step_mode='m', got \(2, 3\)"):
         spikingjelly_mfpsn.default_method(torch.randn(2, 3), 2, 1, "time_first")
+    for args, match in [((0, 1, "time_first"), "k"), ((2.5, 1, "time_first"), "k"), ((2, -1, "time_first"), "dilation"),
+                        ((2, 1.5, "time_first"), "dilation"), ((2, 1, "sideways"), "layout"),
+                        ((2, 1, "time_first", "bogus"), "backend")]:
+        with pytest.raises(ValueError, match=f"^{match}"):
+            spikingjelly_mfpsn.default_method(x, *args)
+    for args, match in [((-1, 2), "channels"), ((2.5, 2), "channels"), ((2, True), "k"), ((2, 0), "k")]:
+        with pytest.raises(ValueError, match=f"^{match}"):
+            spikingjelly_mfpsn.exp_init_weight(*args)
     assert set(sn.supported_methods) == set(ops.names(layout="time_first", backend="torch"))
 
 
@@ -1045,3 +1053,49 @@ def test_a_built_neuron_replicates_for_data_parallel():
         assert type(replica) is type(sn) and replica._memories is not sn._memories
     with pytest.raises(RuntimeError, match="uninitialized parameters"):
         MulFreeChannelwisePSN(k=2)._replicate_for_data_parallel()
+
+
+def steep_sigmoid(x):
+    """A surrogate written as a plain function, as SpikingJelly's neurons take."""
+    return surrogate.Sigmoid(alpha=8.0)(x)
+
+
+def test_a_plain_function_surrogate_works_and_replace_neurons_keeps_it():
+    """The neuron refused a plain function with torch's "cannot assign ... as child module", and
+    replace_neurons dropped an old neuron's for ATan, changing the gradients without a word."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4)
+    grads = []
+    for sg in (surrogate.Sigmoid(alpha=8.0), steep_sigmoid):
+        sn = MulFreeChannelwisePSN(4, k=2, step_mode="m", surrogate_function=sg)
+        xx = x.clone().requires_grad_()
+        (sn(xx) * torch.arange(4.0)).sum().backward()
+        grads.append(xx.grad)
+        assert sorted(sn.state_dict()) == sorted(MulFreeChannelwisePSN(4, k=2).state_dict())
+    torch.testing.assert_close(grads[1], grads[0])
+    sn.surrogate_function = surrogate.ATan()  # (and back to a module)
+    assert isinstance(sn.surrogate_function, surrogate.ATan) and "surrogate_function" in dict(sn.named_children())
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), neuron.LIFNode(surrogate_function=steep_sigmoid))
+    net, _ = functional.replace_neurons(net, k=2)
+    assert net[1].surrogate_function is steep_sigmoid
+
+
+@pytest.mark.parametrize("bad", [dict(layout="time_first", backend="bogus"), dict(surrogate_function=surrogate.Sigmoid(),
+                                                                               step_mode="x")])
+def test_a_refused_configure_changes_nothing(bad):
+    sn = MulFreeChannelwisePSN(3, step_mode="m", layout="time_last", method="conv2d")
+    before = (sn.layout, sn.backend, sn.method, sn.step_mode, sn.surrogate_function)
+    with pytest.raises(ValueError):
+        sn.configure(**bad)
+    assert (sn.layout, sn.backend, sn.method, sn.step_mode, sn.surrogate_function) == before
+
+
+def test_replace_neurons_refuses_a_bad_run_time_setting_before_changing_a_neuron():
+    """Neurons that already had k and the dilation took the run-time settings in place one by one; a bad
+    backend then left them half re-configured (time-first, the pinned method gone)."""
+    net = torch.nn.Sequential(*(MulFreeChannelwisePSN(3, k=2, step_mode="m", layout="time_last", method="conv2d")
+                                for _ in range(2)))
+    for bad in (dict(backend="bogus"), dict(method="bogus"), dict(step_mode="x")):
+        with pytest.raises(ValueError, match="bogus|step_mode"):
+            functional.replace_neurons(net, k=2, dilation=1, layout="time_first", **bad)
+        assert all((sn.layout, sn.method) == ("time_last", "conv2d") for sn in net)

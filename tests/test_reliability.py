@@ -571,7 +571,16 @@ def _bn(c, **fields):
 
 @pytest.mark.parametrize("training, fields, match", [
     (False, dict(running_mean=None, running_var=None), "bn needs running_mean and running_var"),
-    (False, dict(eps=torch.tensor(1e-5)), "bn.eps must be a number > 0"),
+    (False, dict(eps=torch.tensor(1e-5)), "bn.eps must be a finite number > 0"),
+    (True, dict(eps=True), "bn.eps must be a finite number > 0"),
+    (False, dict(eps=INF), "bn.eps must be a finite number > 0"),
+    (True, dict(momentum="x"), "bn.momentum must be a number in \\[0, 1\\] or None"),
+    (True, dict(momentum=NAN), "bn.momentum must be"),
+    (True, dict(momentum=-1), "bn.momentum must be"),
+    (True, dict(momentum=2), "bn.momentum must be"),
+    (True, dict(running_mean=torch.zeros(3, dtype=torch.float64)), "bn.running_mean must be .* dtype torch.float32"),
+    (False, dict(running_mean=torch.zeros(3, dtype=torch.float64)), "bn.running_mean must be .* dtype torch.float32"),
+    (True, dict(gamma=torch.ones(3, dtype=torch.int64)), "bn.gamma must be .* dtype torch.float32"),
     (True, dict(momentum=None, num_batches_tracked=None), "needs bn.num_batches_tracked"),
     (True, dict(gamma=None), "bn.gamma must be a tensor of shape \\(3,\\)"),
     (True, dict(beta=None), "bn.beta must be a tensor of shape \\(3,\\)"),
@@ -593,6 +602,15 @@ def test_a_bad_batch_norm_gets_one_error_from_every_method(training, fields, mat
             ops.mf_psn(x, w, bn=_bn(3, **fields), backend=backend, training=training)
 
 
+def test_a_weight_of_another_shape_is_named_before_the_thresholds():
+    """A 1-D weight was reported as a bad bn.gamma or v_threshold "of shape (None,)"."""
+    x = torch.randn(4, 2, 3)
+    for method in methods("time_first"):
+        for threshold in (dict(bn=_bn(3)), dict(v_threshold=torch.ones(3)), {}):
+            with pytest.raises(ValueError, match=r"weight must have shape \(C, k\) with k >= 1, got \(3,\)"):
+                ops.mf_psn(x, torch.rand(3), method=method, **threshold)
+
+
 @pytest.mark.parametrize("step", [False, True])
 def test_a_sparse_input_is_refused_by_name_in_every_method(step):
     x = torch.randn(4, 2, 3).to_sparse()
@@ -607,6 +625,9 @@ def test_a_sparse_input_is_refused_by_name_in_every_method(step):
     neuron = MulFreeChannelwisePSN(3, k=2, step_mode="s" if step else "m")
     with pytest.raises(TypeError, match=r"^x must be a dense tensor"):
         neuron(x[0] if step else x)
+    neuron(x[0].to_dense() if step else x.to_dense())  # (also after a dense input of that shape was checked)
+    with pytest.raises(TypeError, match=r"^x must be a dense tensor"):
+        neuron(x[0] if step else x)
 
 
 @pytest.mark.parametrize("method", ["cpp", "triton"])
@@ -619,3 +640,44 @@ def test_a_pinned_method_that_cannot_run_the_input_refuses_single_steps_too(meth
         x = torch.empty((4, 2, 3) if step_mode == "m" else (2, 3), device="meta")
         with pytest.raises(ValueError, match=f"method '{method}' cannot run this input: .*meta"):
             sn(x)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_non_reentrant_checkpoint_counts_the_batch_it_blends_again(momentum):
+    """torch.utils.checkpoint(use_reentrant=False) runs the forward again in backward, blending the batch
+    into the running statistics a second time, as it does for torch's BatchNorm (which counts it too). The
+    fused C++ and Triton steps blended it without counting it: the counter, and with momentum=None every
+    later average, went apart from the other methods'."""
+    from torch.utils.checkpoint import checkpoint
+    bn = nn.BatchNorm1d(3, momentum=momentum)
+    checkpoint(bn, torch.randn(4, 3, requires_grad=True), use_reentrant=False).sum().backward()
+    results = {}
+    for method in methods("time_first"):
+        torch.manual_seed(0)
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", method=method, momentum=momentum)
+        x1, x2 = torch.randn(6, 4, 3, requires_grad=True), torch.randn(6, 4, 3) * 3
+        checkpoint(sn, x1, use_reentrant=False).sum().backward()
+        sn(x2)
+        results[method] = (int(sn.num_batches_tracked), sn.running_mean.clone(), sn.running_var.clone())
+    want_count = int(bn.num_batches_tracked) + 1
+    for method, (count, mean, var) in results.items():
+        assert count == want_count, method
+        torch.testing.assert_close(mean, results["shift_add"][1], rtol=1e-5, atol=1e-6, msg=method)
+        torch.testing.assert_close(var, results["shift_add"][2], rtol=1e-5, atol=1e-6, msg=method)
+
+
+def test_huge_finite_float64_parameters_run_in_every_method():
+    """Non-finite parameters were found by a float64 sum, which finite float64 values overflow: a weight of
+    1e308 crashed the torch methods with a TypeError, a beta of 1e308 was refused as 'running_var + eps <= 0'
+    (the C++ and Triton steps ran)."""
+    x = torch.ones(1, 1, 2, dtype=torch.float64)
+    for method in methods("time_first"):
+        param = MulFreeChannelwisePSN(2, k=1, threshold="param", step_mode="m", method=method, exp_init=False)
+        param = param.double().eval()
+        bn = MulFreeChannelwisePSN(2, k=1, step_mode="m", method=method).double().eval()
+        with torch.no_grad():
+            param.weight.fill_(1e308)
+            param.v_threshold.fill_(0.5)
+            bn.beta.fill_(1e308)
+        for sn in (param, bn):
+            assert torch.equal(sn(x), torch.ones_like(x)), method

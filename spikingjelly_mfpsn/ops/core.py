@@ -128,9 +128,11 @@ def _check_threshold_args(weight, bias, v_threshold, bn, quantize, training) -> 
         raise ValueError(f"quantize must be one of {QUANTIZERS}, got {quantize!r}")
     if sum(a is not None for a in (bias, v_threshold, bn)) > 1:
         raise ValueError("give at most one of bias, v_threshold and bn")
-    c = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):  # (before the thresholds, whose shapes follow it)
+        raise ValueError(f"weight must have shape (C, k) with k >= 1, got {_described(weight)}")
+    c = weight.shape[0]
     if bn is not None:
-        _check_bn(bn, "bn", c, training)
+        _check_bn(bn, "bn", c, training, weight.dtype)
     elif v_threshold is not None and not _per_channel(v_threshold, c):
         raise ValueError(f"v_threshold must be a tensor of shape ({c},) (one per channel), "
                          f"got {_described(v_threshold)}")
@@ -150,8 +152,10 @@ def _check_bn(bn: BatchNorm, what: str, c: Optional[int], training: bool, dtype=
         raise ValueError(f"{what} needs running_mean and running_var when training=False")
     if training and bn.momentum is None and bn.running_mean is not None and bn.num_batches_tracked is None:
         raise ValueError(f"{what}.momentum=None (a cumulative average) needs {what}.num_batches_tracked")
-    if not (isinstance(bn.eps, (int, float)) and bn.eps > 0):
-        raise ValueError(f"{what}.eps must be a number > 0, got {bn.eps!r}")
+    if not (_is_number(bn.eps) and 0 < bn.eps < math.inf):
+        raise ValueError(f"{what}.eps must be a finite number > 0, got {bn.eps!r}")
+    if not (bn.momentum is None or _is_number(bn.momentum) and 0 <= bn.momentum <= 1):
+        raise ValueError(f"{what}.momentum must be a number in [0, 1] or None, got {bn.momentum!r}")
     for name, t in zip(BatchNorm._fields, bn[:4]):
         if t is None and what == "bn" and name in ("gamma", "beta"):
             raise ValueError(f"bn.{name} must be a tensor of shape ({c},) (one per channel), got None")
@@ -162,6 +166,10 @@ def _check_bn(bn: BatchNorm, what: str, c: Optional[int], training: bool, dtype=
             in_dtype = "" if dtype is None else f" in the weight's dtype {dtype}"
             got = _described(t) + (f" {t.dtype}" if dtype is not None and isinstance(t, torch.Tensor) else "")
             raise ValueError(f"{what}.{name} must be a tensor of shape ({c},) (one per channel){in_dtype}, got {got}")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _per_channel(t, c: Optional[int]) -> bool:
@@ -240,13 +248,19 @@ def _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, trai
     if impl.bn_fire is None or not code or (input_bn is not None and not impl.fuses_input_bn):
         return None
     extra = {} if input_bn is None else {"input_bn": _fused_input_bn(input_bn, weight, training)}
+    running = _running(bn, training)
+    # Counted before the kernel blends the batch in: a non-reentrant checkpoint's recomputation stops inside
+    # the call (after the blend), and counts the batch again as torch's BatchNorm does.
+    counters = [b.num_batches_tracked for b in (bn, input_bn) if b is not None and training
+                and b.num_batches_tracked is not None and b.running_mean is not None]
+    for counter in counters:
+        counter.add_(1)
     out = impl.bn_fire(x, weight, bn.gamma, bn.beta, bn.eps, quantize, dilation, layout, code, alpha,
-                       _running(bn, training), None if training else (bn.running_mean, bn.running_var), **extra)
+                       running, None if training else (bn.running_mean, bn.running_var), **extra)
     if out is None:  # nothing updated; includes NaN/inf weights, which the general path reports
+        for counter in counters:
+            counter.sub_(1)
         return None
-    for b in (bn, input_bn):
-        if b is not None and training and b.num_batches_tracked is not None and b.running_mean is not None:
-            b.num_batches_tracked.add_(1)
     return out[0]
 
 
@@ -326,32 +340,41 @@ def check_finite(named: dict, stats: Optional[tuple] = None, batch: bool = False
     ``.data``. On CUDA an asynchronous assertion (no synchronisation)."""
     if torch.compiler.is_compiling():
         return
-    with torch.no_grad():  # one sum: NaN or inf anywhere makes it so (in float64 no finite sum overflows)
+    with torch.no_grad():
         parts = [t.reshape(-1) for t in named.values()]
         if stats is not None:
             mean, var, eps = stats
             parts += [mean.reshape(-1), var.reshape(-1), torch.rsqrt(var + eps).reshape(-1)]
-        total = torch.cat(parts).sum(dtype=torch.float64)
-    if total.is_meta:
-        return  # (shape only: nothing to check)
-    if total.is_cuda:
-        torch._assert_async(torch.isfinite(total), "MF-PSN: NaN/inf in its weight, threshold or statistics")
-    elif not math.isfinite(float(total)):
-        raise ValueError(_non_finite_message(named, stats, batch))
+        flat = torch.cat(parts)
+        if flat.is_meta:
+            return  # (shape only: nothing to check)
+        if flat.is_cuda:
+            torch._assert_async(torch.isfinite(flat).all(), "MF-PSN: NaN/inf in its weight, threshold or statistics")
+            return
+        # One sum decides on the CPU: NaN or inf anywhere makes it so; a float64 sum of finite values that
+        # overflows is looked at element by element
+        if not math.isfinite(float(flat.sum(dtype=torch.float64))):
+            message = _non_finite_message(named, stats, batch)
+            if message is not None:
+                raise ValueError(message)
 
 
-def _non_finite_message(named: dict, stats: Optional[tuple], batch: bool) -> str:
-    """What :func:`check_finite` refused, by name."""
+def _non_finite_message(named: dict, stats: Optional[tuple], batch: bool) -> Optional[str]:
+    """What :func:`check_finite` refused, by name; None where nothing is."""
     if stats is not None and not batch:
         named = {**named, "running_mean": stats[0], "running_var": stats[1]}
     bad = [name for name, t in named.items() if not torch.isfinite(t).all()]
     if bad:
         return (f"{', '.join(bad)} contains NaN or inf (diverged training or a bad checkpoint); spikes from it "
                 f"would be meaningless")
-    mean, var, _ = stats
+    if stats is None:
+        return None
+    mean, var, eps = stats
     if batch and not (torch.isfinite(mean).all() and torch.isfinite(var).all()):
         return ("the batch statistics of its charge are NaN or inf: NaN or inf in its input, or values large "
                 "enough to overflow (the running statistics were left as they were)")
+    if torch.isfinite(torch.rsqrt(var + eps)).all():
+        return None
     return (f"{'the batch variance' if batch else 'running_var'} + eps <= 0 (min {float(var.min())}): a batch "
             f"norm cannot be folded into the weight (a bad checkpoint?)")
 

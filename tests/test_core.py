@@ -141,7 +141,7 @@ def test_bad_input_batch_norms_are_named():
     cases = [
         (dict(input_bn=bn._replace(gamma=torch.ones(4))), r"input_bn.gamma must be a tensor of shape \(3,\)"),
         (dict(input_bn=bn._replace(running_var=torch.ones(3, dtype=torch.float64))), "in the weight's dtype"),
-        (dict(input_bn=bn._replace(eps=-1.0)), "input_bn.eps must be a number > 0"),
+        (dict(input_bn=bn._replace(eps=-1.0)), "input_bn.eps must be a finite number > 0"),
         (dict(input_bn=bn._replace(running_mean=None)), "input_bn needs running_mean and running_var"),
     ]
     for kwargs, match in cases:
@@ -173,7 +173,7 @@ def test_bad_arguments_are_named():
         (dict(v_threshold=torch.zeros(4)), r"v_threshold must be a tensor of shape \(3,\)"),
         (dict(bn=ops.BatchNorm(torch.ones(3), torch.zeros(3))), "running_mean and running_var when training=False"),
         (dict(bn=ops.BatchNorm(torch.ones(3), torch.zeros(2)), training=True), r"bn.beta must be a tensor of shape"),
-        (dict(bn=ops.BatchNorm(torch.ones(3), torch.zeros(3), eps=0.0), training=True), "bn.eps must be a number > 0"),
+        (dict(bn=ops.BatchNorm(torch.ones(3), torch.zeros(3), eps=0.0), training=True), "bn.eps must be a finite number > 0"),
         (dict(quantize="floor"), "quantize must be one of"),
         (dict(method="nope"), "method must be one of"),
     ]

@@ -681,3 +681,27 @@ def test_huge_finite_float64_parameters_run_in_every_method():
             bn.beta.fill_(1e308)
         for sn in (param, bn):
             assert torch.equal(sn(x), torch.ones_like(x)), method
+
+
+@pytest.mark.parametrize("weights, steps", [([-2.0, 1.0, 1.0], 3), ([1.0, 1.0, -2.0, -2.0], 5)])
+@pytest.mark.parametrize("threshold", ["param", "bn_eval"])
+def test_input_gradients_where_the_float32_charge_overflows_on_the_way(weights, steps, threshold):
+    """The fused C++ and Triton backward recomputed H in float32, where a sum that overflows on the way is
+    inf or NaN (inf - inf): their input gradients were 0 or NaN where the float64 charge (the one whose
+    sign the forward's spike is) is finite, e.g. H = 3e38 * (-2 + 1 + 1) = 0."""
+    x = torch.full((steps, 1, 1), 3e38)
+    w = torch.tensor([weights])
+    xr = x.double().requires_grad_()
+    h = reference.charge(xr, w.double(), None, 1, "time_first")
+    (want,) = torch.autograd.grad(reference.atan_primitive(h).sum(), xr)
+    for method in methods("time_first"):
+        xm = x.clone().requires_grad_()
+        if threshold == "param":
+            s = ops.mf_psn(xm, w, v_threshold=torch.zeros(1), method=method, quantize=None)
+        else:  # (a batch norm that folds to the weight itself and no bias)
+            bn = _bn(1, gamma=torch.ones(1), beta=torch.zeros(1), running_mean=torch.zeros(1),
+                     running_var=torch.full((1,), 1 - 1e-5))
+            s = ops.mf_psn(xm, w, bn=bn, method=method, quantize=None, training=False)
+        (got,) = torch.autograd.grad(s.sum(), xm)
+        assert torch.equal(s, (h >= 0).float()), method
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30, msg=lambda m: f"{method}: {m}")

@@ -209,13 +209,14 @@ def _charge_at(X, x_rc, mask, t, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb, 
 def _charge_bwd_kernel(G, B, X, W, GX, PW, PB, R, C, T, M, K, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
                        sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb,
                        SG: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
-                       NEED_GB: tl.constexpr, ACC: tl.constexpr, BK: tl.constexpr,
+                       NEED_GB: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr, BK: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """Program (channel block, split s) walks tiles s, s + S, ... of its channels.
 
     G (dL/dH, or dL/dS when SG != 0) and GX are dense; X is strided. With SG != 0 the charge H that
     the surrogate's derivative needs is recomputed from X (and the bias B), in ACC as the forward
-    compared it: nothing X-sized is saved. Writes dL/dX tiles and this program's partial dL/dW
+    compared it (EXACT: see :func:`_exact_if_overflowed`): nothing X-sized is saved. Writes dL/dX tiles
+    and this program's partial dL/dW
     (S, C, BK) and dL/db (S, C).
     """
     cb = tl.program_id(0)
@@ -247,6 +248,9 @@ def _charge_bwd_kernel(G, B, X, W, GX, PW, PB, R, C, T, M, K, dilation, c1_hi, c
             if SG != 0:
                 h = _charge_at(X, x_rc, mask, dst, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb, HAS_BIAS, ACC,
                                BR, BC, BT)
+                if EXACT:
+                    h = _exact_if_overflowed(h, X, x_rc, rc_mask, dst, T, W, B, W, c, C, K, dilation, sx_t, sw_c,
+                                             sw_k, sb, HAS_BIAS, False, BR, BC, BT)
                 g = g * _surrogate_grad(h, _constant(c1_hi, c1_lo, ACC), _constant(c2_hi, c2_lo, ACC), SG)
             if NEED_GX:
                 wv = tl.load(W + c * sw_c + i * sw_k, mask=c < C, other=0.0).to(ACC)
@@ -474,8 +478,8 @@ def _bn_fold_kernel(PART, n_split, X, W, P0, GAMMA, BETA, RM, RV, MEAN, VAR, WQ,
 def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, P0, PART, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
                             sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
                             K: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr,
-                            IN_BN: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, BR: tl.constexpr,
-                            BC: tl.constexpr, BT: tl.constexpr):
+                            IN_BN: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr,
+                            BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """K4: this split's per-channel sums into PART (S, C, ROWS, BK), with ``g = dL/dS * surrogate'(H')`` and
     ``H' = conv(Y, WQ) + B`` recomputed (Y: see :func:`_charges`): row 0 ``sum g Z_i`` (Z = X - mean0 with
     IN_BN, else X; Z_i as tap i reads it), row 3 ``sum g`` over the steps tap i reaches; with STATS (batch
@@ -500,6 +504,9 @@ def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, P0, PART, R, C, T, M, dilation
         r, t, rc_mask, x_rc = _tile_at(tile, n_tb, R, c, cmask, M, sx_n, sx_c, sx_m, BR, BT)
         hq, h = _charges(X, x_rc, rc_mask, t, W, WQ, B, pre, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True,
                          STATS, IN_BN, ACC, BR, BC, BT)
+        if EXACT:  # (WQ dense (C, K), B dense (C,))
+            hq = _exact_if_overflowed(hq, X, x_rc, rc_mask, t, T, WQ, B, P0, c, C, K, dilation, sx_t, K, 1, 1, True,
+                                      IN_BN, BR, BC, BT)
         o_mask = rc_mask & (t < T)[None, None, :]
         g = tl.load(G + _tile_offsets(r, c, M, so_n, so_c, so_m) + (t * so_t)[None, None, :], mask=o_mask,
                     other=0.0).to(ACC) * _surrogate_grad(hq, c1, c2, SG)
@@ -637,7 +644,7 @@ def _input_bn_grads(P0, GPRE, c, cmask, C, n, dl_dy, a0, eps0, STATS0: tl.conste
 def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, P0, GPRE, GX, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
                       K: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr, IN_BN: tl.constexpr, ACC: tl.constexpr,
-                      BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+                      EXACT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """K6: ``dL/dY[t] = sum_i WQ_i g[t + lag_i] + W_i (A + Bh (H[t + lag_i] - mean))`` for one tile
     (the second term with STATS), g and the charges at each ``t + lag_i`` recomputed from X; dL/dX is
     dL/dY, or with IN_BN ``a0 dL/dY + off + slope (X - mean0)`` (GPRE rows 2, 3)."""
@@ -660,6 +667,9 @@ def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, P0, GPRE, GX, R, C, T, M, dila
         dst = t + (K - 1 - i) * dilation  # X[t] reached H[dst] through tap i
         hq, h = _charges(X, x_rc, rc_mask, dst, W, WQ, B, pre, c, cmask, T, dilation, sx_t, sw_c, sw_k, K, True,
                          STATS, IN_BN, ACC, BR, BC, BT)
+        if EXACT:
+            hq = _exact_if_overflowed(hq, X, x_rc, rc_mask, dst, T, WQ, B, P0, c, C, K, dilation, sx_t, K, 1, 1, True,
+                                      IN_BN, BR, BC, BT)
         d_mask = rc_mask & (dst < T)[None, None, :]
         g = tl.load(G + o_rc + (dst * so_t)[None, None, :], mask=d_mask, other=0.0).to(ACC)
         gx += tl.load(WQ + c * K + i, mask=cmask, other=0.0).to(ACC)[None, :, None] * g * \
@@ -927,7 +937,7 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
                                  *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
                                  bias.stride(0) if bias is not None else 0, SG=spike_kind,
                                  HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
-                                 ACC=acc, BK=bk, **_tile_args(tile))
+                                 ACC=acc, EXACT=acc != tl.float64, BK=bk, **_tile_args(tile))
     gx = gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
     if partials:
         return gx, pw, pb
@@ -1103,7 +1113,8 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
                        device=device)
     _bn_grad_moments_kernel[(n_cb, n_split)](grad, x4, weight, wq, b, mean, p0, part, r, c, t, m, dilation, *consts,
                                              *xs, *gs, *weight.stride(), K=k, BK=bk, SG=kind, STATS=stats,
-                                             IN_BN=in_bn, ROWS=rows, ACC=acc, **_tile_args(tile))
+                                             IN_BN=in_bn, ROWS=rows, ACC=acc, EXACT=acc != tl.float64,
+                                             **_tile_args(tile))
     # dL/dW, dL/dgamma, dL/dbeta, the statistics' coefficients for K6 and the input batch norm's (dL/dgamma0,
     # dL/dbeta0 and K6's two) in one allocation
     g_weight, g_gamma, g_beta, coef, g_pre = torch.empty(c * (k + 4 + 4 * in_bn), dtype=dtype, device=device) \
@@ -1121,7 +1132,8 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
         gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=device)
         _bn_grad_x_kernel[_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
             grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx, r, c, t, m, dilation, *consts,
-            *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, **_tile_args(tile))
+            *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, EXACT=acc != tl.float64,
+            **_tile_args(tile))
         gx = gx.to(x.dtype)
     return gx, g_weight, g_gamma, g_beta, *((g_pre[:c], g_pre[c:2 * c]) if in_bn else (None, None))
 

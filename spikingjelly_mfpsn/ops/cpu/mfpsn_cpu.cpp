@@ -529,7 +529,8 @@ void forward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
         }
 }
 
-// Backward, in descending time: dH[t] from the recomputed H (MODE_CHARGE: dH = dL/dH itself), the db and
+// Backward, in descending time: dH[t] from the recomputed H (where a float one is not finite, the double one
+// of exact_if_overflowed, as the forward's spike; MODE_CHARGE: dH = dL/dH itself), the db and
 // dW sums to part, and with out, dL/dX[t] = sum_j W[j] * dH[t + (K-1-j) * d] written to out (or added
 // to what it holds). For vector u, xw[u * K + j] holds X[t - (K-1-j) * d], dw[u * K + j]
 // dH[t + (K-1-j) * d] (zero past step T-1).
@@ -580,10 +581,13 @@ void backward_lanes(const TileArgs<S>& p, int64_t l, int64_t r) {
             } else {
                 V h = b[u];
                 for (int j = 0; j < K; ++j) h += wu[j] * x[j];
-                if constexpr (MODE == MODE_STATS)
+                if constexpr (MODE == MODE_STATS) {
                     dh = a[u] * h + c[u];
-                else
+                } else {
+                    if constexpr (!std::is_same_v<S, double>)  // the charge the spike is the sign of
+                        if (!all_zero<S, V>(h - h)) h = exact_if_overflowed<S, V>(h, wu, x, K, b[u]);
                     dh = load<V>(gr[t] + o) * surrogate_grad<S, V, MODE>(h, p.alpha, sg_c, sg_half);
+                }
             }
             sb[u] += dh;
             for (int j = 0; j < K; ++j) sw[u * K + j] += dh * x[j];

@@ -635,6 +635,9 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
                 self.running_var.fill_(1.0)
             else:
                 self.v_threshold.materialize((channels,))
+                if abs(self.v_threshold_init) > torch.finfo(self.v_threshold.dtype).max:
+                    raise ValueError(f"v_threshold={self.v_threshold_init!r} is beyond the range of the parameters' "
+                                     f"dtype {self.v_threshold.dtype}")
                 self.v_threshold.fill_(self.v_threshold_init)
 
     def initialize_parameters(self, x: torch.Tensor, *args, **kwargs) -> None:

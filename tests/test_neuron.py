@@ -1099,3 +1099,9 @@ def test_replace_neurons_refuses_a_bad_run_time_setting_before_changing_a_neuron
         with pytest.raises(ValueError, match="bogus|step_mode"):
             functional.replace_neurons(net, k=2, dilation=1, layout="time_first", **bad)
         assert all((sn.layout, sn.method) == ("time_last", "conv2d") for sn in net)
+
+
+def test_a_v_threshold_beyond_the_parameters_dtype_is_named():
+    with pytest.raises(ValueError, match=r"v_threshold=1e\+39 is beyond the range of the parameters' dtype torch.float32"):
+        MulFreeChannelwisePSN(2, threshold="param", v_threshold=1e39)
+    assert MulFreeChannelwisePSN(2, threshold="param", v_threshold=3e38).v_threshold[0] == torch.tensor(3e38)

@@ -416,9 +416,10 @@ def backend_available(backend: str) -> bool:
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends that run here (see :func:`backend_available`): installed, with an implementation
-    registered; whether one runs a given tensor (e.g. Triton's kernels need a CUDA tensor, or
-    ``TRITON_INTERPRET=1``) is decided per call, with an error naming the reason.
+    """The backends installed here, each with an implementation registered (see :func:`backend_available`).
+
+    Whether one runs a given tensor (e.g. Triton's kernels need a CUDA tensor, or ``TRITON_INTERPRET=1``)
+    is decided per call, with an error naming the reason.
 
     Returns:
         Their names, in the order of :data:`BACKEND_LIBRARIES`.

@@ -323,6 +323,15 @@ def _slots(net: nn.Module) -> dict[int, list]:
     return slots
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_bn_forwards() -> frozenset:
+    """The forwards of torch's and SpikingJelly's plain batch norms, the ones a neuron can apply."""
+    names = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d")
+    classes = [getattr(nn, n) for n in names] + [c for c in map(_compat.sj_layer, names) if c is not None] + \
+        [_compat.BatchNorm1d]
+    return frozenset(c.forward for c in classes)
+
+
 def _output_bn(m: nn.Module, multi_step: bool) -> Optional[nn.Module]:
     """The batch norm whose output is ``m``'s output, normalising as the input batch norm of a neuron in
     that step mode does (a multi-step one over time, samples and features; a single-step one each step
@@ -330,6 +339,8 @@ def _output_bn(m: nn.Module, multi_step: bool) -> Optional[nn.Module]:
     if isinstance(m, FusedBatchNorm):  # (fused into another neuron already)
         return None
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if type(m).forward not in _plain_bn_forwards():  # (e.g. SyncBatchNorm, TEBN: not a plain normalisation)
+            return None
         step_mode = getattr(m, "step_mode", None if multi_step else "s")
         fits = step_mode == ("m" if multi_step else "s") or (step_mode is None and not multi_step)
         tracked = m.track_running_stats and m.running_mean is not None

@@ -109,19 +109,33 @@ class FusedBatchNorm(nn.Module):
 
     @property
     def batch_norm_class(self) -> type:
-        """The batch norm's own class (``layer.BatchNorm2d`` for a ``FusedBatchNorm2d``)."""
-        return type(self).__bases__[1]
+        """The batch norm's own class (``layer.BatchNorm2d`` for a ``FusedBatchNorm2d``, also under a
+        parametrization registered after fusing)."""
+        return next(c for c in type(self).__mro__
+                    if issubclass(c, nn.modules.batchnorm._BatchNorm) and not issubclass(c, FusedBatchNorm))
+
+    def _made_over(self) -> bool:
+        """Whether this module's class was made over its fused class (``torch.nn.utils.parametrize`` does)."""
+        return type(self).__bases__ != (FusedBatchNorm, self.batch_norm_class)
 
     def unfused(self) -> nn.Module:
-        """This module, a batch norm of its own class again."""
-        self.__class__ = self.batch_norm_class
+        """This module, a batch norm of its own class again (a class made over the fused one, as by
+        ``torch.nn.utils.parametrize``, is made again over the batch norm's)."""
+        cls, base = type(self), self.batch_norm_class
+        if self._made_over():
+            base = type(cls.__name__.replace("Fused", "", 1), (base,),
+                        {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")})
+        self.__class__ = base
         return self
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", applied by the next MulFreeChannelwisePSN"
 
     def __reduce_ex__(self, protocol):
-        # Pickled as the batch norm's class, fused again on loading: the fused class is made at run time.
+        # Pickled as the batch norm's class, fused again on loading: the fused class is made at run time
+        # (a parametrized one refuses, as torch's parametrized modules do).
+        if self._made_over():
+            return super().__reduce_ex__(protocol)
         return _new_fused, (self.batch_norm_class,), self.__dict__
 
 
@@ -169,6 +183,15 @@ class ChargeNeuronBase(MemoryModule):
         if name == "surrogate_function" and not isinstance(value, nn.Module):
             self._modules.pop(name, None)  # (a plain function, as SpikingJelly's neurons take: an attribute)
         super().__setattr__(name, value)
+
+    def _replicate_for_data_parallel(self):
+        """``torch.nn.DataParallel``'s copy; refused with a fused batch norm, which is not a submodule: each
+        copy would apply the first device's."""
+        if self.input_bn is not None:
+            raise RuntimeError(f"a {type(self).__name__} that applies a fused batch norm cannot be replicated by "
+                               f"nn.DataParallel (each replica would apply the first device's batch norm): "
+                               f"functional.unfuse_batchnorm(net) first, or use DistributedDataParallel")
+        return super()._replicate_for_data_parallel()
 
     def resolve_method(self, x_seq: torch.Tensor, layout: Optional[str] = None) -> str:
         """The implementation that will run ``x_seq`` (``'auto'`` resolved by ``ops.choose``)."""
@@ -365,7 +388,10 @@ class ChargeNeuronBase(MemoryModule):
     def input_bn(self) -> Optional[FusedBatchNorm]:
         """The batch norm in front of this neuron that it applies itself (``functional.fuse_batchnorm``), or
         None. Not a submodule: the batch norm stays where it was in the network."""
-        return self.__dict__.get("_input_bn")
+        bn = self.__dict__.get("_input_bn")
+        if bn is not None and not isinstance(bn, FusedBatchNorm):  # unfused by itself (bn.unfused(), a block's
+            self.__dict__["_input_bn"] = bn = None                 # unfuse_batchnorm): it normalises again
+        return bn
 
     def set_input_bn(self, bn: Optional[FusedBatchNorm]) -> None:
         """Apply ``bn`` to the input from now on (None: stop); see :attr:`input_bn`."""

@@ -201,6 +201,10 @@ def test_only_a_batch_norm_whose_output_only_the_neuron_reads_is_fused():
         "no running statistics": nn.Sequential(layer.BatchNorm2d(6, step_mode="m", track_running_stats=False), sn()),
         "a layer in between": nn.Sequential(layer.BatchNorm2d(6, step_mode="m"), layer.Dropout(0.5), sn()),
         "another neuron": nn.Sequential(layer.BatchNorm2d(6, step_mode="m"), neuron.LIFNode(step_mode="m")),
+        # batch norms with a forward of their own (a fused one would apply a plain normalisation instead)
+        "a temporal effective batch norm": nn.Sequential(layer.TemporalEffectiveBatchNorm2d(4, 6), sn())
+        if hasattr(layer, "TemporalEffectiveBatchNorm2d") else nn.Sequential(),
+        "a synchronised batch norm": nn.Sequential(layer.SeqToANNContainer(nn.SyncBatchNorm(6)), sn()),
     }
     for what, net in nets.items():
         assert fuse_batchnorm(net) == [], what
@@ -422,3 +426,62 @@ def test_an_untraceable_forward_fuses_no_pair_it_runs_itself():
                           IteratesItsSequential())  # (the forward of the outer nest is Sequential's own)
     functional.set_step_mode(outer, "m")
     assert fuse_batchnorm(outer, example_input=x) == [("0.1", "0.2")]
+
+
+def test_a_parametrization_registered_after_fusing_survives_unfusing():
+    """torch.nn.utils.parametrize gives the fused batch norm a class made over the fused one: finding the
+    batch norm's class raised IndexError (in repr, unfuse_batchnorm, deploy.fold and to_time_last)."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Positive(nn.Module):
+        def forward(self, w):
+            return w.abs() + 0.5
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(2, 3, 1, step_mode="m"), layer.BatchNorm1d(3, step_mode="m"),
+                        MulFreeChannelwisePSN(3, k=2, step_mode="m"))
+    apart = copy.deepcopy(net)
+    parametrize.register_parametrization(apart[1], "weight", Positive())
+    fuse_batchnorm(net)
+    parametrize.register_parametrization(net[1], "weight", Positive())
+    x = torch.randn(4, 2, 2, 5)
+    assert "input_bn=BatchNorm1d" in repr(net)
+    assert torch.equal(net(x), apart(x))
+    with pytest.raises(RuntimeError, match="Serialization of parametrized modules"):
+        pickle.dumps(net)  # (as torch refuses a parametrized module; a fused one pickled without its property)
+    unfuse_batchnorm(net)
+    assert isinstance(net[1], layer.BatchNorm1d) and not isinstance(net[1], FusedBatchNorm)
+    assert parametrize.is_parametrized(net[1], "weight") and torch.equal(net[1].weight, apart[1].weight)
+    assert torch.equal(net(x), apart(x))
+
+
+def test_a_batch_norm_unfused_on_its_own_is_applied_by_itself_again():
+    """unfuse_batchnorm(block) of the block holding the batch norm (or bn.unfused()) left the neuron
+    outside it applying a batch norm that was not a fused one any more: AttributeError at its forward."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(layer.Conv2d(2, 3, 3, padding=1, step_mode="m"), layer.BatchNorm2d(3, step_mode="m"))
+            self.sn = MulFreeChannelwisePSN(3, k=2, step_mode="m")
+
+        def forward(self, x):
+            return self.sn(self.stem(x))
+    torch.manual_seed(0)
+    x = torch.randn(4, 2, 2, 4, 4)
+    for unfuse in (lambda net: unfuse_batchnorm(net.stem), lambda net: net.stem[1].unfused()):
+        net = Net()
+        want = net(x)
+        assert fuse_batchnorm(net) == [("stem.1", "sn")]
+        unfuse(net)
+        assert torch.equal(net(x), want) and net.sn.input_bn is None
+        assert fuse_batchnorm(net) == [("stem.1", "sn")] and torch.equal(net(x), want)
+
+
+def test_data_parallel_refuses_a_fused_network_by_name():
+    """DataParallel's replicas of a neuron kept the first device's fused batch norm (not a submodule)."""
+    net = conv_net()
+    fuse_batchnorm(net)
+    with pytest.raises(RuntimeError, match="fused batch norm cannot be replicated by nn.DataParallel"):
+        net[2]._replicate_for_data_parallel()
+    unfuse_batchnorm(net)
+    net[2](torch.randn(2, 2, 6, 4, 4))
+    assert type(net[2]._replicate_for_data_parallel()) is MulFreeChannelwisePSN

@@ -386,15 +386,18 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state holds "
                              f"{tuple(queue[-1].shape)} {queue[-1].dtype} inputs; call functional.reset_net(net) "
                              f"before feeding another shape or switching arithmetic")
-        keep = (self.k - 1) * self.dilation
-        history = queue + (q.clone() if keep and q is x else q,)  # (an int64 input: the caller's own tensor)
+        keep = self._history_length(queue)
+        stored = q.clone() if keep and q is x else q  # (an int64 input: the caller's own tensor)
+        if keep and not queue:  # (zeros before the first step, as in float arithmetic)
+            queue = (torch.zeros_like(stored),) * keep
+        history = queue + (stored,)
         spikes = self._int_spikes(torch.stack(history), x, "time_first", last=1)[0]
         self.x_queue = history[-keep:] if keep > 0 else ()
         return spikes
 
     def _apply(self, fn, *args, **kwargs):
-        # Integer state must not be cast by net.double() / net.half(): only move it.
-        self.x_queue = tuple(t if not t.is_floating_point() else fn(t) for t in self.x_queue)
+        # Integer state must not be cast by net.double() / net.half(): only move it (a meta one: see the base's).
+        self.x_queue = tuple(t if not t.is_floating_point() or t.is_meta else fn(t) for t in self.x_queue)
         return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:

@@ -434,10 +434,7 @@ class ChargeNeuronBase(MemoryModule):
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
                              f"before feeding sequences of another shape")
-        keep = (self.k - 1) * self.dilation
-        if queue and len(queue) != keep:  # (the history is keep long from the first step on)
-            raise ValueError(f"the stored state holds {len(queue)} inputs but k={self.k}, dilation={self.dilation} "
-                             f"take {keep}: call functional.reset_net(net) after changing k or dilation")
+        keep = self._history_length(queue)
         stored = self._promoted(x)
         if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
             stored = stored.clone()
@@ -446,7 +443,16 @@ class ChargeNeuronBase(MemoryModule):
         history = queue + (stored,)
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
-        return spikes if spikes.dtype == x.dtype else spikes.to(x.dtype)  # (computed in the promoted dtype)
+        return spikes if spikes.dtype == given.dtype else spikes.to(given.dtype)  # (computed promoted)
+
+    def _history_length(self, queue: tuple) -> int:
+        """``(k-1) * dilation``, the length of the single-step history from its first step on; a stored one of
+        another length (k or dilation changed mid-stream) is refused."""
+        keep = (self.k - 1) * self.dilation
+        if queue and len(queue) != keep:
+            raise ValueError(f"the stored state holds {len(queue)} inputs but k={self.k}, dilation={self.dilation} "
+                             f"take {keep}: call functional.reset_net(net) after changing k or dilation")
+        return keep
 
     # ------------------------------------------------------------------ state handling
     def detach(self):
@@ -454,7 +460,9 @@ class ChargeNeuronBase(MemoryModule):
         super().detach()
 
     def _apply(self, fn, recurse=True):
-        self.x_queue = tuple(fn(t) for t in self.x_queue)
+        # A history on the meta device holds no values (e.g. after a meta forward, before to_empty): the stream
+        # starts afresh rather than from what fn would make of it.
+        self.x_queue = () if any(t.is_meta for t in self.x_queue) else tuple(fn(t) for t in self.x_queue)
         return super()._apply(fn)  # (SpikingJelly's takes no ``recurse``, which to_empty passes)
 
 

@@ -705,3 +705,57 @@ def test_input_gradients_where_the_float32_charge_overflows_on_the_way(weights, 
         (got,) = torch.autograd.grad(s.sum(), xm)
         assert torch.equal(s, (h >= 0).float()), method
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30, msg=lambda m: f"{method}: {m}")
+
+
+def test_a_single_step_without_a_threshold_fires_at_zero_in_every_method():
+    """mf_psn_step takes at most one of bias, v_threshold and bn: none is threshold 0. The C++ step read
+    the missing bias through a null pointer (the process died)."""
+    torch.manual_seed(0)
+    x0, x1, w = torch.randn(2, 3), torch.randn(2, 3), torch.rand(3, 2) + 0.1
+    h = reference.charge(torch.stack([x0, x1]).double(), reference.pow2(w.double()), None, 1, "time_first")[-1]
+    for method in methods("time_first"):
+        with torch.no_grad():
+            assert torch.equal(ops.mf_psn_step([x0, x1], w, method=method), (h >= 0).float()), method
+
+
+def test_a_stream_after_a_meta_forward_and_to_empty_starts_from_an_empty_history():
+    """docs/guarantees.rst's recipe (build on meta, one lazy meta forward, to_empty, load a checkpoint): the
+    meta forward left a history of meta tensors, which to_empty turned into uninitialised memory that the
+    first (k-1)*d streamed steps read."""
+    torch.manual_seed(0)
+    src = MulFreeChannelwisePSN(8, k=3, dilation=2, threshold="param", v_threshold=0.5)
+    with torch.device("meta"):
+        sn = MulFreeChannelwisePSN(None, k=3, dilation=2, threshold="param")
+    sn(torch.empty(2, 8, device="meta"))
+    sn.to_empty(device="cpu")
+    sn.load_state_dict(src.state_dict())
+    x = torch.randn(6, 2, 8) * 1e3
+    with torch.no_grad():
+        assert torch.equal(torch.stack([sn(x[t]) for t in range(6)]), torch.stack([src(x[t]) for t in range(6)]))
+
+
+def test_a_fused_input_batch_norm_gives_single_step_spikes_in_the_inputs_dtype():
+    for fuse in (False, True):
+        sn = MulFreeChannelwisePSN(3, k=2)
+        net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), sn).eval()
+        if fuse:
+            spikingjelly_mfpsn.fuse_batchnorm(net)
+            assert sn.input_bn is not None
+        assert net(torch.randn(2, 4)).dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert net(torch.randn(2, 4)).dtype == torch.bfloat16, fuse
+
+
+def test_integer_streaming_refuses_a_dilation_changed_mid_stream_as_float_does():
+    """The integer single step read the taps before its shorter history as zeros, where the float one
+    refuses."""
+    x = torch.randn(8, 2, 3)
+    for integer in (False, True):
+        folded = deploy.fold(MulFreeChannelwisePSN(3, k=3, dilation=1))
+        if integer:
+            deploy.set_integer(folded, frac_bits=16)
+        for t in range(4):
+            folded(x[t])
+        folded.dilation = 2
+        with pytest.raises(ValueError, match="the stored state holds 2 inputs but k=3, dilation=2 take 4"):
+            folded(x[4])

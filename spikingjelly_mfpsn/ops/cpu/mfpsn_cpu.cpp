@@ -903,14 +903,15 @@ template <typename S>
 int step_fire(const S* const* xs, const S* w, const S* gamma, const S* beta, const S* mean, const S* var,
               double eps, int quantize, const S* bias, S* out, int64_t N, int64_t C, int64_t F, int K,
               int threads) {
-    if (gamma ? !finite_folding(C, K, w, gamma, beta, mean, var, eps) : !(all_finite(w, C * K) && all_finite(bias, C)))
+    if (gamma ? !finite_folding(C, K, w, gamma, beta, mean, var, eps)
+              : !(all_finite(w, C * K) && (!bias || all_finite(bias, C))))
         return 1;
-    std::vector<S> wq(C * K), b(C);
+    std::vector<S> wq(C * K), b(C);  // (no bias and no batch norm: threshold 0, b stays 0)
     if (gamma) {
         fold_bn(C, K, w, gamma, beta, mean, var, eps, quantize, wq.data(), b.data());
     } else {
         std::copy_n(w, C * K, wq.data());
-        std::copy_n(bias, C, b.data());
+        if (bias) std::copy_n(bias, C, b.data());
         if (quantize) quantize_pow2_(wq.data(), C * K);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)

@@ -338,6 +338,7 @@ std::vector<Tensor> step_fire_op(const c10::List<optional<Tensor>>& taps_, const
     bool ok = (dtype == at::kFloat || dtype == at::kDouble) && raw(w) && x.dim() >= 2 &&
               int64_t(taps.size()) == w.size(1);
     for (const auto* t : {&bias, &gamma, &beta, &mean, &var}) ok = ok && (!*t || raw(**t));
+    ok = ok && (!gamma || (beta && mean && var));  // (a batch norm comes whole)
     for (const auto& t : taps) ok = ok && (!t || raw(*t));
     if (!ok) return {};
     Tensor out = at::empty_like(x);

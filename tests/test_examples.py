@@ -180,6 +180,27 @@ def test_shd_net_uses_delays_only_when_asked_and_available():
 
 # ------------------------------------------------------------------------------- time-mixing layers
 
+@pytest.mark.parametrize("make, step", [
+    (lambda: models.shd_net(10, 5, hidden=6, delays=False, neuron="lif"), torch.rand(2, 10)),
+    (lambda: models.pixel_image_net(3, 5, widths=(4, 6), blocks=1, neuron="lif"), torch.rand(2, 3))])
+def test_the_paper_networks_time_mixing_layers_refuse_single_steps(make, step):
+    """set_step_mode(net, 's') skipped the layers that mix time steps (no step_mode), which then read the
+    batch axis as time: the SHD net was off by 0.17, the pixel net averaged a batch of 2 into 1."""
+    net = make().eval()
+    functional.set_step_mode(net, "s")
+    with pytest.raises(ValueError, match="mixes time steps and runs whole sequences only, but has step_mode='s'"):
+        net(step)
+    functional.set_step_mode(net, "m")
+    functional.reset_net(net)
+    assert net(step.unsqueeze(0).expand(8, -1, -1)).shape[1] == 2  # (the batch)
+
+
+def test_the_neuron_factory_given_the_mfpsn_class_gives_its_order_and_sawtooth():
+    net = models.sequential_image_net(3, 8, 5, neuron=MulFreeChannelwisePSN, k=4, channels=4, hidden=6)
+    assert [(m.k, m.dilation) for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)][:3] == \
+        [(4, 1), (4, 2), (4, 3)]
+
+
 def _both_layouts(module, x_time_first):
     module.layout = "time_first"
     a = module(x_time_first)
@@ -876,6 +897,23 @@ def test_the_shd_reader_refuses_non_finite_times_and_bad_labels(tmp_path, times,
     with h5py.File(path, "r+") as f:
         del f["labels"]
         f.create_dataset("labels", data=np.asarray(labels))
+    with pytest.raises(data.DataError, match=re.escape(says)):
+        data.SHD(path)
+
+
+@pytest.mark.parametrize("units, says", [([1.7, -0.5], "spikes/units of sample 0 must hold integers in 0..699, got "
+                                                         "dtype float64"),
+                                         ([3, 700], "spikes/units of sample 0 must hold integers in 0..699, got values")])
+def test_the_shd_reader_refuses_units_that_are_not_channels(tmp_path, units, says):
+    """Float units were truncated to channels (-0.5 became 0, passing the range check)."""
+    import h5py
+    path = str(tmp_path / "shd_train.h5")
+    with h5py.File(path, "w") as f:
+        t = f.create_dataset("spikes/times", (1,), dtype=h5py.vlen_dtype(np.float32))
+        t[0] = [0.1, 0.2]
+        u = f.create_dataset("spikes/units", (1,), dtype=h5py.vlen_dtype(np.asarray(units).dtype))
+        u[0] = np.asarray(units)
+        f.create_dataset("labels", data=np.asarray([0], np.uint16))
     with pytest.raises(data.DataError, match=re.escape(says)):
         data.SHD(path)
 

@@ -269,7 +269,7 @@ def _read_shd(f, path: str) -> tuple[list, list, np.ndarray]:
         if key not in f:
             raise DataError(f"{path} is not an SHD file: it has no dataset {key!r}")
     times = [np.asarray(t, dtype=np.float64) for t in f["spikes/times"]]
-    units = [np.asarray(u, dtype=np.int64) for u in f["spikes/units"]]
+    units = [np.asarray(u) for u in f["spikes/units"]]  # (integers: checked by the caller, not truncated here)
     return times, units, np.asarray(f["labels"])
 
 
@@ -286,8 +286,7 @@ def _checked_samples(path: str, times: list, units: list, labels: np.ndarray, ch
             raise DataError(f"{path}: sample {i} has {t.size} spike times but {u.size} units")
         if not np.isfinite(t).all():
             raise DataError(f"{path}: sample {i} has a spike time that is not a finite number (NaN or inf)")
-        if u.size and (u.min() < 0 or u.max() >= channels):
-            raise DataError(f"{path}: sample {i} has a unit outside 0..{channels - 1}")
+        units[i] = _integers(u, path, f"spikes/units of sample {i}", 0, channels - 1).astype(np.int64)
     return labels
 
 

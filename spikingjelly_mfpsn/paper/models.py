@@ -77,6 +77,8 @@ class NeuronFactory:
                                  f"Use 'mfpsn', 'lif' or 'plif'")
         elif not (isinstance(neuron, type) and issubclass(neuron, nn.Module)):
             raise TypeError(f"neuron must be a name in {NEURONS} or an nn.Module class, got {neuron!r}")
+        elif neuron is MulFreeChannelwisePSN:
+            neuron = "mfpsn"  # (its order and sawtooth dilations, as the name gives them)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (the order) must be an int >= 1, got {k!r}")
         self.neuron = neuron
@@ -129,17 +131,23 @@ def _check_positive(**values) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Layers that mix time steps (layout-aware)
 
-class _TimeMixing(nn.Module):
-    """Base of layers that mix time steps; ``layout`` says where the time axis of their input is."""
+class _TimeMixing(nn.Module, _compat.StepModule):
+    """Base of layers that mix time steps; ``layout`` says where the time axis of their input is. They run
+    whole sequences only: ``step_mode='s'`` (``functional.set_step_mode(net, 's')``) makes the next forward
+    raise, rather than read the batch axis as time."""
 
     layout_aware = True  # to_time_last / to_time_first set ``layout`` instead of wrapping
 
     def __init__(self):
         super().__init__()
         self.layout = "time_first"
+        self.step_mode = "m"
 
     def _time_last(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as ``(N, C, ..., T)``."""
+        if self.step_mode != "m":
+            raise ValueError(f"{type(self).__name__} mixes time steps and runs whole sequences only, but has "
+                             f"step_mode={self.step_mode!r}: functional.set_step_mode(net, 'm')")
         return x.movedim(0, -1) if self.layout == "time_first" else x
 
     def _restore(self, y: torch.Tensor) -> torch.Tensor:

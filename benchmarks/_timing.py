@@ -2,12 +2,40 @@
 round by round, so machine noise hits all of them alike; results are medians with their spread."""
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 from typing import Callable
 
 import torch
 import torch.nn as nn
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a bad value is refused by argparse, naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def shape(text: str) -> tuple[int, int, int, int]:
+    """An argparse ``type``: four ints >= 1 separated by commas (a shape such as ``T,N,C,L``)."""
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"expected four sizes such as 4,2,8,4, got {text!r}")
+    return tuple(positive_int(v) for v in parts)
+
+
+def out_folder(text: str) -> str:
+    """An argparse ``type``: a folder to write into (made where missing); not an existing file."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return text
 
 
 def sync(device: torch.device | str = "cpu") -> None:

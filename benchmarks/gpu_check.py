@@ -433,10 +433,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a correctness subset and fewer shapes (about a minute)")
     parser.add_argument("--dry-run", action="store_true", help="no CUDA needed: the same code on the CPU, tiny shapes")
-    parser.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.md")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 10; 1 with --dry-run)")
+    parser.add_argument("--out", type=_timing.out_folder, default=None, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--repeats", type=_timing.positive_int, default=None,
+                        help="timed rounds (default 10; 1 with --dry-run)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd networks")
-    parser.add_argument("--compile-t", type=int, nargs="+", default=None,
+    parser.add_argument("--compile-t", type=_timing.positive_int, nargs="+", default=None,
                         help="time steps at which the networks are also compiled (default: all; 8 with --quick)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
                         help="which parts to run (default: all)")

@@ -4,11 +4,14 @@
 # installs the wheels in $WHEELS (default .whl/, e.g. SpikingJelly's and loguru's, fetched elsewhere with
 # `pip download --no-deps`), runs the CUDA-marked tests with compiled Triton, then benchmarks/gpu_check.py.
 # Logs, gpu_check.json and gpu_check.md go to $OUT (default benchmarks/results/gpu). Each stage has a time
-# limit (TESTS_S, CHECK_S seconds) so that the whole run ends in a known time.
+# limit (TESTS_S, CHECK_S seconds) so that the whole run ends in a known time. Relative $OUT and $WHEELS are
+# taken from the current directory. The exit status is the worse of the two stages'.
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/gpu}
-WHEELS=${WHEELS:-.whl}
+case "${1:-}" in -h|--help) sed -n '2,8p' "$0" | cut -c3-; exit 0;; esac
+repo=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(realpath -m "${OUT:-$repo/benchmarks/results/gpu}")
+WHEELS=$(realpath -m "${WHEELS:-$repo/.whl}")
+cd "$repo"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -24,12 +27,13 @@ start=$(date +%s)
 xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
 timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m cuda $xdist -p no:cacheprovider --continue-on-collection-errors \
     tests > "$OUT/tests.log" 2>&1
-rc=$?
+tests_rc=$?
 tail -n 40 "$OUT/tests.log"
-echo "tests: $(( $(date +%s) - start )) s, exit $rc" | tee -a "$OUT/session.log"
+echo "tests: $(( $(date +%s) - start )) s, exit $tests_rc" | tee -a "$OUT/session.log"
 args=("$@")
 [ $# -eq 0 ] && args=(--quick)
 timeout "${CHECK_S:-420}" "$PY" benchmarks/gpu_check.py --out "$OUT" "${args[@]}" > "$OUT/check.log" 2>&1
-rc=$?
+check_rc=$?
 tail -n 80 "$OUT/check.log"
-echo "gpu_check: $(( $(date +%s) - start )) s in all, exit $rc" | tee -a "$OUT/session.log"
+echo "gpu_check: $(( $(date +%s) - start )) s in all, exit $check_rc" | tee -a "$OUT/session.log"
+exit $(( tests_rc > check_rc ? tests_rc : check_rc ))

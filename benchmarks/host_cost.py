@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
+from _timing import Flat, interleaved, layer_step, markdown_table, median, positive_int, ratio_cell, shape  # noqa: E402
 from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
@@ -68,11 +68,11 @@ def candidates(T: int, c: int) -> dict[str, nn.Module]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="4,2,8,4", help="T,N,C,L")
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--shape", type=shape, default="4,2,8,4", help="T,N,C,L")
+    parser.add_argument("--repeats", type=positive_int, default=200)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    T, n, c, m = (int(v) for v in args.shape.split(","))
+    T, n, c, m = args.shape
     x, grad = torch.randn(T, n, c, m), torch.randn(T, n, c, m)
     fns = {name: layer_step(mod, x, grad) for name, mod in candidates(T, c).items()}
     for fn in fns.values():  # real kernels once (lazy state, autotuning)

@@ -31,6 +31,8 @@ from spikingjelly.activation_based import neuron  # noqa: E402
 from spikingjelly_mfpsn import ops  # noqa: E402
 from spikingjelly_mfpsn.neuron import FusedBatchNorm  # noqa: E402
 
+from _timing import shape  # noqa: E402
+
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "promote_types",
         "result_type",
         "lift_fresh", "_local_scalar_dense", "set_", "resize_"}
@@ -200,9 +202,9 @@ def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="16,8,16,64", help="T,N,C,M (time-first order)")
+    parser.add_argument("--shape", type=shape, default="16,8,16,64", help="T,N,C,M (time-first order)")
     args = parser.parse_args()
-    t, n, c, m = (int(v) for v in args.shape.split(","))
+    t, n, c, m = args.shape
     shapes = {"time_first": (t, n, c, m), "time_last": (n, c, m, t)}
     print(f"passes over an X-sized tensor and kernel launches, one training step, k=2, X {shapes['time_first']} "
           f"(time-first order)")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import interleaved, machine, markdown_table, median, ratio_cell  # noqa: E402
+from _timing import interleaved, machine, markdown_table, median, out_folder, positive_int, ratio_cell  # noqa: E402
 
 from spikingjelly.activation_based import base as sj_base, functional  # noqa: E402
 
@@ -115,7 +115,7 @@ def part_neuron(args, out):
              f"min {sp[0]:.2f}x, max {sp[-1]:.2f}x.",
              f"Target: best within 2.5x of the memory floor. Median {median(fl):.2f}x, min {fl[0]:.2f}x, "
              f"max {fl[-1]:.2f}x.", ""]
-    text += part_neuron_compiled(args)
+    text += [] if args.no_compile else part_neuron_compiled(args)
     out.append("\n".join(text))
     return per_impl
 
@@ -413,19 +413,31 @@ def overhead_in_fresh_process(args) -> str:
     return text[text.index("## 3."):]
 
 
+PARTS = ("neuron", "network", "overhead", "inference", "eval")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="neuron,network,overhead,inference,eval")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (minutes instead of tens of minutes)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile configurations")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", type=out_folder, default=RESULTS,
+                    help="folder for speed.md and speed.png (default: benchmarks/results, which only a run of "
+                         "every part without --quick may write)")
     args = ap.parse_args()
+    parts = [p.strip() for p in args.parts.split(",")]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(map(repr, unknown))}; choose from {','.join(PARTS)}")
+    if os.path.abspath(args.out) == RESULTS and (set(parts) != set(PARTS) or args.quick):
+        ap.error("--out: the committed results in benchmarks/results are written by a full run only (every "
+                 "part, no --quick); give another folder")
     if args.threads:
         torch.set_num_threads(args.threads)
-    parts = args.parts.split(",")
     torch.manual_seed(0)
     out = [f"# Speed suite\n\nMachine: {machine()}. Every ratio is a median over {args.repeats} interleaved "
            f"repeats in one process; ± is the larger relative spread (max-min)/median of the two.\n"]

@@ -16,6 +16,8 @@ from spikingjelly.activation_based import functional, layer
 
 import spikingjelly_mfpsn as mf
 
+from _timing import positive_int
+
 CASES = [
     ("Conv1d c64k3", lambda: layer.Conv1d(64, 64, 3, padding=1), (64, 32)),
     ("Conv2d c64k3", lambda: layer.Conv2d(64, 64, 3, padding=1), (64, 16, 16)),
@@ -46,10 +48,12 @@ def timed(fn, x, repeat):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("-T", type=int, default=8)
-    ap.add_argument("-N", type=int, default=16)
+    ap.add_argument("--repeat", type=positive_int, default=20)
+    ap.add_argument("-T", type=positive_int, default=8)
+    ap.add_argument("-N", type=positive_int, default=16)
     args = ap.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here")
     torch.manual_seed(0)
     print(f"T={args.T} N={args.N} device={args.device}; time relative to SpikingJelly time-first (lower is faster)")
     print(f"{'layer':<22}{'time-first ms':>14}{'vmap':>8}{'highdim':>9}")

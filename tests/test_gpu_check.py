@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from spikingjelly_mfpsn import ops
@@ -58,8 +59,30 @@ def test_the_session_script_logs_each_stage(tmp_path):
            "TESTS_S": "300", "CHECK_S": "120", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh")], capture_output=True,
                          text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 2, out.stderr[-3000:]  # (gpu_check's: the worse stage's exit status)
     log = (tmp_path / "session.log").read_text()
     assert "tests: " in log and "gpu_check: " in log and "exit 2" in log  # (gpu_check: no CUDA device)
     assert "deselected" in (tmp_path / "tests.log").read_text()
     assert "no CUDA device here" in (tmp_path / "check.log").read_text()
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("host_cost.py", ["--shape", "4,2,8"], "argument --shape: expected four sizes"),
+    ("host_cost.py", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
+    ("memory_passes.py", ["--shape", "1,2"], "argument --shape: expected four sizes"),
+    ("time_last_layers.py", ["--repeat", "0"], "argument --repeat: expected an int >= 1"),
+    ("speed_suite.py", ["--parts", "nueron", "--out", "OUT"], "--parts: unknown 'nueron'"),
+    ("speed_suite.py", ["--parts", "neuron"], "--out: the committed results in benchmarks/results are written by a "
+                                              "full run only"),
+    ("speed_suite.py", ["--repeats", "0", "--out", "OUT"], "argument --repeats: expected an int >= 1"),
+    ("gpu_check.py", ["--dry-run", "--repeats", "-1"], "argument --repeats: expected an int >= 1, got -1"),
+    ("gpu_check.py", ["--dry-run", "--out", "FILE"], "is a file, not a folder")])
+def test_the_benchmark_scripts_refuse_bad_flags_by_name(tmp_path, script, args, says):
+    """Bad values ran into tracebacks (StatisticsError, ZeroDivisionError, unpacking), and a speed-suite
+    run of some parts replaced the committed results with a partial report."""
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / a) if a in ("OUT", "FILE") else a for a in args]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path)
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "OUT").exists()

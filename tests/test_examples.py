@@ -1024,3 +1024,30 @@ def test_a_method_the_layout_does_not_have_is_a_usage_error(tmp_path):
                        env=_env(), timeout=300)
     assert r.returncode == 2 and "--method conv2d: " in r.stderr and "time_first layout" in r.stderr, r.stderr[-800:]
     assert "Traceback" not in r.stderr and not os.path.exists(os.path.join(out, "metrics.json"))
+
+
+def test_an_incomplete_cifar_folder_names_what_it_lacks_and_batches_name_their_file(tmp_path):
+    """A folder lacking a batch was reported as the whole data set not found; a batch with bad content was
+    named cifar10/<member>, not by its path."""
+    _write_cifar10(str(tmp_path), archive=False)
+    folder = tmp_path / "cifar-10-batches-py"
+    (folder / "data_batch_5").unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{folder} lacks data_batch_5: extract the whole")):
+        data.load_cifar(str(tmp_path))
+    _write_cifar10(str(tmp_path / "again"), archive=False)
+    bad = tmp_path / "again" / "cifar-10-batches-py" / "data_batch_2"
+    bad.write_bytes(pickle.dumps({b"data": np.zeros((1, 3072), np.float32), b"labels": [1]}))
+    with pytest.raises(data.DataError, match=re.escape(f"{bad}: b'data' must hold integers")):
+        data.load_cifar(str(tmp_path / "again"))
+    with pytest.raises(ValueError, match="name must be 'digits' or one of"):
+        data.num_classes("mnist")
+
+
+def test_the_readers_and_readout_name_a_bool_or_a_string_argument(tmp_path):
+    _write_shd(str(tmp_path / "shd_train.h5"), [[0.1, 0.2]], [[3, 4]], [1])
+    for kwargs, says in ((dict(bins=True), "bins must be a positive int, got True"),
+                         (dict(duration="1"), "duration must be a finite number of seconds > 0 or None, got '1'")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            data.SHD(str(tmp_path / "shd_train.h5"), **kwargs)
+    with pytest.raises(ValueError, match="tau must be a number >= 1, got '2'"):
+        models.MembraneReadout("2")

@@ -110,45 +110,62 @@ def load_cifar(data_dir: str, name: str = "cifar10") -> Split:
     """
     if name not in CIFAR:
         raise ValueError(f"name must be one of {sorted(CIFAR)}, got {name!r}")
-    archive, folder, train_members, test_member, label_key, classes = CIFAR[name]
+    _, _, train_members, test_member, label_key, classes = CIFAR[name]
+    batches = _cifar_batches(data_dir, name)
+    train = [_cifar_arrays(batches[m][0], label_key, classes, batches[m][1]) for m in train_members]
+    x_test, y_test = _cifar_arrays(batches[test_member][0], label_key, classes, batches[test_member][1])
+    if not sum(len(y) for _, y in train):
+        raise DataError(f"{name}: the training batches ({', '.join(train_members)}) hold no images")
+    if not len(y_test):
+        raise DataError(f"{batches[test_member][1]}: the test batch holds no images")
+    return torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), x_test, y_test
+
+
+def _cifar_batches(data_dir: str, name: str) -> dict:
+    """``{member: (unpickled batch, where it was read)}`` of CIFAR ``name`` from ``data_dir``: the extracted
+    folder (or ``data_dir`` itself) where it holds every batch, else the archive."""
+    archive, folder, train_members, test_member, _, _ = CIFAR[name]
     archive_path = os.path.join(data_dir, archive)
     members = train_members + [test_member]
     folders = [p for p in (os.path.join(data_dir, folder), data_dir)
                if all(os.path.isfile(os.path.join(p, m)) for m in members)]
     if folders:
-        folder_path = folders[0]
+        paths = {m: os.path.join(folders[0], m) for m in members}
         batches = {}
-        for m in members:
-            path = os.path.join(folder_path, m)
+        for m, path in paths.items():
             with open(path, "rb") as f:
-                batches[m] = _unpickle(f.read, path, name)
-    elif os.path.isfile(archive_path):
-        try:
-            with tarfile.open(archive_path, "r:gz") as tar:
-                names = set(tar.getnames())
-                missing = [m for m in members if f"{folder}/{m}" not in names]
-                if missing:
-                    raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python "
-                                            f"archive?")
-                batches = {m: _unpickle(_member(tar, f"{folder}/{m}", archive_path).read,
-                                        f"{archive_path}:{folder}/{m}", name) for m in members}
-        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            raise DataError(f"{archive_path} cannot be read as a .tar.gz archive ({type(e).__name__}: {e}): it is "
-                            f"damaged or truncated; fetch {archive} again ({CIFAR_URL})") from e
-    else:
-        raise FileNotFoundError(
-            f"{name} not found in --data-dir {data_dir!r}: put the python version of the data set there, either "
-            f"the archive {archive} or its extracted folder {folder}/ (with {', '.join(members)}). "
-            f"It is published at {CIFAR_URL}; nothing is downloaded automatically.")
-    train = [_cifar_arrays(batches[m], label_key, classes, f"{name}/{m}") for m in train_members]
-    x_test, y_test = _cifar_arrays(batches[test_member], label_key, classes, f"{name}/{test_member}")
-    if not sum(len(y) for _, y in train):
-        raise DataError(f"{name}: the training batches ({', '.join(train_members)}) hold no images")
-    if not len(y_test):
-        raise DataError(f"{name}/{test_member}: the test batch holds no images")
-    return torch.cat([x for x, _ in train]), torch.cat([y for _, y in train]), x_test, y_test
+                batches[m] = (_unpickle(f.read, path, name), path)
+        return batches
+    if os.path.isfile(archive_path):
+        return _cifar_archive(archive_path, folder, members, name)
+    partial = os.path.join(data_dir, folder)
+    if os.path.isdir(partial):
+        missing = [m for m in members if not os.path.isfile(os.path.join(partial, m))]
+        raise FileNotFoundError(f"{partial} lacks {', '.join(missing)}: extract the whole {archive} there again "
+                                f"(or put the archive itself in --data-dir {data_dir!r})")
+    raise FileNotFoundError(
+        f"{name} not found in --data-dir {data_dir!r}: put the python version of the data set there, either "
+        f"the archive {archive} or its extracted folder {folder}/ (with {', '.join(members)}). "
+        f"It is published at {CIFAR_URL}; nothing is downloaded automatically.")
+
+
+def _cifar_archive(archive_path: str, folder: str, members: list, name: str) -> dict:
+    """:func:`_cifar_batches` from the ``.tar.gz`` archive."""
+    try:
+        with tarfile.open(archive_path, "r:gz") as tar:
+            names = set(tar.getnames())
+            missing = [m for m in members if f"{folder}/{m}" not in names]
+            if missing:
+                raise FileNotFoundError(f"{archive_path} lacks {folder}/{missing[0]}; is it the {name} python "
+                                        f"archive?")
+            where = {m: f"{archive_path}:{folder}/{m}" for m in members}
+            return {m: (_unpickle(_member(tar, f"{folder}/{m}", archive_path).read, where[m], name), where[m])
+                    for m in members}
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise DataError(f"{archive_path} cannot be read as a .tar.gz archive ({type(e).__name__}: {e}): it is "
+                        f"damaged or truncated; fetch {os.path.basename(archive_path)} again ({CIFAR_URL})") from e
 
 
 def _member(tar: tarfile.TarFile, member: str, archive_path: str):
@@ -162,6 +179,8 @@ def _member(tar: tarfile.TarFile, member: str, archive_path: str):
 
 def num_classes(name: str) -> int:
     """Number of classes of an image data set name ('digits', 'cifar10', 'cifar100')."""
+    if name != "digits" and name not in CIFAR:
+        raise ValueError(f"name must be 'digits' or one of {sorted(CIFAR)}, got {name!r}")
     return 10 if name == "digits" else CIFAR[name][-1]
 
 
@@ -218,8 +237,10 @@ class SHD(torch.utils.data.Dataset):
         except ImportError as e:
             raise ImportError("reading SHD needs h5py: pip install h5py") from e
         for name, v in (("bins", bins), ("unit_bin", unit_bin), ("units", units)):
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not (duration is None or isinstance(duration, (int, float)) and not isinstance(duration, bool)):
+            raise ValueError(f"duration must be a finite number of seconds > 0 or None, got {duration!r}")
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"SHD file {path!r} not found: put {SHD_FILES[0]} and {SHD_FILES[1]} (gunzip the .h5.gz files "

@@ -238,8 +238,8 @@ class MembraneReadout(_TimeMixing):
 
     def __init__(self, tau: float = 2.0):
         super().__init__()
-        if not tau >= 1.0:
-            raise ValueError(f"tau must be >= 1, got {tau!r}")
+        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau >= 1.0):
+            raise ValueError(f"tau must be a number >= 1, got {tau!r}")
         self.tau = float(tau)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -578,9 +578,9 @@ def _bn(c, **fields):
     (True, dict(momentum=NAN), "bn.momentum must be"),
     (True, dict(momentum=-1), "bn.momentum must be"),
     (True, dict(momentum=2), "bn.momentum must be"),
-    (True, dict(running_mean=torch.zeros(3, dtype=torch.float64)), "bn.running_mean must be .* dtype torch.float32"),
-    (False, dict(running_mean=torch.zeros(3, dtype=torch.float64)), "bn.running_mean must be .* dtype torch.float32"),
-    (True, dict(gamma=torch.ones(3, dtype=torch.int64)), "bn.gamma must be .* dtype torch.float32"),
+    (True, dict(gamma=torch.ones(3, dtype=torch.int64)), "bn.gamma must be .* of a floating-point dtype, got \\(3,\\) "
+                                                         "torch.int64"),
+    (False, dict(running_var=torch.ones(3, dtype=torch.int64)), "bn.running_var must be .* of a floating-point dtype"),
     (True, dict(momentum=None, num_batches_tracked=None), "needs bn.num_batches_tracked"),
     (True, dict(gamma=None), "bn.gamma must be a tensor of shape \\(3,\\)"),
     (True, dict(beta=None), "bn.beta must be a tensor of shape \\(3,\\)"),
@@ -759,3 +759,16 @@ def test_integer_streaming_refuses_a_dilation_changed_mid_stream_as_float_does()
         folded.dilation = 2
         with pytest.raises(ValueError, match="the stored state holds 2 inputs but k=3, dilation=2 take 4"):
             folded(x[4])
+
+
+def test_running_statistics_of_another_float_dtype_serve_training_and_eval_alike():
+    """Float64 running statistics with a float32 weight: training ran, eval failed on a float64 'bias'."""
+    x, w = torch.randn(4, 2, 3, 2), torch.rand(3, 2) + 0.1
+    for method in methods("time_first"):
+        for training in (True, False):
+            bn32 = _bn(3)
+            bn64 = _bn(3)._replace(running_mean=bn32.running_mean.double(), running_var=bn32.running_var.double())
+            want = ops.mf_psn(x, w, bn=bn32, method=method, training=training)
+            got = ops.mf_psn(x, w, bn=bn64, method=method, training=training)
+            assert got.dtype == torch.float32 and torch.equal(got, want), (method, training)
+            torch.testing.assert_close(bn64.running_mean, bn32.running_mean.double(), msg=method)

@@ -132,7 +132,7 @@ def _check_threshold_args(weight, bias, v_threshold, bn, quantize, training) -> 
         raise ValueError(f"weight must have shape (C, k) with k >= 1, got {_described(weight)}")
     c = weight.shape[0]
     if bn is not None:
-        _check_bn(bn, "bn", c, training, weight.dtype)
+        _check_bn(bn, "bn", c, training)
     elif v_threshold is not None and not _per_channel(v_threshold, c):
         raise ValueError(f"v_threshold must be a tensor of shape ({c},) (one per channel), "
                          f"got {_described(v_threshold)}")
@@ -162,9 +162,9 @@ def _check_bn(bn: BatchNorm, what: str, c: Optional[int], training: bool, dtype=
         if training and name.startswith("running") and _per_channel(t, c) and c > 1 and t.stride(0) == 0:
             raise ValueError(f"{what}.{name} must not be an expanded tensor (stride 0): a training step "
                              f"updates it in place")
-        if t is not None and not (_per_channel(t, c) and (dtype is None or t.dtype == dtype)):
-            in_dtype = "" if dtype is None else f" in the weight's dtype {dtype}"
-            got = _described(t) + (f" {t.dtype}" if dtype is not None and isinstance(t, torch.Tensor) else "")
+        if t is not None and not (_per_channel(t, c) and (t.dtype == dtype if dtype else t.is_floating_point())):
+            in_dtype = " of a floating-point dtype" if dtype is None else f" in the weight's dtype {dtype}"
+            got = _described(t) + (f" {t.dtype}" if isinstance(t, torch.Tensor) else "")
             raise ValueError(f"{what}.{name} must be a tensor of shape ({c},) (one per channel){in_dtype}, got {got}")
 
 
@@ -324,6 +324,8 @@ def fold_checked(weight: torch.Tensor, bn: BatchNorm, mean: torch.Tensor, var: t
     ``var + eps <= 0``, leaves one of them non-finite); a folding that overflows from finite inputs
     passes (the quantiser clamps it)."""
     w, b = reduce.fold_bn(weight, bn.gamma, bn.beta, mean, var, bn.eps)
+    if w.dtype != weight.dtype or b.dtype != weight.dtype:  # (statistics or affine kept in another dtype)
+        w, b = w.to(weight.dtype), b.to(weight.dtype)
     if w.is_cpu and not torch.compiler.is_compiling():
         with torch.no_grad():
             total = torch.cat((w.reshape(-1), b.reshape(-1), var.reshape(-1))).sum(dtype=torch.float64)

@@ -211,16 +211,12 @@ def _charge_bwd_kernel(G, B, X, W, GX, PW, PB, R, C, T, M, K, dilation, c1_hi, c
                        SG: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
                        NEED_GB: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr, BK: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
-    """Program (channel block, split s) walks tiles s, s + S, ... of its channels.
-
-    G (dL/dH, or dL/dS when SG != 0) and GX are dense; X is strided. With SG != 0 the charge H that
-    the surrogate's derivative needs is recomputed from X (and the bias B), in ACC as the forward
-    compared it (EXACT: see :func:`_exact_if_overflowed`): nothing X-sized is saved. Writes dL/dX tiles
-    and this program's partial dL/dW
-    (S, C, BK) and dL/db (S, C).
-    """
-    cb = tl.program_id(0)
-    split = tl.program_id(1)
+    """Program (channel block, split s) walks tiles s, s + S, ... of its channels. G (dL/dH, or dL/dS when
+    SG != 0) and GX are dense; X is strided. With SG != 0 the charge H that the surrogate's derivative
+    needs is recomputed from X (and the bias B), in ACC as the forward compared it (EXACT: see
+    :func:`_exact_if_overflowed`): nothing X-sized is saved. Writes dL/dX tiles and this program's partial
+    dL/dW (S, C, BK) and dL/db (S, C)."""
+    cb, split = tl.program_id(0), tl.program_id(1)
     n_split = tl.num_programs(1)
     c = (cb * BC + tl.arange(0, BC)).to(tl.int64)
     kk = tl.arange(0, BK)

@@ -305,16 +305,16 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         raise ValueError(f"method must be 'auto' or one of {layer.METHODS}, got {method!r}")
     conv = _Converter(fallback, method)
     forward = net.__dict__.get("forward")
-    if has_time_last_boundary(net) != boundary and (isinstance(forward, GraphForward) or not boundary):
-        raise ValueError(f"net was converted to the time-last layout with boundary={not boundary}: convert it back "
-                         f"first (to_time_first(net)), then to_time_last(net, boundary={boundary}, ...)")
-    if isinstance(forward, GraphForward):
-        return net  # converted already
     blocks = [name for name, m in net.named_modules() if m is not net and has_time_last_boundary(m)]
     if blocks and not has_time_last_boundary(net):
         raise UnconvertibleModuleError(f"net holds blocks converted on their own ({', '.join(blocks)}), each taking "
                                        f"and giving time-first tensors: convert the network as a whole, from its "
                                        f"time-first form (to_time_first(net), then to_time_last(net, ...))")
+    if has_time_last_boundary(net) != boundary and (isinstance(forward, GraphForward) or _runs_time_last(net)):
+        raise ValueError(f"net runs time-last already, with boundary={not boundary}: convert it back first "
+                         f"(to_time_first(net)), then to_time_last(net, boundary={boundary}, ...)")
+    if isinstance(forward, GraphForward):
+        return net  # converted already
     if tracing.is_leaf(net) or _runs_time_last(net):  # (a network converted by module swapping: still so)
         return _swap_modules(net, conv, boundary)
     inputs = _probes(example_input) if example_input is not None else None

@@ -445,8 +445,10 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
 def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Module:
     """Set ``backend`` on every module of type ``instance`` that has one and supports it.
 
-    Modules that do not support ``backend`` are logged and skipped (SpikingJelly 0.0.0.0.14 style).
+    Modules that do not support ``backend`` are skipped, logged once per class and reason (SpikingJelly
+    0.0.0.0.14 style).
     """
+    skipped: Counter = Counter()
     for m in net.modules():
         if not isinstance(m, instance) or not hasattr(m, "backend") or not hasattr(m, "supported_backends"):
             continue
@@ -454,11 +456,11 @@ def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Modul
             try:
                 m.backend = backend
             except (ImportError, NotImplementedError, ValueError) as e:  # library missing at run time
-                logger.warning("%s cannot use backend=%r (%s); it keeps backend=%r",
-                               type(m).__name__, backend, e, m.backend)
+                skipped[(type(m).__name__, f"cannot use backend={backend!r} ({e})", m.backend)] += 1
         else:
-            logger.warning("%s does not support backend=%r; it keeps backend=%r",
-                           type(m).__name__, backend, m.backend)
+            skipped[(type(m).__name__, f"does not support backend={backend!r}", m.backend)] += 1
+    for (name, why, kept), count in skipped.items():
+        logger.warning("%s (%d module%s) %s; it keeps backend=%r", name, count, "s" * (count > 1), why, kept)
     return net
 
 

@@ -620,10 +620,12 @@ def test_an_untraceable_forward_with_dropouts_converts_checked_in_both_modes():
     assert converted.train()(x).shape == x.shape[:2] + (2,)
 
 
-@pytest.mark.parametrize("kind, first", [("rewritten", False), ("rewritten", True), ("swapped", True)])
+@pytest.mark.parametrize("kind, first", [("rewritten", False), ("rewritten", True), ("swapped", False),
+                                         ("swapped", True)])
 def test_converting_again_with_another_boundary_is_refused(kind, first):
     """A second to_time_last with another ``boundary`` kept the first one (a rewritten forward then read
-    its input in the other layout); a network converted by module swapping only gets a boundary added."""
+    its input in the other layout), or added one (a network converted by module swapping then took
+    time-first input where its callers gave it time-last)."""
     torch.manual_seed(0)
     net = (CallsNet("reshape") if kind == "rewritten" else seq_cifar_net()).double().eval()
     x = torch.rand(3, 2, 2, 6, 6, dtype=torch.float64) if kind == "rewritten" else torch.randn(5, 2, 3, 8).double()

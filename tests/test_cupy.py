@@ -399,6 +399,12 @@ def test_without_cupy_backend_cupy_is_a_clear_error(monkeypatch, without_cupy_re
     assert "cupy" not in ops.available_backends() and "cupy" not in ops.names()
     with pytest.raises(ImportError, match=r"backend='cupy' needs the cupy package.*pip install cupy"):
         MulFreeChannelwisePSN(4, backend="cupy")
+    # asked for as a method: the same kind of error (it was a ValueError) with the install hint, and still
+    # a ValueError for code that caught that
+    with pytest.raises(ImportError, match=r"method 'cupy' cannot run here: .*not installed \(pip install cupy"):
+        MulFreeChannelwisePSN(4, method="cupy")
+    with pytest.raises(ValueError, match="method 'cupy' cannot run here"):
+        MulFreeChannelwisePSN(4, method="cupy")
     sn = MulFreeChannelwisePSN(4, step_mode="m")
     with pytest.raises(ImportError, match="cupy"):
         sn.backend = "cupy"

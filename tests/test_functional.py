@@ -177,6 +177,7 @@ def test_set_backend_and_set_method(caplog):
     with caplog.at_level(logging.WARNING, logger="spikingjelly_mfpsn"):
         set_backend(net, "no_such_backend")
     assert all(m.backend == "torch" for m in new) and "does not support backend" in caplog.text
+    assert caplog.text.count("does not support backend") == 1 and f"({len(new)} modules)" in caplog.text  # (a class)
     set_method(net, "auto")
     assert all(m.method == "auto" for m in new)
 

@@ -772,3 +772,34 @@ def test_running_statistics_of_another_float_dtype_serve_training_and_eval_alike
             got = ops.mf_psn(x, w, bn=bn64, method=method, training=training)
             assert got.dtype == torch.float32 and torch.equal(got, want), (method, training)
             torch.testing.assert_close(bn64.running_mean, bn32.running_mean.double(), msg=method)
+
+
+def test_a_dilation_beyond_the_sequence_reads_the_causal_zeros_in_every_method():
+    """Tap lags of 2**31 and more overflowed the Triton and CuPy kernels' 32-bit index arithmetic (the
+    interpreter crashed), and 'conv1d' padded by (k-1)*dilation (64 GB for 2**29)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 2, 2, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    for dilation in (2 ** 29, 2 ** 30, 2 ** 31 + 1):
+        want = reference.charge(x, w, None, dilation, "time_first")
+        for method in methods("time_first")[:-1]:
+            torch.testing.assert_close(ops.charge(x, w, None, dilation, "time_first", method), want, msg=method)
+            s = ops.mf_psn(x, w, v_threshold=torch.zeros(2, dtype=torch.float64), dilation=dilation, method=method,
+                           quantize=None)
+            assert torch.equal(s, (want >= 0).double()), method
+
+
+def test_a_float64_eps_below_float32s_range_gives_the_same_spikes_in_every_method():
+    """The Triton BN step passed eps as two float32 halves, which lose an eps below float32's normal range
+    (3e-45 became 2.8e-45, 1e-300 became 0): other spikes than every other method's."""
+    dt = torch.float64
+    x = torch.full((4, 3, 1), 0.3, dtype=dt)
+    for eps in (3e-45, 1e-300):
+        for w in (1.0256410837173462, 0.97, 1.5):
+            weight = torch.tensor([[w]], dtype=dt)
+            h, _ = reference.mfpsn_charge(x, weight, 1, "time_first", "bn", quantize=True, gamma=torch.ones(1, dtype=dt),
+                                          beta=torch.zeros(1, dtype=dt), eps=eps)
+            for method in methods("time_first"):
+                bn = ops.BatchNorm(torch.ones(1, dtype=dt), torch.zeros(1, dtype=dt), torch.zeros(1, dtype=dt),
+                                   torch.ones(1, dtype=dt), eps, 0.1, torch.tensor(0))
+                s = ops.mf_psn(x, weight, bn=bn, method=method, training=True)
+                assert torch.equal(s, (h >= 0).to(dt)), (method, eps, w)

@@ -23,8 +23,8 @@ import torch
 from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
-from .registry import (Implementation, channel_dim, check_charge_args, check_dense, check_dilation, choose, find,
-                       get, input_dtype_error, supported, tap_schedule)
+from .registry import (LAYOUTS, Implementation, channel_dim, check_charge_args, check_dense, check_dilation, choose,
+                       find, get, input_dtype_error, supported, tap_schedule, time_dim)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -63,12 +63,17 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
         bn: a :class:`BatchNorm` folded into the weight and bias: ``Wf = gamma / sqrt(var + eps) * W``,
             ``b = beta - gamma * mean / sqrt(var + eps)``, with the batch statistics of ``conv(X, W)`` in
             ``training`` (blended into the running ones in place) and the running ones otherwise
+        dilation: spacing of the taps in steps (>= 1)
+        layout: ``'time_first'`` or ``'time_last'``, where ``x``'s time axis is
         method: an implementation name (``ops.names()``) or ``'auto'`` (the dispatcher's choice among
             ``backend``'s)
+        backend: the backend whose methods ``'auto'`` chooses among (``'torch'`` by default)
         surrogate_function: a SpikingJelly surrogate (default ``surrogate.ATan()``); those of the
             surrogate table are fused into the kernels, any other is applied to the charge
         quantize: ``'whole'`` (``Wq = Q(Wf)`` with the whole straight-through gradient), ``'round'``
             or None (no quantiser)
+        training: with ``bn`` (and ``input_bn``), batch statistics and their running ones updated (True)
+            or the running ones (False, the default, as for ``torch.nn.functional.batch_norm``)
         input_bn: a :class:`BatchNorm` of ``x`` itself, applied first, as a SpikingJelly
             ``layer.BatchNorm`` in front of the neuron would (statistics over every axis but the
             channels; ``gamma``, ``beta`` may be None: no affine); its tensors in the weight's dtype.
@@ -84,6 +89,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, alpha = surrogate.fused(sg)
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
+    dilation = _within_steps(x, dilation, layout)
     if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
         impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
         if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) and not autocasting(x):
@@ -447,8 +453,18 @@ def charge(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Computed by ``method`` (an implementation name, or ``'auto'``), after validating the call; an input of
     lower precision than the weight is computed in the weight's dtype.
     """
+    dilation = _within_steps(x, dilation, layout)
     impl, x = _checked(x, weight, bias, dilation, layout, method)
     return impl.apply(_in_weight_dtype(x, weight), weight, bias, dilation, layout)
+
+
+def _within_steps(x, dilation, layout: str):
+    """``dilation``, or the number of steps of ``x`` where that is smaller: taps as far back read the causal
+    zeros either way, and the kernels' 32-bit index arithmetic would overflow on a huge dilation."""
+    if isinstance(dilation, int) and not isinstance(dilation, bool) and isinstance(x, torch.Tensor) \
+            and layout in LAYOUTS and x.dim() >= 3 and dilation > x.shape[time_dim(layout)] >= 1:
+        return x.shape[time_dim(layout)]
+    return dilation
 
 
 # ---------------------------------------------------------------------------- one step

@@ -240,16 +240,24 @@ def get(name: str) -> Implementation:
     raise ValueError(f"method must be one of {sorted(_REGISTRY)} (or 'auto'), got {name!r}")
 
 
-def not_here(backend: str) -> ValueError:
+class BackendUnavailableError(ImportError, ValueError):
+    """A backend (or a method of one) asked for where it does not run: its package is missing, or it has
+    nothing to run on. Both an ``ImportError`` and a ``ValueError``, whichever way it was asked for."""
+
+
+def not_here(backend: str) -> BackendUnavailableError:
     """The error for a neuron set to a kernel backend that does not run here.
 
     This happens e.g. in a network saved on a machine where the backend ran. The error says why, and the
     way back to the methods that do run.
     """
-    why = _UNAVAILABLE_REASONS.get(backend) or _INSTALL_HINTS.get(backend, "its backend is not available")
-    return ValueError(f"method {backend!r} cannot run here: {why}. Here the methods are {sorted(_REGISTRY)}; a "
-                      f"network saved where it ran switches with functional.set_backend(net, 'torch') (its "
-                      f"method 'auto' picks among backend {backend!r}'s)")
+    why = _UNAVAILABLE_REASONS.get(backend) or "its backend is not available"
+    hint = _INSTALL_HINTS.get(backend)
+    why += f" ({hint})" if hint and "not installed" in why else ""
+    return BackendUnavailableError(
+        f"method {backend!r} cannot run here: {why}. Here the methods are {sorted(_REGISTRY)}; a network saved "
+        f"where it ran switches with functional.set_backend(net, 'torch') (its method 'auto' picks among the "
+        f"methods of backend {backend!r})")
 
 
 def find(name: str) -> Optional[Implementation]:
@@ -388,10 +396,10 @@ def check_backend(backend: str) -> str:
         import importlib.util
         lib = BACKEND_LIBRARIES[backend]
         if lib is not None and importlib.util.find_spec(lib) is None:
-            raise ImportError(f"backend={backend!r} needs the {lib} package, which "
-                              f"does not import here: {_INSTALL_HINTS.get(backend, '')}")
-        raise ImportError(f"backend={backend!r} cannot run here: "
-                          f"{_UNAVAILABLE_REASONS.get(backend, 'it registered no implementation')}")
+            raise BackendUnavailableError(f"backend={backend!r} needs the {lib} package, which "
+                                          f"does not import here: {_INSTALL_HINTS.get(backend, '')}")
+        raise BackendUnavailableError(f"backend={backend!r} cannot run here: "
+                                      f"{_UNAVAILABLE_REASONS.get(backend, 'it registered no implementation')}")
     return backend
 
 

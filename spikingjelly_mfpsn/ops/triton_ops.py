@@ -826,8 +826,18 @@ def _gx_dtype(x: torch.Tensor, acc) -> torch.dtype:
 
 def _hi_lo(v: float) -> tuple[float, float]:
     """``v`` as float32 ``hi + lo`` (a kernel's float arguments are float32; float64 kernels add them)."""
-    hi = struct.unpack("f", struct.pack("f", v))[0]
-    return hi, struct.unpack("f", struct.pack("f", v - hi))[0]
+    hi = struct.unpack("f", struct.pack("f", v)) [0] if abs(v) <= _F32_MAX else math.copysign(math.inf, v)
+    return hi, struct.unpack("f", struct.pack("f", v - hi))[0] if math.isfinite(hi) else 0.0
+
+
+_F32_MAX = 3.4028234663852886e38
+
+
+def _passes(v: float, dtype: torch.dtype) -> bool:
+    """Whether a kernel of ``dtype`` gets ``v`` through :func:`_hi_lo` as the other methods use it: finite
+    in float32, and in float64 to about its precision (not below float32's normal range)."""
+    hi, lo = _hi_lo(v)
+    return math.isfinite(hi) and (dtype != torch.float64 or abs(hi + lo - v) <= abs(v) * 2.0 ** -45)
 
 
 @functools.lru_cache(maxsize=64)
@@ -1313,7 +1323,7 @@ def _bn_grad(ctx, grad, *_):
 @torch.library.custom_op("spikingjelly_mfpsn::triton_param_step", mutates_args=())
 def _param_step_op(x: Tensor, weight: Tensor, v_threshold: Tensor, ste: str, dilation: int, layout: str, kind: int,
                    alpha: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(spikes, folded (Wq, b, OK)]`` of a parameter-threshold step."""
+    """``(spikes, folded)`` of a parameter-threshold step (folded: Wq, b and OK in one tensor)."""
     s, *_, flat = _refusing(_param_forward, x, weight, v_threshold, (_STE[ste], dilation, layout, kind, alpha))
     return s, flat
 
@@ -1399,6 +1409,10 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
             return None
     if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
             or any(v.dtype != dtype or v.device != device or v.dim() != 1 for v in vectors):
+        return None
+    floats = [eps] + ([] if running is None else [running[2]]) + ([] if input_bn is None else [eps0]) + \
+        ([] if input_bn is None or running0 is None else [running0[2]])
+    if not all(_passes(float(v), dtype) for v in floats):  # (e.g. a float64 eps below float32's range)
         return None
     pre = None if input_bn is None else (float(eps0), running0, given0)
     cfg = (float(eps), ste, dilation, layout, code, alpha, running, given, pre)

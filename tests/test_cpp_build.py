@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -54,12 +55,23 @@ def test_build_cache_survives_a_corrupted_library(tmp_path):
     assert second.returncode == 0, second.stderr
     assert float(second.stdout.split("load took")[1].split()[0]) < 10  # loaded, not compiled again
     # Waiting for another process's build said nothing (and had no bound): a holder of the lock is named
+    # (the lock is held until the waiting process says so, however slowly it starts)
     import filelock
     held = filelock.FileLock(str(libs[0].parent / "build.lock"), thread_local=False)
     held.acquire()
-    threading.Timer(8, held.release).start()
-    waited = run()
-    assert waited.returncode == 0 and "waiting for another process building" in waited.stderr, waited.stderr
+    waiting = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               env={**os.environ, "SPIKINGJELLY_MFPSN_BUILD": str(tmp_path / "build"),
+                                    "PYTHONPATH": str(copy.parent)})
+    said = []
+    threading.Thread(target=lambda: said.extend(waiting.stderr), daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not any("waiting for another process building" in line for line in said) and waiting.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    held.release()
+    assert waiting.wait(timeout=300) == 0 and any("waiting for another process building" in line
+                                                  for line in said), "".join(said)
     # Sources changed with older file times (a copy that keeps them, another version reinstalled) loaded the
     # cached build: they must be built (here they do not compile, which says they were)
     originals = {}

@@ -52,8 +52,6 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
            input_bn: Optional[BatchNorm] = None) -> torch.Tensor:
     """Spikes ``S = Theta(conv(X, Wq) + b)`` of a multi-step MF-PSN layer.
 
-    Differentiable w.r.t. every tensor.
-
     Args:
         x: time-first ``(T, N, C, ...)`` or time-last ``(N, C, ..., T)`` (``layout``), floating point of
             at most the weight's precision (lower precision is computed in the weight's dtype)
@@ -63,8 +61,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
         bn: a :class:`BatchNorm` folded into the weight and bias: ``Wf = gamma / sqrt(var + eps) * W``,
             ``b = beta - gamma * mean / sqrt(var + eps)``, with the batch statistics of ``conv(X, W)`` in
             ``training`` (blended into the running ones in place) and the running ones otherwise
-        dilation: spacing of the taps in steps (>= 1)
-        layout: ``'time_first'`` or ``'time_last'``, where ``x``'s time axis is
+        dilation: spacing of the taps in steps (>= 1); layout: ``'time_first'`` or ``'time_last'``
         method: an implementation name (``ops.names()``) or ``'auto'`` (the dispatcher's choice among
             ``backend``'s)
         backend: the backend whose methods ``'auto'`` chooses among (``'torch'`` by default)
@@ -80,7 +77,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
             Implementations that fuse it (``'triton'``) read X once more instead of writing and reading
             the normalised input
     Returns:
-        0/1 spikes in ``x``'s dtype and shape
+        0/1 spikes in ``x``'s dtype and shape, differentiable w.r.t. every tensor
 
     Refuses (``ValueError``) NaN or inf in what it folds (weight, threshold, statistics) and
     ``var + eps <= 0``; a NaN or inf input changes only the spikes of its window. Under autocast it

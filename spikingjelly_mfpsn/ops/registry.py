@@ -241,8 +241,10 @@ def get(name: str) -> Implementation:
 
 
 class BackendUnavailableError(ImportError, ValueError):
-    """A backend (or a method of one) asked for where it does not run: its package is missing, or it has
-    nothing to run on. Both an ``ImportError`` and a ``ValueError``, whichever way it was asked for."""
+    """A backend (or a method of one) asked for where it does not run.
+
+    Its package is missing, or it has nothing to run on. Both an ``ImportError`` and a ``ValueError``,
+    whichever way it was asked for."""
 
 
 def not_here(backend: str) -> BackendUnavailableError:

@@ -620,6 +620,31 @@ def test_an_untraceable_forward_with_dropouts_converts_checked_in_both_modes():
     assert converted.train()(x).shape == x.shape[:2] + (2,)
 
 
+class NoisyTraining(DataBranch):
+    """Noise added in training mode only, element-wise (valid in either layout), after an untraceable
+    branch on the data."""
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.training:
+            y = y + 0.1 * torch.randn_like(y)
+        return -y if y.sum() > 0 else y
+
+
+def test_a_forward_drawing_random_numbers_in_training_converts_checked_in_eval():
+    """The training-mode check compared two runs that draw their noise in another element order: a
+    forward adding noise in training was refused (it converted before the check existed)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    net = NoisyTraining().double()
+    expected = net.eval()(x)
+    net.train()
+    with pytest.warns(UserWarning, match="cannot rewrite"):
+        converted = to_time_last(net, example_input=x)
+    assert has_time_last_boundary(converted)
+    torch.testing.assert_close(converted.eval()(x), expected, **TOL)
+
+
 @pytest.mark.parametrize("kind, first", [("rewritten", False), ("rewritten", True), ("swapped", False),
                                          ("swapped", True)])
 def test_converting_again_with_another_boundary_is_refused(kind, first):

@@ -195,10 +195,15 @@ def test_the_paper_networks_time_mixing_layers_refuse_single_steps(make, step):
     assert net(step.unsqueeze(0).expand(8, -1, -1)).shape[1] == 2  # (the batch)
 
 
-def test_the_neuron_factory_given_the_mfpsn_class_gives_its_order_and_sawtooth():
-    net = models.sequential_image_net(3, 8, 5, neuron=MulFreeChannelwisePSN, k=4, channels=4, hidden=6)
-    assert [(m.k, m.dilation) for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)][:3] == \
-        [(4, 1), (4, 2), (4, 3)]
+class MyPSN(MulFreeChannelwisePSN):
+    pass
+
+
+@pytest.mark.parametrize("cls", [MulFreeChannelwisePSN, MyPSN])
+def test_the_neuron_factory_given_the_mfpsn_class_gives_its_order_and_sawtooth(cls):
+    net = models.sequential_image_net(3, 8, 5, neuron=cls, k=4, channels=4, hidden=6)
+    assert [(type(m), m.k, m.dilation) for m in net.modules() if isinstance(m, MulFreeChannelwisePSN)][:3] == \
+        [(cls, 4, 1), (cls, 4, 2), (cls, 4, 3)]
 
 
 def _both_layouts(module, x_time_first):

@@ -77,8 +77,6 @@ class NeuronFactory:
                                  f"Use 'mfpsn', 'lif' or 'plif'")
         elif not (isinstance(neuron, type) and issubclass(neuron, nn.Module)):
             raise TypeError(f"neuron must be a name in {NEURONS} or an nn.Module class, got {neuron!r}")
-        elif neuron is MulFreeChannelwisePSN:
-            neuron = "mfpsn"  # (its order and sawtooth dilations, as the name gives them)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k (the order) must be an int >= 1, got {k!r}")
         self.neuron = neuron
@@ -93,11 +91,11 @@ class NeuronFactory:
         """A multi-step neuron for ``channels`` features; ``T`` is needed only by ``'psn'``."""
         sg = copy.deepcopy(self.surrogate_function)
         kw = dict(self.neuron_kwargs)
-        if self.neuron == "mfpsn":
+        mfpsn = MulFreeChannelwisePSN if self.neuron == "mfpsn" else self.neuron
+        if isinstance(mfpsn, type) and issubclass(mfpsn, MulFreeChannelwisePSN):  # (the class too: k, the sawtooth)
             d = sawtooth_dilation(self.mfpsn_count) if self.sawtooth else 1
             self.mfpsn_count += 1
-            return MulFreeChannelwisePSN(channels, k=self.k, dilation=d, surrogate_function=sg,
-                                         step_mode="m", **kw)
+            return mfpsn(channels, k=self.k, dilation=d, surrogate_function=sg, step_mode="m", **kw)
         if self.neuron == "lif":
             kw.setdefault("tau", 2.0)
             kw.setdefault("detach_reset", True)

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from . import _compat, functional, ops
 from ._util import module_slots, run_hooked
-from .neuron import ChargeNeuronBase, CheckpointConfig, MulFreeChannelwisePSN
+from .neuron import PADDED_HISTORY, ChargeNeuronBase, CheckpointConfig, MulFreeChannelwisePSN
 from .ops.registry import channel_view_shape, tap_schedule
 
 #: Default number of fractional bits of a neuron's fixed-point input (without calibration data: see
@@ -342,12 +342,14 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
         with self._naming_overflow():
             return to_fixed(x, self.frac_bits)
 
-    def _int_spikes(self, q_seq: torch.Tensor, like: torch.Tensor, layout: str, last: Optional[int] = None):
-        """:func:`int_fire` of ``q_seq`` in the current format, in ``like``'s float dtype (or the default)."""
+    def _int_spikes(self, q_seq: torch.Tensor, like: torch.Tensor, layout: str, last: Optional[int] = None,
+                    dilation: Optional[int] = None):
+        """:func:`int_fire` of ``q_seq`` in the current format, in ``like``'s float dtype (or the default);
+        ``dilation``: the neuron's unless given (1 for a sequence of its taps alone)."""
         with self._naming_overflow():
             acc = self._accumulator_bits()
-            s = int_fire(q_seq, self.shift, self.sign, int_bias(self.bias, acc), self.dilation, layout,
-                         acc - self.frac_bits, last)
+            s = int_fire(q_seq, self.shift, self.sign, int_bias(self.bias, acc),
+                         self.dilation if dilation is None else dilation, layout, acc - self.frac_bits, last)
         return s.to(like.dtype if like.is_floating_point() else torch.get_default_dtype())
 
     def _accumulator_bits(self) -> int:
@@ -388,10 +390,11 @@ class FoldedMulFreePSN(CheckpointConfig, ChargeNeuronBase):
                              f"before feeding another shape or switching arithmetic")
         keep = self._history_length(queue)
         stored = q.clone() if keep and q is x else q  # (an int64 input: the caller's own tensor)
-        if keep and not queue:  # (zeros before the first step, as in float arithmetic)
+        if keep and not queue and keep <= PADDED_HISTORY:  # (zeros before the first step, as in float arithmetic)
             queue = (torch.zeros_like(stored),) * keep
         history = queue + (stored,)
-        spikes = self._int_spikes(torch.stack(history), x, "time_first", last=1)[0]
+        taps = [torch.zeros_like(stored) if t is None else t for t in ops.step_taps(history, self.k, self.dilation)]
+        spikes = self._int_spikes(torch.stack(taps), x, "time_first", last=1, dilation=1)[0]  # (its k taps)
         self.x_queue = history[-keep:] if keep > 0 else ()
         return spikes
 

@@ -438,18 +438,19 @@ class ChargeNeuronBase(MemoryModule):
         stored = self._promoted(x)
         if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
             stored = stored.clone()
-        if keep and not queue:  # zeros before the first step: one length from the first step on, so
-            queue = (torch.zeros_like(stored),) * keep  # torch.compile traces it once, not once per length
+        if keep and not queue and keep <= PADDED_HISTORY:  # zeros before the first step: one length from the
+            queue = (torch.zeros_like(stored),) * keep     # first step on, so torch.compile traces it once
         history = queue + (stored,)
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
         return spikes if spikes.dtype == given.dtype else spikes.to(given.dtype)  # (computed promoted)
 
     def _history_length(self, queue: tuple) -> int:
-        """``(k-1) * dilation``, the length of the single-step history from its first step on; a stored one of
-        another length (k or dilation changed mid-stream) is refused."""
+        """``(k-1) * dilation``, the length of the single-step history from its first step on (a longer one,
+        beyond :data:`PADDED_HISTORY`, grows step by step); a stored one of another length (k or dilation
+        changed mid-stream) is refused."""
         keep = (self.k - 1) * self.dilation
-        if queue and len(queue) != keep:
+        if queue and (len(queue) > keep or keep <= PADDED_HISTORY and len(queue) != keep):
             raise ValueError(f"the stored state holds {len(queue)} inputs but k={self.k}, dilation={self.dilation} "
                              f"take {keep}: call functional.reset_net(net) after changing k or dilation")
         return keep
@@ -465,6 +466,11 @@ class ChargeNeuronBase(MemoryModule):
         self.x_queue = () if any(t.is_meta for t in self.x_queue) else tuple(fn(t) for t in self.x_queue)
         return super()._apply(fn)  # (SpikingJelly's takes no ``recurse``, which to_empty passes)
 
+
+
+# The longest single-step history padded with zeros from the first step on (one length: torch.compile traces
+# a stream once); a longer one, of a huge dilation, grows as the steps come (the taps before the first read 0)
+PADDED_HISTORY = 4096
 
 
 class CheckpointConfig:

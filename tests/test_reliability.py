@@ -803,3 +803,23 @@ def test_a_float64_eps_below_float32s_range_gives_the_same_spikes_in_every_metho
                                    torch.ones(1, dtype=dt), eps, 0.1, torch.tensor(0))
                 s = ops.mf_psn(x, weight, bn=bn, method=method, training=True)
                 assert torch.equal(s, (h >= 0).to(dt)), (method, eps, w)
+
+
+@pytest.mark.parametrize("arithmetic", ["neuron", "folded", "integer"])
+def test_single_steps_of_a_huge_dilation_stream_as_multi_step_does(arithmetic):
+    """A multi-step call takes a dilation beyond the sequence as the sequence's length; single steps padded
+    a history of (k-1)*dilation zeros first (the process was killed for memory at 2**31), and the integer
+    step stacked its whole history every step."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 3)
+    sn = MulFreeChannelwisePSN(3, k=3, dilation=2 ** 31, step_mode="m", threshold="param", v_threshold=0.1).eval()
+    net = nn.Sequential(sn)
+    if arithmetic != "neuron":
+        net = deploy.fold(net)
+    if arithmetic == "integer":
+        deploy.set_integer(net, frac_bits=8)
+    want = net(x)
+    functional.reset_net(net)
+    functional.set_step_mode(net, "s")
+    with torch.no_grad():
+        assert torch.equal(torch.stack([net(x[t]) for t in range(6)]), want)

@@ -823,3 +823,16 @@ def test_single_steps_of_a_huge_dilation_stream_as_multi_step_does(arithmetic):
     functional.set_step_mode(net, "s")
     with torch.no_grad():
         assert torch.equal(torch.stack([net(x[t]) for t in range(6)]), want)
+
+
+def test_tensors_on_another_device_than_the_weight_are_named_in_every_method():
+    """The torch methods failed with torch's "Tensor on device cpu is not on the expected device meta!",
+    naming no argument; the C++ and Triton steps named the devices."""
+    x, w = torch.randn(4, 2, 3), torch.rand(3, 2) + 0.1
+    for method in methods("time_first"):
+        with pytest.raises(ValueError, match="x is on meta but the weight on cpu"):
+            ops.mf_psn(x.to("meta"), w, bn=_bn(3), method=method, training=True)
+        with pytest.raises(ValueError, match="bn.running_mean is on meta but the weight on cpu"):
+            ops.mf_psn(x, w, bn=_bn(3, running_mean=torch.zeros(3, device="meta")), method=method)
+        with pytest.raises(ValueError, match="v_threshold is on meta but the weight on cpu"):
+            ops.mf_psn(x, w, v_threshold=torch.ones(3, device="meta"), method=method)

@@ -134,6 +134,11 @@ def _check_threshold_args(weight, bias, v_threshold, bn, quantize, training) -> 
     if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):  # (before the thresholds, whose shapes follow it)
         raise ValueError(f"weight must have shape (C, k) with k >= 1, got {_described(weight)}")
     c = weight.shape[0]
+    named = {"bias": bias, "v_threshold": v_threshold, **({} if bn is None else {
+        f"bn.{name}": t for name, t in zip(BatchNorm._fields, bn[:4])})}
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and t.device != weight.device:
+            raise ValueError(f"{name} is on {t.device} but the weight on {weight.device}: move them to one device")
     if bn is not None:
         _check_bn(bn, "bn", c, training)
     elif v_threshold is not None and not _per_channel(v_threshold, c):

@@ -332,6 +332,8 @@ def check_charge_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     """
     check_layout(layout)
     check_dense(x)
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the weight on {weight.device}: move them to one device")
     if not weight.is_floating_point() or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"weight and bias must share one floating-point dtype, got weight {weight.dtype}"
                         f"{'' if bias is None else f' and bias {bias.dtype}'}")

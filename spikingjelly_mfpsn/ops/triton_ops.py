@@ -1410,16 +1410,16 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
             or any(v.dtype != dtype or v.device != device or v.dim() != 1 for v in vectors):
         return None
-    floats = [eps] + ([] if running is None else [running[2]]) + ([] if input_bn is None else [eps0]) + \
-        ([] if input_bn is None or running0 is None else [running0[2]])
-    if not all(_passes(float(v), dtype) for v in floats):  # (e.g. a float64 eps below float32's range)
-        return None
     pre = None if input_bn is None else (float(eps0), running0, given0)
     cfg = (float(eps), ste, dilation, layout, code, alpha, running, given, pre)
     gamma0, beta0 = (None, None) if input_bn is None else input_bn[:2]
     if torch.compiler.is_compiling():
         return None if given is not None or (pre is not None and pre[2] is not None) else \
             _compiled_bn_fire(x, weight, gamma, beta, gamma0, beta0, cfg)
+    floats = [eps] + ([] if running is None else [running[2]]) + ([] if input_bn is None else [eps0]) + \
+        ([] if input_bn is None or running0 is None else [running0[2]])
+    if not all(_passes(float(v), dtype) for v in floats):  # (e.g. a float64 eps below float32's range; eager
+        return None                                       # only: a compiled graph cannot branch on it)
     try:
         if needs_grad(x, weight, gamma, beta, gamma0, beta0):
             out = _TritonBNFire.apply(x, weight, gamma, beta, gamma0, beta0, cfg)

@@ -824,13 +824,14 @@ def _gx_dtype(x: torch.Tensor, acc) -> torch.dtype:
     return torch.float32 if narrow else x.dtype
 
 
-def _hi_lo(v: float) -> tuple[float, float]:
-    """``v`` as float32 ``hi + lo`` (a kernel's float arguments are float32; float64 kernels add them)."""
-    hi = struct.unpack("f", struct.pack("f", v)) [0] if abs(v) <= _F32_MAX else math.copysign(math.inf, v)
-    return hi, struct.unpack("f", struct.pack("f", v - hi))[0] if math.isfinite(hi) else 0.0
-
-
 _F32_MAX = 3.4028234663852886e38
+
+
+def _hi_lo(v: float) -> tuple[float, float]:
+    """``v`` as float32 ``hi + lo`` (a kernel's float arguments are float32; float64 kernels add them);
+    beyond float32's range ``(±inf, 0)``."""
+    hi = struct.unpack("f", struct.pack("f", v))[0] if abs(v) <= _F32_MAX else math.copysign(math.inf, v)
+    return hi, struct.unpack("f", struct.pack("f", v - hi))[0] if math.isfinite(hi) else 0.0
 
 
 def _passes(v: float, dtype: torch.dtype) -> bool:

@@ -836,3 +836,29 @@ def test_tensors_on_another_device_than_the_weight_are_named_in_every_method():
             ops.mf_psn(x, w, bn=_bn(3, running_mean=torch.zeros(3, device="meta")), method=method)
         with pytest.raises(ValueError, match="v_threshold is on meta but the weight on cpu"):
             ops.mf_psn(x, w, v_threshold=torch.ones(3, device="meta"), method=method)
+
+
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+def test_bn_statistics_whose_sums_overflow_float32_match_the_float64_reference(layout):
+    """A batch variance within float32's range whose sum of squares (n * var) is not: the torch and
+    Triton methods refused it (float32 sums) while the C++ ones ran it (float64 accumulation) or refused it
+    at another size (float32 lane partials). Every method now gives the float64 reference's statistics and
+    spikes, and finite gradients."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 4, 3, 5) * 3e18
+    x = x if layout == "time_first" else x.movedim(0, -1).contiguous()
+    weight = torch.tensor([[0.5, 1.0], [-0.25, 1.0], [1.0, 0.5]])
+    h, (mean, var) = reference.mfpsn_charge(x.double(), weight.double(), 1, layout, "bn",
+                                            gamma=torch.ones(3).double(), beta=torch.full((3,), -1.0).double())
+    assert float(var.min()) < 3e38 < float(var.max()) * 120  # (in range; n * var is not)
+    for method in methods(layout):
+        sn = MulFreeChannelwisePSN(3, k=2, step_mode="m", layout=layout, method=method)
+        with torch.no_grad():
+            sn.weight.copy_(weight)
+        xm = x.clone().requires_grad_()
+        s = sn(xm)
+        assert torch.equal(s, (h >= 0).float()), method
+        torch.testing.assert_close(sn.running_mean.double(), 0.1 * mean, rtol=1e-5, atol=0)
+        torch.testing.assert_close(sn.running_var.double(), 0.9 + 0.1 * var * 120 / 119, rtol=1e-5, atol=0)
+        got = torch.autograd.grad(s.sum(), (xm, sn.weight))
+        assert all(bool(g.isfinite().all()) for g in got), method

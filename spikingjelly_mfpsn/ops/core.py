@@ -307,9 +307,17 @@ def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, tra
 def _stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` of the bias-free charge, through the fused kernel where there is one."""
     if impl.stats is not None:
-        return impl.stats(x, weight, dilation, layout)
-    x = _in_weight_dtype(x, weight)
-    return reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
+        mean, var = impl.stats(x, weight, dilation, layout)
+    else:
+        x = _in_weight_dtype(x, weight)
+        mean, var = reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
+    if mean.dtype == torch.float64 or not mean.is_cpu or torch.compiler.is_compiling() \
+            or bool(torch.cat((mean, var)).sum(dtype=torch.float64).isfinite()):
+        return mean, var
+    # A sum that overflowed on the way (n * var beyond the dtype's range, var within it, where each method
+    # sums in its own order and precision): the float64 statistics, cast back (beyond the range: inf)
+    exact = reduce.batch_stats(impl.apply(x.double(), weight.double(), None, dilation, layout), channel_dim(layout))
+    return exact[0].to(mean.dtype), exact[1].to(var.dtype)
 
 
 def update_running_stats(bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:

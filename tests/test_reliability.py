@@ -862,3 +862,30 @@ def test_bn_statistics_whose_sums_overflow_float32_match_the_float64_reference(l
         torch.testing.assert_close(sn.running_var.double(), 0.9 + 0.1 * var * 120 / 119, rtol=1e-5, atol=0)
         got = torch.autograd.grad(s.sum(), (xm, sn.weight))
         assert all(bool(g.isfinite().all()) for g in got), method
+
+
+@pytest.mark.parametrize("threshold", ["param", "bn"])
+@pytest.mark.parametrize("hook", ["own", "global"])
+def test_backward_hooks_on_the_surrogate_run_in_every_method(threshold, hook):
+    """A full backward (pre-)hook on the surrogate, or torch's global module hooks, ran on the torch
+    methods only: the fused C++ and Triton kernels skipped the surrogate module, so a hook gating the
+    surrogate's gradient changed nothing there and every method gave other gradients."""
+    from torch.nn.modules import module as torch_module
+    x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(3))
+    for method in methods("time_first"):
+        sn = MulFreeChannelwisePSN(3, step_mode="m", method=method, threshold=threshold)
+        calls = []
+        if hook == "own":
+            handle = sn.surrogate_function.register_full_backward_pre_hook(lambda m, g: (torch.zeros_like(g[0]),))
+        else:
+            def gate(m, g):
+                calls.append(type(m).__name__)
+                return (torch.zeros_like(g[0]),) if m is sn.surrogate_function else None
+            handle = torch_module.register_module_full_backward_pre_hook(gate)
+        try:
+            xm = x.clone().requires_grad_()
+            sn(xm).sum().backward()
+        finally:
+            handle.remove()
+        assert not xm.grad.any() and not sn.weight.grad.any(), method
+        assert hook == "own" or "ATan" in calls, (method, calls)

@@ -32,8 +32,9 @@ _TYPES: dict = {}  # SpikingJelly's class -> code, filled at the first call (Spi
 def fused(surrogate_function) -> tuple[int, float]:
     """``(code, alpha)`` of a surrogate the fused kernels reproduce exactly, else :data:`NONE`.
 
-    Only SpikingJelly's own classes of the table (exact type, spiking mode, a float alpha, no hooks):
-    a subclass or a hooked module may behave differently, so it takes the unfused path."""
+    Only SpikingJelly's own classes of the table (exact type, spiking mode, a float alpha, no hooks of its
+    own or global module hooks): a subclass or a hooked module may behave differently, so it takes the
+    unfused path, where the surrogate module is called."""
     if not _TYPES:
         from .._compat import surrogate
         _TYPES.update({getattr(surrogate, name): code for name, code in CODES.items()})
@@ -41,9 +42,19 @@ def fused(surrogate_function) -> tuple[int, float]:
     if not code or not getattr(surrogate_function, "spiking", False) \
             or not isinstance(surrogate_function.alpha, (int, float)):
         return NONE
-    if surrogate_function._forward_hooks or surrogate_function._forward_pre_hooks:
+    if _hooked(surrogate_function):
         return NONE
     return code, float(surrogate_function.alpha)
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooked(module) -> bool:
+    """Whether a hook would see ``module``'s call: its own (forward or backward) or a global module hook
+    (``torch.nn.modules.module.register_module_forward_hook`` and kin)."""
+    from torch.nn.modules import module as torch_module
+    return any(getattr(module, name, None) or getattr(torch_module, "_global" + name, None) for name in _HOOKS)
 
 
 def constants(code: int, alpha: float) -> tuple[float, float]:

@@ -356,7 +356,8 @@ class ChargeNeuronBase(MemoryModule):
 
         if self.step_mode == "s" and fits(2):
             return ("; it looks like a time-first sequence (T, N, C, ...), and a single-step neuron takes one "
-                    "step (N, C, ...): functional.set_step_mode(net, 'm') runs whole sequences")
+                    "step (N, C, ...): functional.set_step_mode(net, 'm') runs whole sequences, and "
+                    "layer.MultiStepContainer(neuron) runs them step by step (e.g. in chunk_multi_step_forward)")
         if self.step_mode == "m" and self._layout == "time_first" and fits(1):
             return ("; it looks like one step (N, C, ...) or a time-last sequence (N, C, ..., T), and this "
                     "neuron takes time-first sequences (T, N, C, ...)")

@@ -1105,3 +1105,19 @@ def test_a_v_threshold_beyond_the_parameters_dtype_is_named():
     with pytest.raises(ValueError, match=r"v_threshold=1e\+39 is beyond the range of the parameters' dtype torch.float32"):
         MulFreeChannelwisePSN(2, threshold="param", v_threshold=1e39)
     assert MulFreeChannelwisePSN(2, threshold="param", v_threshold=3e38).v_threshold[0] == torch.tensor(3e38)
+
+
+def test_chunked_sequences_run_through_a_multi_step_container():
+    """SpikingJelly's chunk_multi_step_forward: single-step neurons in ``layer.MultiStepContainer`` continue
+    across chunks (the reference's spikes of the whole sequence); a bare single-step neuron refuses a chunk
+    and says how to run it."""
+    from spikingjelly.activation_based import layer
+    x = seq(6, 2, 3, ())
+    sn = MulFreeChannelwisePSN(3, k=3, dilation=2, threshold="param", step_mode="s", v_threshold=0.2).double()
+    net = torch.nn.Sequential(layer.MultiStepContainer(sn))
+    got = functional.chunk_multi_step_forward(2, x, net)
+    h, _ = reference.mfpsn_charge(x, sn.weight.detach(), 2, "time_first", "param", v_threshold=sn.v_threshold.detach())
+    assert torch.equal(got, (h >= 0).to(got.dtype))
+    functional.reset_net(net)
+    with pytest.raises(ValueError, match=r"layer\.MultiStepContainer\(neuron\) runs them step by step"):
+        functional.chunk_multi_step_forward(2, x, sn)

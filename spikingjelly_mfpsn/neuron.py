@@ -449,9 +449,12 @@ class ChargeNeuronBase(MemoryModule):
     def _history_length(self, queue: tuple) -> int:
         """``(k-1) * dilation``, the length of the single-step history from its first step on (a longer one,
         beyond :data:`PADDED_HISTORY`, grows step by step); a stored one of another length (k or dilation
-        changed mid-stream) is refused."""
+        changed mid-stream, also where it grows) is refused."""
         keep = (self.k - 1) * self.dilation
-        if queue and (len(queue) > keep or keep <= PADDED_HISTORY and len(queue) != keep):
+        if not queue:
+            self._history_for = keep  # (what a history that grows was started for)
+        elif len(queue) > keep or keep <= PADDED_HISTORY and len(queue) != keep \
+                or getattr(self, "_history_for", keep) != keep:
             raise ValueError(f"the stored state holds {len(queue)} inputs but k={self.k}, dilation={self.dilation} "
                              f"take {keep}: call functional.reset_net(net) after changing k or dilation")
         return keep

@@ -889,3 +889,23 @@ def test_backward_hooks_on_the_surrogate_run_in_every_method(threshold, hook):
             handle.remove()
         assert not xm.grad.any() and not sn.weight.grad.any(), method
         assert hook == "own" or "ATan" in calls, (method, calls)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_a_growing_history_refuses_a_dilation_changed_mid_stream(integer):
+    """A history beyond the padded length grows step by step, and only a longer one than the new dilation
+    takes was refused: raising the dilation mid-stream (10 -> 5000, or 4100 -> 4200 after 4150 steps) read
+    the far tap as zeros, where a fresh neuron reads the inputs."""
+    for old, new, steps in ((10, 5000, 12), (4100, 4200, 4150)):
+        sn = MulFreeChannelwisePSN(2, k=2, dilation=old, threshold="param").eval()
+        if integer:
+            sn = deploy.fold(sn)
+            deploy.set_integer(sn, frac_bits=16)
+        with torch.no_grad():
+            for _ in range(steps):
+                sn(torch.randn(1, 2))
+            sn.dilation = new
+            with pytest.raises(ValueError, match=f"k=2, dilation={new} take {new}: call functional.reset_net"):
+                sn(torch.randn(1, 2))
+            functional.reset_net(sn)
+            sn(torch.randn(1, 2))  # fine after a reset

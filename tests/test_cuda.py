@@ -167,3 +167,18 @@ def test_data_parallel_over_two_devices():
     want = net(x)
     functional.reset_net(net)
     torch.testing.assert_close(torch.nn.DataParallel(net, device_ids=[0, 1], dim=1)(x), want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", ["conv1d", "shift_add"])
+def test_a_half_neuron_trains_on_a_batch_of_64k_values_per_channel(method):
+    """The torch methods summed float16 statistics in float16: 65536 values of about 1 per channel overflow
+    65504, and the CUDA path (no host check) raised the device assert. They now accumulate in float32."""
+    torch.manual_seed(0)
+    x = (torch.randn(1, 1024, 2, 8, 8) * 1.2).half().cuda()
+    sn = neuron.MulFreeChannelwisePSN(2, k=2, step_mode="m", method=method).half().cuda()
+    sn(x)
+    _, (_, var) = reference.mfpsn_charge(x.double(), torch.tensor([[0.5, 1.0]] * 2).double().cuda(), 1, "time_first",
+                                         "bn", gamma=torch.ones(2).double().cuda(), beta=-torch.ones(2).double().cuda())
+    n = x.numel() // 2
+    torch.testing.assert_close(sn.running_var.double(), 0.9 + 0.1 * var * n / (n - 1), rtol=2e-3, atol=0)

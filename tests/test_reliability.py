@@ -224,6 +224,11 @@ def test_the_ops_functions_check_dtypes():
         got = ops.charge(xh, w, None, 1, "time_first", method)
         assert got.dtype == torch.float32, method
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{method}: {m}")
+    # The single step checked the current input only: an earlier float64 tap was rounded silently.
+    now, earlier = torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)
+    for method in methods("time_first"):
+        with pytest.raises(TypeError, match=r"taps\[0\] \(an earlier input\): x has dtype torch.float64"):
+            ops.mf_psn_step([earlier, now], w, bias=torch.zeros(3), method=method)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -909,3 +914,52 @@ def test_a_growing_history_refuses_a_dilation_changed_mid_stream(integer):
                 sn(torch.randn(1, 2))
             functional.reset_net(sn)
             sn(torch.randn(1, 2))  # fine after a reset
+
+
+@pytest.mark.parametrize("layout", ops.LAYOUTS)
+def test_a_half_precision_input_into_a_float32_bn_neuron_gets_a_gradient_rounded_once(layout):
+    """bfloat16/float16 X into a float32 neuron in BN training (the autocast case): the torch methods cast X
+    up once for the statistics and once for the spikes, so autograd rounded each branch's gradient to X's
+    dtype before adding them, and they cancel much: dL/dX was off by up to 217% (bfloat16). Now it is the
+    float64 reference's within one unit of X's dtype (the C++ kernels' already was)."""
+    torch.manual_seed(0)
+    x32, g32 = torch.randn(8, 16, 4, 3), torch.randn(8, 16, 4, 3)
+    xin = (lambda t: t.clone()) if layout == "time_first" else (lambda t: t.movedim(0, -1).contiguous())
+    for dtype, ulp in ((torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)):
+        x, g = x32.to(dtype), g32.to(dtype)
+        for method in methods(layout):
+            sn = MulFreeChannelwisePSN(4, k=2, step_mode="m", layout=layout, method=method)
+            xr = x.double().requires_grad_()
+            h, _ = reference.mfpsn_charge(xin(xr), sn.weight.detach().double(), 1, layout, "bn",
+                                          gamma=sn.gamma.detach().double(), beta=sn.beta.detach().double())
+            (want,) = torch.autograd.grad((reference.atan_primitive(h) * xin(g).double()).sum(), xr)
+            xm = xin(x).requires_grad_()
+            (sn(xm) * xin(g)).sum().backward()
+            got = xm.grad if layout == "time_first" else xm.grad.movedim(-1, 0)
+            torch.testing.assert_close(got.double(), want, rtol=ulp, atol=1e-30, msg=lambda m: f"{method} {dtype}: {m}")
+
+
+@pytest.mark.parametrize("case", ["float16, 64k values per channel", "float32 beyond n * var"])
+def test_single_step_bn_training_takes_the_statistics_multi_step_does(case):
+    """The float64 recomputation of overflowed statistics was multi-step only: a float16 neuron's step of
+    65536 values per channel (a sum of squares beyond 65504) and a float32 step whose n * var overflows
+    ran in multi-step and raised in single-step. Both modes now give the float64 reference's statistics."""
+    torch.manual_seed(0)
+    if case.startswith("float16"):
+        dtype, x = torch.float16, (torch.randn(1024, 2, 8, 8) * 1.2).half()
+    else:
+        dtype, x = torch.float32, torch.randn(4, 2, 5) * 8e18
+    h, (mean, var) = reference.mfpsn_charge(x[None].double(), torch.tensor([[0.5, 1.0]] * 2).double(), 1,
+                                            "time_first", "bn", gamma=torch.ones(2).double(),
+                                            beta=torch.full((2,), -1.0).double())
+    n = x.numel() // 2
+    for method in methods("time_first"):
+        if method == "cpp" and dtype == torch.float16:
+            continue  # (C++ runs float32 and float64 only: refused by name, tested elsewhere)
+        for step_mode in ("s", "m"):
+            sn = MulFreeChannelwisePSN(2, k=2, step_mode=step_mode, method=method).to(dtype)
+            s = sn(x) if step_mode == "s" else sn(x[None])[0]
+            clear = h[0].abs() > 1e-2
+            assert torch.equal(s.double()[clear], (h[0] >= 0).double()[clear]), (method, step_mode)
+            torch.testing.assert_close(sn.running_var.double(), 0.9 + 0.1 * var * n / (n - 1), rtol=2e-3, atol=0,
+                                       msg=lambda m: f"{method} {step_mode}: {m}")

@@ -296,6 +296,9 @@ def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, tra
         x = normalize_input(_in_weight_dtype(x, weight), input_bn, layout, training)
         return _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, sg)
     if training:
+        # One cast of a lower-precision x for both of its uses: a cast in each would round the gradient of
+        # each to x's dtype before autograd adds them (they cancel much, as in a batch norm's backward)
+        x = _in_weight_dtype(x, weight)
         mean, var = _stats(impl, x, weight, dilation, layout)
         w, b = fold_checked(weight, bn, mean, var, batch=True)  # (checked before the running ones take it in)
         update_running_stats(bn, mean, var, x.numel() // max(weight.shape[0], 1))
@@ -311,13 +314,19 @@ def _stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tenso
     else:
         x = _in_weight_dtype(x, weight)
         mean, var = reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
+    return exact_stats_where_overflowed(mean, var, lambda: reduce.batch_stats(
+        impl.apply(x.double(), weight.double(), None, dilation, layout), channel_dim(layout)))
+
+
+def exact_stats_where_overflowed(mean: torch.Tensor, var: torch.Tensor, exact: Callable[[], tuple]) -> tuple:
+    """``(mean, var)``, or where either is not finite on the CPU, the float64 statistics ``exact()`` cast
+    back (beyond the dtype's range: inf): a sum that overflowed on the way (``n * var`` beyond the range,
+    ``var`` within it) depends on the order and precision a method sums in. Eager only."""
     if mean.dtype == torch.float64 or not mean.is_cpu or torch.compiler.is_compiling() \
             or bool(torch.cat((mean, var)).sum(dtype=torch.float64).isfinite()):
         return mean, var
-    # A sum that overflowed on the way (n * var beyond the dtype's range, var within it, where each method
-    # sums in its own order and precision): the float64 statistics, cast back (beyond the range: inf)
-    exact = reduce.batch_stats(impl.apply(x.double(), weight.double(), None, dilation, layout), channel_dim(layout))
-    return exact[0].to(mean.dtype), exact[1].to(var.dtype)
+    exact_mean, exact_var = exact()
+    return exact_mean.to(mean.dtype), exact_var.to(var.dtype)
 
 
 def update_running_stats(bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
@@ -494,9 +503,10 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     code, _ = surrogate.fused(sg)
     _check_step_args(taps, weight, bias, v_threshold, bn)
     x = taps[-1]
-    bad_dtype = input_dtype_error(x.dtype, weight.dtype)
-    if bad_dtype is not None:
-        raise bad_dtype
+    for i, tap in enumerate(taps):
+        bad_dtype = None if tap is None else input_dtype_error(tap.dtype, weight.dtype)
+        if bad_dtype is not None:
+            raise bad_dtype if tap is x else TypeError(f"taps[{i}] (an earlier input): {bad_dtype}")
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     impl = None
     if method != "auto" or backend != "torch":  # (what cannot run the sequence cannot run its steps either)
@@ -527,7 +537,8 @@ def _step_charge(taps: list, w: torch.Tensor, b: Optional[torch.Tensor]) -> torc
 
 def _step_spikes(taps, weight, bias, v_threshold, bn, quantize, training, sg) -> torch.Tensor:
     if bn is not None and training:
-        mean, var = reduce.batch_stats(_step_charge(taps, weight, None), 1)
+        mean, var = exact_stats_where_overflowed(*reduce.batch_stats(_step_charge(taps, weight, None), 1), lambda: (
+            reduce.batch_stats(_step_charge([t if t is None else t.double() for t in taps], weight.double(), None), 1)))
         w, b = fold_checked(weight, bn, mean, var, batch=True)
         update_running_stats(bn, mean, var, taps[-1].numel() // max(weight.shape[0], 1))
     elif bn is not None:

@@ -36,7 +36,7 @@ def channel_dot(a: torch.Tensor, b: torch.Tensor, channel_axis: int) -> torch.Te
 
 class BatchStats(torch.autograd.Function):
     """Per-channel mean and biased variance of ``y`` over every dim but ``channel_axis`` (0 and 0 for
-    an empty batch, as the C++ kernels give).
+    an empty batch, as the C++ kernels give; float16 and bfloat16 accumulated in float32).
 
     Corrected two-pass (the mean, then the sum and squared norm of ``z = y - mean``, with
     ``var = (|z|^2 - (sum z)^2 / n) / n``) so large means do not cancel, and a channel that is the same
@@ -46,6 +46,9 @@ class BatchStats(torch.autograd.Function):
 
     @staticmethod
     def forward(y, channel_axis):
+        if y.dtype in (torch.float16, torch.bfloat16):  # (16-bit sums overflow float16's 65504 at 64k values of 1)
+            mean, var = BatchStats.forward(y.float(), channel_axis)
+            return mean.to(y.dtype), var.to(y.dtype)
         shape = [1] * y.dim()
         shape[channel_axis] = -1
         n = max(y.numel() // max(y.shape[channel_axis], 1), 1)  # an empty batch: mean 0, var 0, not NaN

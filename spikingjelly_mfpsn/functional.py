@@ -369,10 +369,11 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     same tensors and ``state_dict`` keys) that passes X through, and the neuron normalises its input
     itself, in the batch norm's training mode: on ``'triton'``
     inside its kernels, reading X instead of writing and reading the normalised copy. Same results, in
-    training and eval. :func:`unfuse_batchnorm` undoes it; ``deploy.fold`` and the exporters undo it on
-    what they fold.
+    training and eval. A pair where a hook could change the tensor between the two (a forward hook on the
+    batch norm, a forward pre-hook on the neuron) is left apart, with a warning. :func:`unfuse_batchnorm`
+    undoes it; ``deploy.fold`` and the exporters undo it on what they fold.
     """
-    slots, pairs, traced = _slots(net), [], _traced_pairs(net, example_input)
+    slots, pairs, hooked, traced = _slots(net), [], [], _traced_pairs(net, example_input)
     if traced is None and type(net).forward is not nn.Sequential.forward and \
             any(isinstance(m, MulFreeChannelwisePSN) and m.input_bn is None for m in net.modules()):
         warnings.warn(f"fuse_batchnorm cannot trace {type(net).__name__}.forward (to see what reads each batch "
@@ -386,9 +387,16 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
                 (sn.channels is not None and (bn.num_features != sn.channels
                                               or bn.running_mean.dtype != sn.weight.dtype)):
             continue
+        if _hooked_between(before, bn, sn):
+            hooked.append((bn, sn))
+            continue
         sn.set_input_bn(FusedBatchNorm.fuse(bn))
         pairs.append(sn)
     names = {id(m): name for name, m in net.named_modules()}
+    if hooked:
+        warnings.warn(f"fuse_batchnorm left {', '.join(f'{names[id(b)]} -> {names[id(n)]}' for b, n in hooked)} "
+                      f"unfused: a forward hook on the batch norm or a forward pre-hook on the neuron could change "
+                      f"the tensor between them, and fused, the neuron would normalise that tensor instead", stacklevel=2)
     _compat.invalidate_reset_cache(net)
     if not pairs and any(isinstance(m, layer.TimeLastBatchNorm) and not isinstance(m.time_first_module, FusedBatchNorm)
                          for m in net.modules()):
@@ -396,6 +404,21 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
                       "time-last batch norms. Fuse before to_time_last or autoselect (or convert back with "
                       "to_time_first, fuse, and convert again)", stacklevel=2)
     return [(names[id(sn.input_bn)], names[id(sn)]) for sn in pairs]
+
+
+def _hooked_between(before: nn.Module, bn: nn.Module, sn: nn.Module) -> bool:
+    """Whether a hook could change the tensor between a batch norm and the neuron after it: a forward hook on
+    the batch norm (or on a container ending in it) or a forward pre-hook of the neuron (but for its lazy
+    initialisation)."""
+    lazy = getattr(sn, "_initialize_hook", None)
+    if any(key != getattr(lazy, "id", None) for key in sn._forward_pre_hooks):
+        return True
+    m = before
+    while m is not bn:
+        if m._forward_hooks:
+            return True
+        m = m[-1]
+    return bool(bn._forward_hooks)
 
 
 def _sequential_pairs(net: nn.Module) -> list[tuple[nn.Module, nn.Module]]:

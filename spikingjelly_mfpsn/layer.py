@@ -412,7 +412,7 @@ class TimeLastBatchNorm(TimeLastModule):
         _check_rank(x_seq, self.ranks, f"of {' or '.join(map(str, self.ranks))} dims (N, C, ..., T)", self)
         bn = self._time_first
         if isinstance(bn, FusedBatchNorm):  # (functional.fuse_batchnorm: the neuron after it normalises)
-            return x_seq
+            return bn.forward(x_seq)
         # The same bookkeeping as torch.nn.modules.batchnorm._BatchNorm.forward.
         factor = 0.0 if bn.momentum is None else bn.momentum
         if self.training and bn.track_running_stats and self.num_batches_tracked is not None:

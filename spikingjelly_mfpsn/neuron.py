@@ -100,6 +100,7 @@ class FusedBatchNorm(nn.Module):
 
     def forward(self, x):
         """``x`` itself: the neuron after this module normalises it."""
+        self.__dict__.pop("_copied", None)  # (it runs where it is: see __reduce_ex__)
         return x
 
     def batch_norm(self) -> ops.BatchNorm:
@@ -134,9 +135,11 @@ class FusedBatchNorm(nn.Module):
     def __reduce_ex__(self, protocol):
         # Pickled as the batch norm's class, fused again on loading: the fused class is made at run time
         # (a parametrized one refuses, as torch's parametrized modules do).
+        # A copy is marked until it runs: a neuron copied or saved apart from its network holds a copy of its
+        # batch norm that nothing runs (the network's own is another copy), and refuses to apply it.
         if self._made_over():
             return super().__reduce_ex__(protocol)
-        return _new_fused, (self.batch_norm_class,), self.__dict__
+        return _new_fused, (self.batch_norm_class,), {**self.__dict__, "_copied": True}
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -407,6 +410,11 @@ class ChargeNeuronBase(MemoryModule):
         bn = self.input_bn
         if bn is None:
             return x
+        if bn.__dict__.get("_copied") and not torch.compiler.is_compiling():
+            raise RuntimeError(f"this {type(self).__name__} applies a fused batch norm that has not run since it was "
+                               f"copied or loaded: a neuron copied or saved apart from its network holds a copy of "
+                               f"the batch norm in front of it that the copied network does not run. Copy or save "
+                               f"the whole network (and run it), or functional.unfuse_batchnorm(net) first")
         if multi_step and bn.training == args["training"]:
             args["input_bn"] = bn.batch_norm()
             return x

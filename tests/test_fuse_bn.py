@@ -485,3 +485,44 @@ def test_data_parallel_refuses_a_fused_network_by_name():
     unfuse_batchnorm(net)
     net[2](torch.randn(2, 2, 6, 4, 4))
     assert type(net[2]._replicate_for_data_parallel()) is MulFreeChannelwisePSN
+
+
+def test_a_neuron_copied_apart_from_its_network_refuses_its_hidden_batch_norm():
+    """Copying a fused network's layers one by one (or saving the neuron alone) gave the neuron a hidden copy
+    of its batch norm, outside parameters() and state_dict(): the copied network's own batch norm did
+    nothing and never trained. That neuron now refuses to run; whole copies run as the original."""
+    x = torch.randn(5, 2, 3, 4, 4)
+    net = conv_net()
+    fuse_batchnorm(net)
+    with torch.no_grad():
+        want = net(x)
+    functional.reset_net(net)
+    layers = nn.Sequential(*[copy.deepcopy(m) for m in net])
+    with pytest.raises(RuntimeError, match="fused batch norm that has not run since it was copied or loaded"):
+        layers(x)
+    alone = pickle.loads(pickle.dumps(net[2]))
+    with pytest.raises(RuntimeError, match="Copy or save the whole network"):
+        alone(torch.randn(5, 2, 6, 4, 4))
+    for whole in (copy.deepcopy(net), pickle.loads(pickle.dumps(net)),
+                  spikingjelly_mfpsn.to_time_last(copy.deepcopy(net), example_input=x),
+                  nn.Sequential(*[copy.deepcopy(m) for m in unfuse_batchnorm(copy.deepcopy(net))])):
+        with torch.no_grad():
+            assert torch.equal(whole(x), want)
+
+
+@pytest.mark.parametrize("where", ["batch norm forward hook", "neuron forward pre-hook"])
+def test_a_hook_between_the_batch_norm_and_the_neuron_keeps_the_pair_apart(where):
+    """A hook that changes the tensor between a batch norm and its neuron (clamping the batch norm's output,
+    noise at the neuron's input) was fused over: the neuron normalised the hook's output instead, and the
+    spikes changed silently. Such a pair is left unfused, with a warning naming it."""
+    x = torch.randn(5, 2, 3, 4, 4)
+    nets = [conv_net(seed=1), conv_net(seed=1)]
+    for n in nets:
+        if where.startswith("batch"):
+            n[1].register_forward_hook(lambda m, args, out: out.clamp(max=0.1))
+        else:
+            n[2].register_forward_pre_hook(lambda m, args: (args[0] + 0.7,))
+    with pytest.warns(UserWarning, match=r"left 1 -> 2 unfused: a forward hook"):
+        assert fuse_batchnorm(nets[0]) == [("3.1", "4")]
+    with torch.no_grad():
+        assert torch.equal(nets[0](x), nets[1](x))

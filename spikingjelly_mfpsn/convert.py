@@ -66,8 +66,8 @@ def _is_elementwise(m: nn.Module) -> bool:
     return type(m) in ELEMENTWISE or isinstance(m, _compat.surrogate.SurrogateFunctionBase)
 
 
-# ---------------------------------------------------------------------------- forward hooks
-# Module-level functions (not closures) so hooked networks deep-copy and pickle, and so the hooks are
+# ---------------------------------------------------------------------------- moves of T at a boundary
+# Module-level functions (not closures) so converted networks deep-copy and pickle, and so the moves are
 # found again by identity when converting back.
 
 def _map_tensors(out, fn):
@@ -126,8 +126,27 @@ def _island_exit(module, args, output):
     return _map_tensors(output, lambda y: y.movedim(0, -1).contiguous())
 
 
-def _has_hooks(m: nn.Module, enter, exit_) -> bool:
-    return enter in m._forward_pre_hooks.values() and exit_ in m._forward_hooks.values()
+class _Moved:
+    """``module``'s forward between two moves of T, installed as its forward (``enter`` on its arguments,
+    ``exit_`` on its output): inside the forward rather than in hooks, so that the module's own hooks see
+    its tensors as they flow outside it, whenever they were registered. ``inner``: an instance forward it
+    had (None: its class's)."""
+
+    def __init__(self, module: nn.Module, enter, exit_, inner):
+        self.module, self.enter, self.exit, self.inner = module, enter, exit_, inner
+
+    def __call__(self, *args, **kwargs):
+        moved = self.enter(self.module, args)
+        args = args if moved is None else moved
+        out = self.inner(*args, **kwargs) if self.inner is not None else \
+            type(self.module).forward(self.module, *args, **kwargs)
+        moved = self.exit(self.module, args, out)
+        return out if moved is None else moved
+
+
+def _is_moved(m: nn.Module, enter, exit_) -> bool:
+    forward = m.__dict__.get("forward")
+    return isinstance(forward, _Moved) and forward.enter is enter and forward.exit is exit_
 
 
 def runs_time_first_inside(m: nn.Module) -> bool:
@@ -135,25 +154,25 @@ def runs_time_first_inside(m: nn.Module) -> bool:
 
     ``to_time_last(net, fallback='time_first')`` leaves such a module as it was, with a transpose on
     each side."""
-    return _has_hooks(m, _island_enter, _island_exit)
+    return _is_moved(m, _island_enter, _island_exit)
 
 
-def _add_hooks(m: nn.Module, enter, exit_) -> None:
-    if not _has_hooks(m, enter, exit_):
-        m.register_forward_pre_hook(enter)
-        m.register_forward_hook(exit_)
+def _add_moves(m: nn.Module, enter, exit_) -> None:
+    if not _is_moved(m, enter, exit_):
+        m.__dict__["forward"] = _Moved(m, enter, exit_, m.__dict__.get("forward"))
 
 
-def _remove_hooks(m: nn.Module, enter, exit_) -> None:
-    for hooks, fn in ((m._forward_pre_hooks, enter), (m._forward_hooks, exit_)):
-        for key in [k for k, v in hooks.items() if v is fn]:
-            del hooks[key]
+def _remove_moves(m: nn.Module, enter, exit_) -> None:
+    if _is_moved(m, enter, exit_):
+        inner = m.__dict__.pop("forward").inner
+        if inner is not None:
+            m.__dict__["forward"] = inner
 
 
 def has_time_last_boundary(net: nn.Module) -> bool:
     """Whether ``net`` takes and returns time-first tensors around a time-last inside."""
     forward = net.__dict__.get("forward")
-    return _has_hooks(net, _boundary_enter, _boundary_exit) or isinstance(forward, GraphForward) and forward.boundary
+    return _is_moved(net, _boundary_enter, _boundary_exit) or isinstance(forward, GraphForward) and forward.boundary
 
 
 # ---------------------------------------------------------------------------- to_time_last
@@ -214,7 +233,7 @@ class _Converter:
         return self.done[key]
 
     def _replacement(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
-        if isinstance(m, TIME_LAST_TYPES) or _has_hooks(m, _island_enter, _island_exit):
+        if isinstance(m, TIME_LAST_TYPES) or _is_moved(m, _island_enter, _island_exit):
             return m
         if _layout_aware(m):
             if per_step or getattr(m, "step_mode", "m") != "m":
@@ -269,7 +288,7 @@ class _Converter:
 
     def _unconvertible(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
         if self.fallback == "time_first" and not per_step:
-            self.actions.append(partial(_add_hooks, m, _island_enter, _island_exit))
+            self.actions.append(partial(_add_moves, m, _island_enter, _island_exit))
         else:
             self.errors.append(f"{_describe(path, m)}: {_why_not(m)}")
         return m
@@ -303,6 +322,9 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
     if method not in ("auto",) + layer.METHODS:
         raise ValueError(f"method must be 'auto' or one of {layer.METHODS}, got {method!r}")
+    for name, flag in (("boundary", boundary), ("strict", strict)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     conv = _Converter(fallback, method)
     forward = net.__dict__.get("forward")
     blocks = [name for name, m in net.named_modules() if m is not net and has_time_last_boundary(m)]
@@ -310,12 +332,12 @@ def to_time_last(net: nn.Module, fallback: Optional[str] = None, boundary: bool 
         raise UnconvertibleModuleError(f"net holds blocks converted on their own ({', '.join(blocks)}), each taking "
                                        f"and giving time-first tensors: convert the network as a whole, from its "
                                        f"time-first form (to_time_first(net), then to_time_last(net, ...))")
-    if has_time_last_boundary(net) != boundary and (isinstance(forward, GraphForward) or _runs_time_last(net)):
+    if has_time_last_boundary(net) != boundary and (isinstance(forward, GraphForward) or runs_time_last(net)):
         raise ValueError(f"net runs time-last already, with boundary={not boundary}: convert it back first "
                          f"(to_time_first(net)), then to_time_last(net, boundary={boundary}, ...)")
     if isinstance(forward, GraphForward):
         return net  # converted already
-    if tracing.is_leaf(net) or _runs_time_last(net):  # (a network converted by module swapping: still so)
+    if tracing.is_leaf(net) or runs_time_last(net):  # (a network converted by module swapping: still so)
         return _swap_modules(net, conv, boundary)
     inputs = _probes(example_input) if example_input is not None else None
     attrs = set(vars(net))
@@ -360,7 +382,9 @@ def _steps_by_hand(net: nn.Module, graph) -> bool:
                and getattr(m, "step_mode", "m") == "s" for n in graph.nodes)
 
 
-def _runs_time_last(net: nn.Module) -> bool:
+def runs_time_last(net: nn.Module) -> bool:
+    """Whether ``net`` runs time-last inside (converted by :func:`to_time_last`, with or without the
+    boundary, or holding time-last modules)."""
     return has_time_last_boundary(net) or any(isinstance(m, TIME_LAST_TYPES) or getattr(m, "layout", None) ==
                                               "time_last" for m in net.modules())
 
@@ -373,7 +397,7 @@ def _swap_modules(net: nn.Module, conv: _Converter, boundary: bool) -> nn.Module
     for action in conv.actions:
         action()
     if boundary:
-        _add_hooks(new, _boundary_enter, _boundary_exit)
+        _add_moves(new, _boundary_enter, _boundary_exit)
     _compat.invalidate_reset_cache(net, new)
     return new
 
@@ -549,7 +573,7 @@ def _rewritten(net, traced: tuple, inputs: list, conv: _Converter, boundary: boo
 
 # ---------------------------------------------------------------------------- to_time_first
 def _revert(m: nn.Module) -> nn.Module:
-    _remove_hooks(m, _island_enter, _island_exit)
+    _remove_moves(m, _island_enter, _island_exit)
     if isinstance(m, layer.TimeLastSequential):
         original = m._time_first
         for name, child in _occurrences(m):
@@ -582,7 +606,7 @@ def to_time_first(net: nn.Module) -> nn.Module:
                              f"time-last wrapper, which its time-first module cannot run; register it on "
                              f"its time_first_module instead, or remove it first "
                              f"(torch.nn.utils.parametrize.remove_parametrizations)")
-    _remove_hooks(net, _boundary_enter, _boundary_exit)
+    _remove_moves(net, _boundary_enter, _boundary_exit)
     if isinstance(net.__dict__.get("forward"), GraphForward):
         for name in net.__dict__.pop("forward").constants:
             net.__dict__.pop(name, None)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from . import _compat, ops
 from ._util import as_args, modes_kept, run_hooked
+from .convert import runs_time_first_inside
 from .layer import TimeLastModule
 from .deploy import FoldedMulFreePSN
 from .ops.registry import tap_schedule
@@ -318,7 +319,7 @@ def _own_pass(net: nn.Module, x) -> list[dict]:
     records: list[dict] = []
 
     def on_neuron(module, inputs, out, name):
-        x_in = inputs[0]
+        x_in = inputs[0] if not runs_time_first_inside(module) else inputs[0].movedim(-1, 0)  # (hooks see time-last)
         t, _ = _sequence_geometry(module, x_in)
         records.append(dict(name=name, role="neuron", kind=neuron_kind(module), time_steps=t,
                             counts=closed_form_neuron_ops(module, x_in), counted=counted_neuron_ops(module, x_in)))

@@ -165,7 +165,8 @@ def _run_order(net: nn.Module, found: list, example_input) -> dict[int, int]:
     def hook(name, mod, args):
         if args and isinstance(args[0], torch.Tensor):
             x = args[0]
-            layout = mod.layout if isinstance(mod, MulFreeChannelwisePSN) else "time_first"
+            layout = mod.layout if isinstance(mod, MulFreeChannelwisePSN) else \
+                "time_last" if runs_time_first_inside(mod) else "time_first"  # (hooks see an island's outside)
             multi_step = _compat.step_mode_of(mod) == "m" and x.dim() >= 3
             c = x.shape[ops.channel_dim(layout) if multi_step else 1] if x.dim() >= 2 else x.shape[0]
             if seen.setdefault(id(mod), c) != c:

@@ -118,7 +118,7 @@ def capture_inputs(net: nn.Module, x, mods: list[tuple[str, nn.Module]]) -> dict
         def hook(mod, args, kwargs, name=name):
             if name not in seen:
                 seen[name] = _clone_args(args, grad=False), {k: _clone(v, False) for k, v in kwargs.items()}
-        # (prepended: before a fallback island's own hook)
+        # (what the module takes from outside: a fallback island moves T inside its forward)
         hooks.append(m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
     run_hooked(net, x, hooks)
     return seen

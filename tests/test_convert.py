@@ -120,17 +120,19 @@ def test_checkpoints_load_across_layouts():
 
 def test_to_time_first_undoes_to_time_last_exactly():
     x = torch.randn(2, 2, 3, 8, 8, dtype=torch.float64)
-    net = built_zoo_net("sew_resnet", x)
+    net = built_zoo_net("sew_resnet", x).eval()
     before = structure(net)
     sd = {k: v.clone() for k, v in net.state_dict().items()}
+    want = net(x)
     with pytest.warns(UserWarning, match=r"no example_input was given"):  # (converts the modules only)
         net_tl = to_time_last(net)
     assert structure(net_tl) != before
     assert to_time_last(net_tl) is net_tl and structure(net_tl) == structure(to_time_last(net_tl))
-    assert len(net_tl._forward_pre_hooks) == 1  # the boundary is installed once
+    assert has_time_last_boundary(net_tl)
+    functional.reset_net(net_tl)
+    torch.testing.assert_close(net_tl(x), want, **TOL)  # (the boundary is installed once)
     back = to_time_first(net_tl)
-    assert back is net and structure(back) == before
-    assert not back._forward_pre_hooks and not back._forward_hooks
+    assert back is net and structure(back) == before and not has_time_last_boundary(back)
     assert all(m.layout == "time_first" for m in back.modules() if isinstance(m, MulFreeChannelwisePSN))
     for k, v in back.state_dict().items():
         assert torch.equal(v, sd[k])
@@ -294,7 +296,7 @@ def test_unconvertible_modules_raise_and_change_nothing():
     msg = str(info.value)
     assert "2 (IFNode): a stateful SpikingJelly module" in msg and "5 (LIFNode)" in msg
     assert "fallback='time_first'" in msg
-    assert structure(net) == before and not net._forward_pre_hooks
+    assert structure(net) == before and not has_time_last_boundary(net)
 
     class Custom(nn.Module):
         def forward(self, x):
@@ -370,7 +372,7 @@ def test_fallback_runs_modules_time_first():
     x = torch.rand(4, 2, 2, 4, 4, dtype=torch.float64) * 2
     assert_same_run(net, net_tl, x)
     back = to_time_first(net_tl)
-    assert not back[2]._forward_pre_hooks and type(back[0]) is layer.Conv2d
+    assert type(back[0]) is layer.Conv2d and type(back[2]) is neuron.IFNode
     assert_same_run(net, back, x)
 
 
@@ -1190,3 +1192,35 @@ def test_round_trips_leave_no_trace_constants_behind():
         assert_same_run(reference, net, x)
         net = to_time_first(net)
         assert set(vars(net)) == attrs
+
+
+@pytest.mark.parametrize("registered", ["before", "after"])
+def test_hooks_see_the_tensors_outside_their_module_whenever_registered(registered):
+    """The boundary's and the islands' transposes were hooks appended to the module's own: a forward hook
+    on the network registered before the conversion saw (and returned into) its time-last output, so a
+    readout hook averaged over the batch instead of time; a pre-hook registered after it saw time-last
+    input; an island's input and output monitors recorded different layouts. Hooks now see a module's
+    tensors as they flow outside it: time-first at the network, time-last at an island inside it."""
+    def net0():
+        torch.manual_seed(0)
+        n = nn.Sequential(layer.Linear(4, 5), neuron.LIFNode(), layer.Linear(5, 6),
+                          MulFreeChannelwisePSN(6, threshold="param", v_threshold=0.0))
+        functional.set_step_mode(n, "m")
+        return n
+
+    x = torch.randn(6, 3, 4)
+    want = net0()(x).mean(0)
+    net, seen = net0(), []
+
+    def hook_all(m, name):
+        m.register_forward_pre_hook(lambda mod, args: seen.append((name, "in", tuple(args[0].shape))))
+        m.register_forward_hook(lambda mod, args, out: seen.append((name, "out", tuple(out.shape))))
+    if registered == "before":
+        hook_all(net, "net"), hook_all(net[1], "island")
+    net.register_forward_hook(lambda m, args, out: out.mean(0))  # a readout: the firing rate over time
+    net = to_time_last(net, example_input=x, fallback="time_first")
+    if registered == "after":
+        hook_all(net, "net"), hook_all(net[1], "island")
+    assert torch.equal(net(x), want)
+    assert sorted(seen) == [("island", "in", (3, 5, 6)), ("island", "out", (3, 5, 6)),
+                            ("net", "in", (6, 3, 4)), ("net", "out", (6, 3, 6) if registered == "before" else (3, 6))]

@@ -61,8 +61,8 @@ def check_costs(costs: Optional[dict] = None) -> dict:
     for name, value in (costs or {}).items():
         if name not in COSTS_45NM:
             raise ValueError(f"costs: unknown operation {name!r}; expected some of {tuple(COSTS_45NM)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"costs[{name!r}] must be a number >= 0 (pJ), got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"costs[{name!r}] must be a finite number >= 0 (pJ), got {value!r}")
         merged[name] = float(value)
     return merged
 

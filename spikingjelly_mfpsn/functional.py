@@ -527,10 +527,13 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
     return net
 
 
-def autoselect(net: nn.Module, x_example, m: int = 2, layouts=("time_first", "time_last"), cache=True, **kwargs):
+def autoselect(net: nn.Module, x_example, m: int = 2, layouts=("time_first", "time_last"), cache=True,
+               measure_fn: Optional[Callable] = None, progress: Optional[bool] = None, verbose: bool = False,
+               compile: Union[bool, str] = False, fallback: Optional[str] = None):
     """Time every layer's implementations in each layout and apply the fastest (paper Algorithm 1).
 
-    See :func:`spikingjelly_mfpsn.tuner.autoselect`.
+    Every argument as :func:`spikingjelly_mfpsn.tuner.autoselect` documents it.
     """
     from .tuner import autoselect as _autoselect
-    return _autoselect(net, x_example, m=m, layouts=layouts, cache=cache, **kwargs)
+    return _autoselect(net, x_example, m=m, layouts=layouts, cache=cache, measure_fn=measure_fn, progress=progress,
+                       verbose=verbose, compile=compile, fallback=fallback)

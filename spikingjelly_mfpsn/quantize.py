@@ -57,7 +57,7 @@ def quantize_pow2_(w: torch.Tensor) -> torch.Tensor:
 
 
 def shift_amounts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer exponents and signs of ``Q(w)``: ``Q(w) == sign * 2.0 ** shift``.
+    """Integer exponents and signs of ``Q(w)``: ``Q(w) == sign * 2.0 ** shift`` (computed in ``w``'s dtype).
 
     Returns ``(shift, sign)``, both ``int32`` of the shape of ``w``. Where ``w == 0`` the sign is 0 and
     the shift is reported as 0.

@@ -447,7 +447,10 @@ def _on_every_rank(net: nn.Module, report: Optional[AutoselectReport], selects: 
 
 
 def _check_options(m: int, layouts: Sequence[str], fallback: Optional[str], compile: Union[bool, str],
-                   cache) -> None:
+                   cache, progress=None, verbose=False) -> None:
+    if not (progress is None or isinstance(progress, bool)) or not isinstance(verbose, bool):
+        raise TypeError(f"progress must be None, True or False and verbose True or False, got {progress!r} and "
+                        f"{verbose!r}")
     if not isinstance(cache, (bool, str, os.PathLike)):
         raise TypeError(f"cache must be True, False or a path, got {type(cache).__name__}")
     if cache is not False:
@@ -514,6 +517,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
         measure_fn: ``(module, args, m) -> seconds``; replaces the timer (for tests)
         progress: a progress bar on stderr: ``None`` (the default) where stderr is a terminal (so a
             log file gets none), ``True`` always, ``False`` never
+        verbose: print the report when done
         compile: also time one whole training step of the chosen configuration under
             ``torch.compile`` (``True``: inductor, or a backend name) and keep it, compiled in place as
             one graph, when it is faster and reproduces the outputs. The first compilation
@@ -531,7 +535,7 @@ def autoselect(net: nn.Module, x_example, m: int = 2, layouts: Sequence[str] = (
 
     Under ``torch.distributed``, rank 0 measures and decides, and every rank applies the same choice.
     """
-    _check_options(m, layouts, fallback, compile, cache)
+    _check_options(m, layouts, fallback, compile, cache, progress, verbose)
     _check_args(net, x_example)
     backend = ("inductor" if compile is True else compile) or None
     _prebuild(x_example)

@@ -511,6 +511,13 @@ def test_bad_arguments():
             mf.autoselect(seq_net(), example(), m=m, cache=False)
     with pytest.raises(TypeError, match="cache must be True, False or a path"):
         mf.autoselect(seq_net(), example(), cache=123)
+    # Flags took any value ('no' printed the table, as True would)
+    for flags in (dict(progress="yes"), dict(verbose="no")):
+        with pytest.raises(TypeError, match="progress must be None, True or False and verbose True or False"):
+            mf.autoselect(seq_net(), example(), cache=False, **flags)
+    for flags in (dict(boundary="no"), dict(strict="yes")):
+        with pytest.raises(TypeError, match=f"{next(iter(flags))} must be True or False"):
+            to_time_last(seq_net(), **flags)
     with pytest.raises(ValueError, match="layout"):
         mf.autoselect(seq_net(), example(), layouts=("sideways",), cache=False)
     headless = seq_net()

@@ -250,15 +250,16 @@ def test_bad_arguments():
         energy.estimate(net, x, sops="some")
     with pytest.raises(ValueError, match="costs: unknown operation 'div'"):
         energy.estimate(net, x, costs={"div": 1.0})
-    with pytest.raises(ValueError, match=r"costs\['add'\] must be a number >= 0"):
-        energy.estimate(net, x, costs={"add": -1})
+    for cost in (-1, float("inf")):  # (an infinite one gave an infinite energy)
+        with pytest.raises(ValueError, match=r"costs\['add'\] must be a finite number >= 0"):
+            energy.estimate(net, x, costs={"add": cost})
     with pytest.raises(ValueError, match="batch_size"):
         energy.estimate(net, x, batch_size=0)
     # A bool is no count nor a cost (True was taken as 1), and a sequence of no steps has nothing to count
     # (it divided by zero).
     with pytest.raises(ValueError, match="batch_size must be a positive int, got True"):
         energy.estimate(net, x, batch_size=True)
-    with pytest.raises(ValueError, match=r"costs\['shift'\] must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"costs\['shift'\] must be a finite number >= 0"):
         energy.estimate(net, x, costs={"shift": True})
     with pytest.raises(ValueError, match="no time steps"):
         energy.estimate(net, x[:0])

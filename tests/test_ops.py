@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from spikingjelly_mfpsn import ops
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
 
 import reference
 
@@ -147,3 +147,36 @@ def test_vmap_mm_refuses_huge_t():
     x = torch.empty(1, 1, 1, 1 << 15, device="meta")
     reasons = ops.get("vmap_mm").not_supported_reasons(x, torch.empty(1, 2), 1, "time_last")
     assert reasons and "T, T" in reasons[0]
+
+
+def test_a_registered_implementation_of_a_new_backend_is_a_backend_everywhere():
+    """ops.register said the implementation's backend becomes available, but a new backend name was
+    unknown to backend_available, available_backends and the neuron (refused), while ops.mf_psn ran it."""
+    def charge(x, w, b, d, layout):
+        return reference.charge(x, w, b, d, layout)
+    ops.register(ops.Implementation("mine", "mybackend", ops.LAYOUTS, charge, "the reference",
+                                    priority=lambda *a: -1.0))
+    try:
+        assert ops.backend_available("mybackend") and "mybackend" in ops.available_backends()
+        sn = MulFreeChannelwisePSN(4, k=2, step_mode="m", backend="mybackend", threshold="param").double()
+        x = torch.randn(6, 2, 4, dtype=torch.float64)
+        assert sn.resolve_method(x) == "mine"
+        h, _ = reference.mfpsn_charge(x, sn.weight.detach(), 1, "time_first", "param",
+                                      v_threshold=sn.v_threshold.detach())
+        assert torch.equal(sn(x), (h >= 0).double())
+    finally:
+        ops.unregister("mine")
+    assert not ops.backend_available("mybackend")
+
+
+def test_bad_backend_and_method_names_are_named_as_such():
+    """ops.mf_psn and mf_psn_step blamed the method ("method 'bogus' cannot run here") for a bad backend,
+    and ops.get('auto') listed 'auto' among the names it took while refusing it."""
+    x, w = torch.randn(6, 2, 4), torch.rand(4, 2)
+    for bad in ("bogus", None):
+        with pytest.raises(ValueError, match=f"backend must be one of .*, got {bad!r}"):
+            ops.mf_psn(x, w, bias=torch.zeros(4), backend=bad)
+        with pytest.raises(ValueError, match=f"backend must be one of .*, got {bad!r}"):
+            ops.mf_psn_step([x[0], x[1]], w, bias=torch.zeros(4), backend=bad)
+    with pytest.raises(ValueError, match="'auto' is not an implementation: ops.choose"):
+        ops.get("auto")

@@ -23,8 +23,8 @@ import torch
 from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
-from .registry import (LAYOUTS, Implementation, channel_dim, check_charge_args, check_dense, check_dilation, choose,
-                       find, get, input_dtype_error, supported, tap_schedule, time_dim)
+from .registry import (LAYOUTS, Implementation, channel_dim, check_backend, check_charge_args, check_dense,
+                       check_dilation, choose, find, get, input_dtype_error, supported, tap_schedule, time_dim)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -85,6 +85,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     """
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, alpha = surrogate.fused(sg)
+    check_backend(backend)
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     dilation = _within_steps(x, dilation, layout)
     if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
@@ -501,6 +502,7 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     """
     sg = surrogate_function if surrogate_function is not None else _default_surrogate()
     code, _ = surrogate.fused(sg)
+    check_backend(backend)
     _check_step_args(taps, weight, bias, v_threshold, bn)
     x = taps[-1]
     for i, tap in enumerate(taps):

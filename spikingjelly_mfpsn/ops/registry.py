@@ -237,6 +237,8 @@ def get(name: str) -> Implementation:
         return impl
     if name in BACKEND_LIBRARIES:  # a kernel backend's implementation (named as its backend), not here
         raise not_here(name)
+    if name == "auto":
+        raise ValueError("'auto' is not an implementation: ops.choose(x, weight, dilation, layout) resolves it")
     raise ValueError(f"method must be one of {sorted(_REGISTRY)} (or 'auto'), got {name!r}")
 
 
@@ -392,10 +394,19 @@ def note_unavailable(backend: str, reason: str) -> None:
     _UNAVAILABLE_REASONS[backend] = reason
 
 
+def _backends() -> tuple:
+    """The known backends: those of :data:`BACKEND_LIBRARIES`, then those only registered implementations name."""
+    extra = {impl.backend: None for impl in _REGISTRY.values() if impl.backend not in BACKEND_LIBRARIES}
+    return tuple(BACKEND_LIBRARIES) + tuple(extra)
+
+
 def check_backend(backend: str) -> str:
-    """Raise a clear error unless ``backend`` is known and its library imports."""
+    """Raise a clear error unless ``backend`` is known (built in, or named by a registered implementation)
+    and its library imports."""
+    if not isinstance(backend, str) or backend not in _backends():
+        raise ValueError(f"backend must be one of {_backends()}, got {backend!r}")
     if backend not in BACKEND_LIBRARIES:
-        raise ValueError(f"backend must be one of {tuple(BACKEND_LIBRARIES)}, got {backend!r}")
+        return backend
     if not backend_available(backend):
         import importlib.util
         lib = BACKEND_LIBRARIES[backend]
@@ -415,10 +426,11 @@ def backend_available(backend: str) -> bool:
 
     Returns:
         True for ``'torch'``; for another known backend, True when its library (if it needs one) imports
-        and it registered at least one implementation; False for an unknown name.
+        and it registered at least one implementation; for another name, whether a registered implementation
+        names it as its backend.
     """
     if backend not in BACKEND_LIBRARIES:
-        return False
+        return any(impl.backend == backend for impl in _REGISTRY.values())
     if backend == "torch":
         return True
     import importlib.util
@@ -434,6 +446,6 @@ def available_backends() -> tuple[str, ...]:
     is decided per call, with an error naming the reason.
 
     Returns:
-        Their names, in the order of :data:`BACKEND_LIBRARIES`.
+        Their names, in the order of :data:`BACKEND_LIBRARIES`, then those of registered implementations.
     """
-    return tuple(b for b in BACKEND_LIBRARIES if backend_available(b))
+    return tuple(b for b in _backends() if backend_available(b))

@@ -229,7 +229,7 @@ def walk(net: nn.Module, graph: fx.Graph, shapes: dict, out, error: type):
             user = next(iter(node.users)) if len(node.users) == 1 else None
             if len(seq) == 1 and user is not None and user.op == "call_module" and \
                     isinstance(net.get_submodule(user.target), BATCH_NORMS):
-                seq.append((user.target, net.get_submodule(user.target)))
+                seq += layers(net.get_submodule(user.target), f"{user.target}.", error=error)  # (its checks too)
                 folded_into[user] = node
             values[node], _ = out.chain(unique(seq, used), values[node.args[0]], tuple(shapes[node.args[0]][2:]))
         elif _is_add(node) and all(isinstance(a, fx.Node) for a in node.args):

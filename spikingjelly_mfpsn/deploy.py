@@ -547,7 +547,12 @@ def _widest_format(name: str, m: "FoldedMulFreePSN", top: float, acc_frac_bits: 
         if input_bits + shifts + m.k.bit_length() <= _MAX_BITS and bias_bits + f + extra < _MAX_BITS \
                 and f + extra <= _MAX_BITS:
             return f
-    if bias_bits + (acc_frac_bits if acc_frac_bits is not None else exact_acc_frac_bits(m.shift, 0)) >= _MAX_BITS:
+    exact = exact_acc_frac_bits(m.shift, 0) if acc_frac_bits is None else None
+    if exact is not None and exact >= _MAX_BITS:  # (the weights alone: even F = 0 needs too many bits)
+        raise OverflowError(f"calibrate: layer {name!r}: its smallest weight, 2**{int(m.shift.min())}, needs {exact} "
+                            f"fractional accumulator bits for exact taps but int64 holds {_MAX_BITS}; pass "
+                            f"acc_frac_bits <= {_MAX_BITS} (the smallest taps are then rounded down)")
+    if bias_bits + (acc_frac_bits if acc_frac_bits is not None else exact) >= _MAX_BITS:
         raise OverflowError(f"calibrate: layer {name!r}: its folded bias (up to {bias_top:g} in magnitude) does not "
                             f"fit an int64 accumulator with any fixed-point format; such a bias (e.g. from batch-norm "
                             f"running statistics far from the charge) leaves the neuron always or never firing")

@@ -183,14 +183,14 @@ def dense_macs(module: nn.Module, out: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def spike_events(module: nn.Module, x: torch.Tensor) -> int:
+def spike_events(module: nn.Module, x: torch.Tensor) -> Union[int, float]:
     """Accumulates an event-driven Conv/Linear runs on input ``x``.
 
     The count is ``sum over inputs of value x fan-out`` (for spikes, each spike adds one weight to every
-    output it reaches; zero padding reaches nothing).
+    output it reaches; zero padding reaches nothing): an int for spikes, a fraction for pooled ones.
     """
     if isinstance(module, nn.Linear):
-        return round(float(x.double().sum()) * module.out_features)
+        return _whole_if_integral(float(x.double().sum()) * module.out_features)
     dims = len(module.kernel_size)
     x = x.reshape(-1, *x.shape[-dims - 1:]).double()  # (T*N or N, C, *spatial)
     padding = module.padding
@@ -200,7 +200,11 @@ def spike_events(module: nn.Module, x: torch.Tensor) -> int:
     ones = x.new_ones(module.groups, module.in_channels // module.groups, *module.kernel_size)
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
     reach = conv(x, ones, None, module.stride, padding, module.dilation, module.groups)
-    return round(float(reach.sum()) * (module.out_channels // module.groups))
+    return _whole_if_integral(float(reach.sum()) * (module.out_channels // module.groups))
+
+
+def _whole_if_integral(count: float) -> Union[int, float]:
+    return int(count) if count.is_integer() else count
 
 
 def _synaptic_layer(module: nn.Module) -> Optional[nn.Module]:

@@ -19,6 +19,7 @@ call raises :class:`NIRExportError` naming it. Needs ``pip install "spikingjelly
 """
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Optional
 
@@ -238,7 +239,9 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     Args:
         net: a SpikingJelly network in either layout whose forward runs its modules, adds values
             (residual connections) and flattens; ``nn.Sequential`` containers are opened. MF-PSN neurons
-            are folded (BN threshold included) on a copy, and ``net`` itself is left as it is.
+            are folded (BN threshold included) on a copy, and ``net`` itself is left as it is; the graph
+            holds the float network (integer formats set with ``deploy.set_integer`` are left out, with a
+            warning).
         example_input: one input of the network, time-first ``(T, N, ...)``: it fixes each layer's shape.
         dt: the time step, in the units of the exported delays (a delay of ``n`` steps is ``n * dt``).
 
@@ -258,6 +261,11 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     if example_input.dtype not in (torch.float16, torch.float32, torch.float64):
         raise ValueError(f"example_input (and net) must be float16, float32 or float64, the dtypes a NIR graph's "
                          f"NumPy arrays have, got {example_input.dtype}: export a copy, e.g. net.float()")
+    integer = [name for name, m in deploy.folded_neurons(net) if m.frac_bits is not None]
+    if integer:
+        warnings.warn(f"export_to_nir writes the float network: the integer formats deploy.set_integer gave "
+                      f"{', '.join(integer)} are not part of a NIR graph (NIR has no fixed-point types); "
+                      f"export_onnx keeps them", stacklevel=2)
     net = prepared(net, example_input)
     b = _Builder(float(dt), example_input.dtype)
     b.nodes["input"] = nir.Input({"input": np.array(example_input.shape[2:])})

@@ -717,6 +717,19 @@ def test_a_bias_that_fits_no_format_is_named_by_the_calibration():
             deploy.set_integer(folded, calibrate=torch.rand(4, 1, 1), **kwargs)
 
 
+def test_a_weight_too_small_for_exact_taps_is_named_by_the_calibration():
+    """A weight of 2**-70 needs more fractional accumulator bits than int64 holds: the calibration blamed a
+    folded bias "up to 0 in magnitude"; it names the weight and acc_frac_bits, as frac_bits= does."""
+    net = nn.Sequential(layer.Linear(3, 2), MulFreeChannelwisePSN(2, k=2, threshold="param", v_threshold=0.0))
+    functional.set_step_mode(net, "m")
+    with torch.no_grad():
+        net[1].weight.fill_(2.0 ** -70)
+    deploy.fold(net.eval())
+    with pytest.raises(OverflowError, match=r"layer '1': its smallest weight, 2\*\*-70, needs .* pass acc_frac_bits"):
+        deploy.set_integer(net, calibrate=torch.rand(4, 2, 3))
+    deploy.set_integer(net, calibrate=torch.rand(4, 2, 3), acc_frac_bits=40)  # (as the message says)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda q, sh, sg: deploy.int_charge(q, sh, sg, 1, last=-1), "last must be an int >= 1"),
     (lambda q, sh, sg: deploy.int_charge(q, sh, sg, 1, extra_bits=1.5), "extra_bits must be an int"),

@@ -358,3 +358,17 @@ def test_the_profiler_counts_a_fused_batch_norm_as_the_batch_norm_it_was(trainin
         assert all(torch.equal(v, before[k]) for k, v in n.state_dict().items()) or training
     assert reports[0].counts == reports[1].counts and reports[0].counts["mac"] > 0
     assert reports[0].energy_total_pj == pytest.approx(reports[1].energy_total_pj)
+
+
+def test_event_counts_of_pooled_spikes_are_not_rounded():
+    """sops='events' rounded a layer's total: pooled spikes of 0.5 into a Linear of fan-out 1 gave 0 SOPs (the
+    exact count is 0.5), and a larger network 13 for 12.75."""
+    net = nn.Sequential(layer.Conv1d(1, 1, 1, bias=False), MulFreeChannelwisePSN(1, k=1, threshold="param",
+                                                                               v_threshold=0.0),
+                        layer.AvgPool1d(4), layer.Flatten(), layer.Linear(1, 1))
+    functional.set_step_mode(net, "m")
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+    x = torch.tensor([[[[1.0, 1.0, -1.0, -1.0]]]])  # spikes 1, 1, 0, 0: pooled 0.5
+    synaptic = [r for r in energy.estimate(net.eval(), x, sops="events").layers if r.role == "synaptic"]
+    assert [(r.name, r.counts) for r in synaptic] == [("4", {"sop": 0.5})]

@@ -423,6 +423,16 @@ def test_a_torch_batch_norm_on_the_whole_sequence_is_named():
     with pytest.raises(NIRExportError, match=r"layer '1': torch.nn.BatchNorm1d .* its batch axis"):
         export_to_nir(net, torch.rand(5, 4, 8))
 
+    class ByHand(nn.Module):  # the same in a forward written by hand: folded into the Linear, 51% differed
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn, self.sn = net[0], net[1], net[2]
+
+        def forward(self, x):
+            return self.sn(self.bn(self.fc(x)))
+    with pytest.raises(NIRExportError, match=r"layer 'bn': torch.nn.BatchNorm1d .* its batch axis"):
+        export_to_nir(ByHand().eval(), torch.rand(5, 4, 8))
+
 
 @pytest.mark.parametrize("start", [2, -2, -3])
 def test_a_torch_flatten_in_a_forward_to_the_end_round_trips(start):
@@ -430,3 +440,19 @@ def test_a_torch_flatten_in_a_forward_to_the_end_round_trips(start):
     net = FlattenInForward(start).eval()
     x = torch.rand(3, 2, 1, 3, 4)
     assert torch.equal(run(import_from_nir(export_to_nir(net, x)), x), run(net, x))
+
+
+def test_integer_formats_are_left_out_with_a_warning():
+    """A folded network set to integer arithmetic was exported as the float network without a word."""
+    from spikingjelly_mfpsn import deploy
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(3, 4), MulFreeChannelwisePSN(4, k=2, threshold="param", v_threshold=0.1))
+    functional.set_step_mode(net, "m")
+    deploy.fold(net)
+    x = torch.rand(6, 8, 3)
+    with torch.no_grad():
+        want = net(x)
+    deploy.set_integer(net, frac_bits=2)
+    with pytest.warns(UserWarning, match=r"writes the float network: the integer formats .* gave 1 are not part"):
+        graph = export_to_nir(net, x)
+    assert torch.equal(run(import_from_nir(graph), x), want)

@@ -289,6 +289,22 @@ def test_a_batch_norm_is_folded_into_a_linear_only_where_it_normalises_its_featu
         export_onnx(linear_then_batch_norm((4, 4)), torch.randn(6, 3, 4, 4))
 
 
+def test_a_torch_batch_norm_on_the_whole_sequence_in_a_forward_by_hand_is_named():
+    """torch's own BatchNorm1d called on the whole (T, N, C) sequence in a hand-written forward (where
+    N == C, it runs) normalises the batch axis; it was folded into the Linear's features: 51% of spikes
+    differed. A Sequential of the same layers was refused already."""
+    class ByHand(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = layer.Linear(3, 4, step_mode="m"), nn.BatchNorm1d(4)
+            self.sn = MulFreeChannelwisePSN(4, k=2, threshold="param", step_mode="m")
+
+        def forward(self, x):
+            return self.sn(self.bn(self.fc(x)))
+    with pytest.raises(ONNXExportError, match=r"layer 'bn': torch.nn.BatchNorm1d .* its batch axis"):
+        export_onnx(ByHand().eval(), torch.rand(5, 4, 3))
+
+
 def test_a_format_set_on_one_neuron_is_kept_while_the_others_are_calibrated():
     """export_onnx recalibrated every neuron where one had no format, overwriting the formats the
     user set (15 of 512 spikes differed from the integer network asked for, with no error)."""

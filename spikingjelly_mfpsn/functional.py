@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from . import _compat, layer, ops, tracing
 from ._util import modes_kept, module_slots, run_hooked
-from .convert import current_layout, runs_time_first_inside
+from .convert import has_time_last_boundary, runs_time_first_inside, runs_time_last, to_time_last
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
 logger = _compat.logger
@@ -261,6 +261,7 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
     """
     _check_replace_args(net, dilation, neuron_kwargs)
     found, skipped = _find(net, targets, include_readouts)
+    _check_replace_layout(net, found, neuron_kwargs)
     channels, order = _order(net, found, example_input)
     dilations = sawtooth(len(found)) if dilation == "sawtooth" else [dilation] * len(found)
 
@@ -281,17 +282,23 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
                       f"dilation={dilation!r}: their trained weights were re-initialised", UserWarning, stacklevel=2)
 
     if id(net) in new_of:
-        return new_of[id(net)], summary
-    for parent, child_name, child in module_slots(net):
-        if id(child) in new_of:
-            setattr(parent, child_name, new_of[id(child)])
-    _compat.invalidate_reset_cache(net)
+        return _as_converted(net, new_of[id(net)]), summary
+    _swap(net, found, new_of, example_input)
     if fuse_bn:
         summary.fused = fuse_batchnorm(net, example_input)
     return net, summary
 
 
+def _check_net(net) -> None:
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+
+
 def _check_replace_args(net: nn.Module, dilation, neuron_kwargs: dict) -> None:
+    _check_net(net)
+    if "channels" in neuron_kwargs:
+        raise ValueError("channels cannot be given: each new neuron takes its old one's channel count, or the one "
+                         "example_input shows (lazy otherwise)")
     if dilation != "sawtooth" and (not isinstance(dilation, int) or dilation < 1):
         raise ValueError(f"dilation must be 'sawtooth' or an int >= 1, got {dilation!r}")
     # (the run-time settings an existing MF-PSN takes in place: checked before any neuron takes them)
@@ -300,9 +307,52 @@ def _check_replace_args(net: nn.Module, dilation, neuron_kwargs: dict) -> None:
             check(neuron_kwargs[name])
     if neuron_kwargs.get("step_mode", "s") not in ("s", "m"):
         raise ValueError(f"step_mode must be 's' or 'm', got {neuron_kwargs['step_mode']!r}")
-    if neuron_kwargs.get("layout") == "time_first" and current_layout(net) == "time_last":
-        raise ValueError("layout='time_first' for the neurons of a network converted by to_time_last, whose "
-                         "layers hand them time-last sequences: call to_time_first(net) first")
+
+
+def _check_replace_layout(net: nn.Module, found: list, neuron_kwargs: dict) -> None:
+    """Refuse new neurons whose layout or step mode the layers around them do not hand them."""
+    inside, alone = runs_time_last(net), any(m is net for _, m in found)
+    layout, step_mode = neuron_kwargs.get("layout"), neuron_kwargs.get("step_mode")
+    if layout == "time_first" and inside and not alone:
+        raise ValueError("layout='time_first' for the neurons of a network converted by to_time_last (with or "
+                         "without its boundary), whose layers hand them time-last sequences: call "
+                         "to_time_first(net) first")
+    if layout == "time_last" and not inside and not alone:
+        raise ValueError("layout='time_last' for the neurons of a time-first network, whose layers hand them "
+                         "time-first sequences: convert the network instead, to_time_last(net, example_input=x) "
+                         "(its neurons then run time-last)")
+    if step_mode == "s" and inside and not alone:
+        raise ValueError("step_mode='s' for the neurons of a network that runs time-last (whole sequences only): "
+                         "call to_time_first(net) first")
+
+
+def _as_converted(old: nn.Module, new: MulFreeChannelwisePSN) -> nn.Module:
+    """The new neuron for a lone ``old`` one, taking what ``old`` took: through a time-last boundary too."""
+    if not has_time_last_boundary(old):
+        return new
+    new.layout = "time_first"
+    return to_time_last(new)
+
+
+def _swap(net: nn.Module, found: list, new_of: dict, example_input) -> None:
+    """Put each new neuron where its old one was; with ``example_input``, warn of an old one the forward
+    still runs (reached through a reference outside the module tree, e.g. a plain list)."""
+    for parent, child_name, child in module_slots(net):
+        if id(child) in new_of:
+            setattr(parent, child_name, new_of[id(child)])
+    _compat.invalidate_reset_cache(net)
+    if example_input is None:
+        return
+    ran: list = []
+    with modes_kept(net):
+        net.eval()
+        run_hooked(net, example_input, [old.register_forward_pre_hook(lambda m, args, n=name: ran.append(n))
+                                        for name, old in found if id(old) in new_of])
+    if ran:
+        warnings.warn(f"replace_neurons swapped {', '.join(dict.fromkeys(ran))} in the network, but its forward "
+                      f"still runs the old neuron(s), reached through a reference outside the module tree (e.g. "
+                      f"a plain list or dict): use nn.ModuleList / nn.ModuleDict, or call the modules by their "
+                      f"attributes", UserWarning, stacklevel=3)
 
 
 def _order(net: nn.Module, found: list, example_input) -> tuple[dict, str]:
@@ -374,6 +424,7 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     batch norm, a forward pre-hook on the neuron) is left apart, with a warning. :func:`unfuse_batchnorm`
     undoes it; ``deploy.fold`` and the exporters undo it on what they fold.
     """
+    _check_net(net)
     slots, pairs, hooked, traced = _slots(net), [], [], _traced_pairs(net, example_input)
     if traced is None and type(net).forward is not nn.Sequential.forward and \
             any(isinstance(m, MulFreeChannelwisePSN) and m.input_bn is None for m in net.modules()):
@@ -455,6 +506,7 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
 
     The batch norm modules go back where they were, with the tensors they hold now (inside their
     time-last wrappers too); the neurons normalise nothing."""
+    _check_net(net)
     fused = {id(m): m for m in net.modules() if isinstance(m, FusedBatchNorm)}
     for m in net.modules():
         if isinstance(m, MulFreeChannelwisePSN) and m.input_bn is not None:
@@ -466,12 +518,18 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
     return net
 
 
+def _check_instance(instance) -> None:
+    if not (isinstance(instance, type) or isinstance(instance, tuple) and all(isinstance(t, type) for t in instance)):
+        raise TypeError(f"instance must be a module class or a tuple of them, got {instance!r}")
+
+
 def set_backend(net: nn.Module, backend: str, instance=(nn.Module,)) -> nn.Module:
     """Set ``backend`` on every module of type ``instance`` that has one and supports it.
 
     Modules that do not support ``backend`` are skipped, logged once per class and reason (SpikingJelly
     0.0.0.0.14 style).
     """
+    _check_instance(instance)
     skipped: Counter = Counter()
     for m in net.modules():
         if not isinstance(m, instance) or not hasattr(m, "backend") or not hasattr(m, "supported_backends"):
@@ -503,8 +561,9 @@ def set_method(net: nn.Module, method: str, layout: Optional[str] = None, instan
     ``to_time_last``, which needs it where the forward makes calls that depend on where the time axis
     is). Returns the network (use the return value: a network that is a single layer may come back wrapped).
     """
+    _check_instance(instance)
     if layout is not None:
-        from .convert import current_layout, to_time_first, to_time_last
+        from .convert import current_layout, to_time_first
         ops.check_layout(layout)
         if current_layout(net) != layout:
             net = to_time_last(net, example_input=example_input) if layout == "time_last" else to_time_first(net)

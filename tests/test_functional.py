@@ -7,9 +7,10 @@ import torch.nn as nn
 from spikingjelly.activation_based import functional, layer, neuron, surrogate
 
 import spikingjelly_mfpsn
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, replace_neurons, set_backend, set_method
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, replace_neurons, set_backend, set_method, to_time_last
 from spikingjelly_mfpsn.functional import sawtooth, sawtooth_dilation
 
+import reference
 import sj
 
 
@@ -395,3 +396,67 @@ def test_a_multi_step_only_psn_becomes_a_multi_step_mf_psn(with_example):
     want.load_state_dict(net.state_dict())
     functional.reset_net(net), functional.reset_net(want)
     torch.testing.assert_close(net(x), want(x))
+
+
+def two_lif_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(4, 4), neuron.LIFNode(), layer.Linear(4, 4), neuron.IFNode())
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def test_a_layout_the_layers_around_do_not_hand_over_is_refused():
+    """layout='time_first' was refused on a network converted with its boundary only: one converted with
+    boundary=False switched its neurons and read (N, C, T) as (T, N, C) (12 of 64 spikes off); and
+    layout='time_last' on a time-first network (or step_mode='s' on a time-last one) gave neurons that
+    read the other axis, silently where N == C."""
+    x = torch.randn(4, 4, 4)
+    headless = to_time_last(replace_neurons(two_lif_net(), k=2, example_input=x)[0], boundary=False)
+    for net, kwargs, match in ((headless, dict(layout="time_first"), "with or without its boundary"),
+                               (two_lif_net(), dict(layout="time_last"), "convert the network instead"),
+                               (to_time_last(two_lif_net(), fallback="time_first"), dict(step_mode="s"),
+                                "runs time-last")):
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        with pytest.raises(ValueError, match=match):
+            replace_neurons(net, k=2, **kwargs)
+        assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_a_lone_neuron_behind_a_boundary_is_replaced_by_one_that_takes_the_same_input():
+    """The new neuron copied layout='time_last' but not the boundary: it read (T, N, C) as (N, C, T)."""
+    sn = to_time_last(MulFreeChannelwisePSN(4, k=2, step_mode="m", threshold="param", v_threshold=0.0).double())
+    new, _ = replace_neurons(sn, k=3, threshold="param", v_threshold=0.0)
+    x = torch.randn(5, 4, 4, dtype=torch.float64)
+    h, _ = reference.mfpsn_charge(x, new.weight.detach(), 1, "time_first", "param", v_threshold=new.v_threshold.detach())
+    assert torch.equal(new(x), (h >= 0).double())
+
+
+def test_neurons_the_forward_reaches_outside_the_module_tree_are_named():
+    """Neurons a forward calls through a plain list were reported replaced, while the old ones kept running."""
+    class Staged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.sn1, self.fc2, self.sn2 = layer.Linear(3, 4), neuron.LIFNode(), layer.Linear(4, 2), \
+                neuron.LIFNode()
+            self.stages = [(self.fc1, self.sn1), (self.fc2, self.sn2)]
+
+        def forward(self, x):
+            for fc, sn in self.stages:
+                x = sn(fc(x))
+            return x
+    net = Staged()
+    functional.set_step_mode(net, "m")
+    with pytest.warns(UserWarning, match="swapped sn1, sn2 in the network, but its forward still runs the old"):
+        replace_neurons(net, k=2, example_input=torch.rand(5, 2, 3))
+
+
+def test_bad_networks_instances_and_channels_are_named():
+    for call in (lambda: replace_neurons(None), lambda: spikingjelly_mfpsn.fuse_batchnorm(None),
+                 lambda: spikingjelly_mfpsn.unfuse_batchnorm(None)):
+        with pytest.raises(TypeError, match="net must be a torch.nn.Module, got NoneType"):
+            call()
+    for call in (set_backend, set_method):
+        with pytest.raises(TypeError, match="instance must be a module class or a tuple of them, got 3"):
+            call(two_lif_net(), "torch" if call is set_backend else "auto", instance=3)
+    with pytest.raises(ValueError, match="channels cannot be given"):
+        replace_neurons(two_lif_net(), channels=3)

@@ -669,6 +669,21 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
             return LazyModuleMixin._replicate_for_data_parallel(self)
         return ChargeNeuronBase._replicate_for_data_parallel(self)
 
+    def _apply(self, fn, recurse=True):
+        """Moves and casts; uninitialised parameters and buffers stay uninitialised, on ``fn``'s device and
+        dtype (torch's ``Module._apply`` makes one moved to another device, e.g. meta, a real tensor of
+        shape (0,), torch's ``LazyLinear`` too: the neuron then had 0 channels)."""
+        lazy = {name: t for name, t in [*self._parameters.items(), *self._buffers.items()]
+                if isinstance(t, nn.parameter.UninitializedTensorMixin)}
+        out = super()._apply(fn, recurse)
+        for name, t in lazy.items():
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if name in self._parameters:
+                self._parameters[name] = nn.UninitializedParameter(t.requires_grad, probe.device, probe.dtype)
+            else:
+                self._buffers[name] = LazyBuffer(False, probe.device, probe.dtype, getattr(t, "persistent", True))
+        return out
+
     # ------------------------------------------------------------------ parameters
     def _materialize(self, channels: int) -> None:
         with torch.no_grad():

@@ -566,6 +566,34 @@ def test_a_network_built_on_meta_loads_after_to_empty(what):
     assert torch.equal(net(x), want)
 
 
+def test_lazy_neurons_moved_to_meta_stay_lazy():
+    """torch's Module._apply made an uninitialised parameter moved to another device a real one of shape (0,):
+    replace_neurons on a network built on meta (called outside the meta context) moved its new lazy neurons
+    there, which then had 0 channels (AttributeError at the meta forward, and a load refused as "channels=0").
+    They stay lazy now, on the device and dtype they were moved to."""
+    from spikingjelly.activation_based import layer, neuron
+
+    def layers():
+        return nn.Sequential(layer.Linear(3, 4, step_mode="m"), neuron.IFNode(step_mode="m"))
+
+    torch.manual_seed(0)
+    x, trained = torch.randn(5, 2, 3), layers()
+    spikingjelly_mfpsn.replace_neurons(trained, k=2, example_input=x)
+    want = trained(x)
+    functional.reset_net(trained)
+    with torch.device("meta"):
+        net = layers()
+    spikingjelly_mfpsn.replace_neurons(net, k=2)
+    assert net[1].channels is None and net[1].weight.device.type == "meta"
+    assert net(torch.empty(5, 2, 3, device="meta")).shape == (5, 2, 4)
+    functional.reset_net(net)
+    net = net.to_empty(device="cpu")
+    net.load_state_dict(trained.state_dict())
+    assert torch.equal(net(x), want)
+    lazy = MulFreeChannelwisePSN(step_mode="m").to("meta").double()
+    assert lazy.channels is None and (lazy.weight.device.type, lazy.weight.dtype) == ("meta", torch.float64)
+
+
 # ---------------------------------------------------------------- one error for one bad call, every method
 def _bn(c, **fields):
     torch.manual_seed(1)

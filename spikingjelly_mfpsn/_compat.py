@@ -151,13 +151,14 @@ def spiking_neuron_classes() -> tuple:
 
 # Neurons whose output is not a spike train though their names do not say "NonSpiking": LIAF (leaky
 # integrate and analog fire) outputs ``act(v)``.
-_ANALOG_OUTPUT_NAMES = ("LIAFNode",)
+_ANALOG_OUTPUT_NAMES = ("LIAFNode", "TernaryIFNode", "TernaryLIFNode")  # (ternary: spikes of -1, 0, +1)
 
 
 def readout_neuron_classes() -> tuple:
-    """The classes of :func:`spiking_neuron_classes` that output membrane potentials or analog values
-    rather than spikes: every ``NonSpiking*`` node (``NonSpikingIFNode``, ``NonSpikingLIFNode``,
-    ``NoisyNonSpikingIFNode`` and their bases, 2.x only) and ``LIAFNode``; those this version defines."""
+    """The classes of :func:`spiking_neuron_classes` that output membrane potentials, analog values or
+    signed spikes rather than 0/1 spikes: every ``NonSpiking*`` node (``NonSpikingIFNode``,
+    ``NonSpikingLIFNode``, ``NoisyNonSpikingIFNode`` and their bases, 2.x only), ``LIAFNode`` and the
+    ternary nodes (-1/0/+1); those this version defines."""
     return tuple(cls for cls in spiking_neuron_classes()
                  if "NonSpiking" in cls.__name__ or cls.__name__ in _ANALOG_OUTPUT_NAMES)
 

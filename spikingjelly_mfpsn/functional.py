@@ -71,6 +71,7 @@ class Skipped:
 
 
 READOUT_REASON = "non-spiking readout (outputs membrane potential)"
+TERNARY_REASON = "ternary spikes (-1, 0, +1), which a 0/1 MF-PSN cannot give"
 
 
 @dataclass
@@ -140,7 +141,8 @@ def _find(net: nn.Module, targets, include_readouts: bool) -> tuple[list, list[S
         if not _is_target(targets, name, m):
             continue
         if _readout_kept(explicit, m, include_readouts):
-            skipped.append(Skipped(name, type(m).__name__, READOUT_REASON))
+            skipped.append(Skipped(name, type(m).__name__, TERNARY_REASON if "Ternary" in type(m).__name__
+                                   else READOUT_REASON))
         else:
             found.append((name, m))
     return found, skipped
@@ -247,7 +249,8 @@ def replace_neurons(net: nn.Module, k: int = 2, dilation: Union[str, int] = "saw
             channel counts, which one channel-wise neuron cannot replace, is then refused at once rather
             than at the first forward)
         include_readouts: also replace non-spiking readouts (the ``NonSpiking*`` nodes and ``LIAFNode``),
-            which output membrane potentials or analog values and are otherwise left alone and listed in
+            which output membrane potentials or analog values, and the ternary nodes (-1/0/+1 spikes),
+            which are otherwise left alone and listed in
             ``summary.skipped``; naming a readout class in ``targets`` includes that class
         fuse_bn: then let each new neuron apply the batch norm in front of it
             (:func:`fuse_batchnorm`; listed in ``summary.fused``)

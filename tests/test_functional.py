@@ -460,3 +460,19 @@ def test_bad_networks_instances_and_channels_are_named():
             call(two_lif_net(), "torch" if call is set_backend else "auto", instance=3)
     with pytest.raises(ValueError, match="channels cannot be given"):
         replace_neurons(two_lif_net(), channels=3)
+
+
+@pytest.mark.parametrize("name", ["TernaryIFNode", "TernaryLIFNode"])
+def test_ternary_neurons_are_kept_and_listed_as_skipped(name):
+    """Ternary nodes spike -1, 0 or +1: they were replaced by 0/1 MF-PSNs without a word."""
+    cls = getattr(neuron, name, None)
+    if cls is None:
+        pytest.skip(f"SpikingJelly {sj.VERSION} has no neuron.{name}")
+    net = nn.Sequential(layer.Linear(4, 6, step_mode="m"), cls(step_mode="m"))
+    head = net[1]
+    net, summary = replace_neurons(net, k=2)
+    assert net[1] is head and not summary.rows
+    assert [(s.name, s.reason) for s in summary.skipped] == [("1", "ternary spikes (-1, 0, +1), which a 0/1 "
+                                                                   "MF-PSN cannot give")]
+    net, summary = replace_neurons(net, k=2, include_readouts=True)
+    assert isinstance(net[1], MulFreeChannelwisePSN)

@@ -383,8 +383,9 @@ def _steps_by_hand(net: nn.Module, graph) -> bool:
 
 
 def runs_time_last(net: nn.Module) -> bool:
-    """Whether ``net`` runs time-last inside (converted by :func:`to_time_last`, with or without the
-    boundary, or holding time-last modules)."""
+    """Whether ``net`` runs time-last inside.
+
+    That is: converted by :func:`to_time_last`, with or without the boundary, or holding time-last modules."""
     return has_time_last_boundary(net) or any(isinstance(m, TIME_LAST_TYPES) or getattr(m, "layout", None) ==
                                               "time_last" for m in net.modules())
 

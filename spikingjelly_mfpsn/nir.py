@@ -261,7 +261,8 @@ def export_to_nir(net: nn.Module, example_input: torch.Tensor, dt: float = 1.0):
     if example_input.dtype not in (torch.float16, torch.float32, torch.float64):
         raise ValueError(f"example_input (and net) must be float16, float32 or float64, the dtypes a NIR graph's "
                          f"NumPy arrays have, got {example_input.dtype}: export a copy, e.g. net.float()")
-    integer = [name for name, m in deploy.folded_neurons(net) if m.frac_bits is not None]
+    integer = [name for name, m in net.named_modules()
+               if isinstance(m, deploy.FoldedMulFreePSN) and m.frac_bits is not None]
     if integer:
         warnings.warn(f"export_to_nir writes the float network: the integer formats deploy.set_integer gave "
                       f"{', '.join(integer)} are not part of a NIR graph (NIR has no fixed-point types); "

@@ -401,8 +401,9 @@ def _backends() -> tuple:
 
 
 def check_backend(backend: str) -> str:
-    """Raise a clear error unless ``backend`` is known (built in, or named by a registered implementation)
-    and its library imports."""
+    """Raise a clear error unless ``backend`` is known and its library imports.
+
+    Known: built in, or named by a registered implementation."""
     if not isinstance(backend, str) or backend not in _backends():
         raise ValueError(f"backend must be one of {_backends()}, got {backend!r}")
     if backend not in BACKEND_LIBRARIES:

@@ -83,8 +83,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     ``var + eps <= 0``; a NaN or inf input changes only the spikes of its window. Under autocast it
     computes in the weight's dtype.
     """
-    sg = surrogate_function if surrogate_function is not None else _default_surrogate()
-    code, alpha = surrogate.fused(sg)
+    sg, (code, alpha) = _surrogate(surrogate_function)
     check_backend(backend)
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     dilation = _within_steps(x, dilation, layout)
@@ -116,9 +115,12 @@ def _resolved(x, weight, dilation, layout, method, backend) -> Optional[Implemen
         return None  # (the checks then say what is wrong)
 
 
-def _default_surrogate():
-    from .._compat import default_surrogate
-    return default_surrogate()
+def _surrogate(surrogate_function) -> tuple:
+    """The surrogate (SpikingJelly's default, ATan, for None) and its fused kernel's ``(code, alpha)``."""
+    if surrogate_function is None:
+        from .._compat import default_surrogate
+        surrogate_function = default_surrogate()
+    return surrogate_function, surrogate.fused(surrogate_function)
 
 
 def _weight_precision(x: torch.Tensor):
@@ -500,8 +502,7 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     statistics are this step's. Without a gradient to compute, a pinned ``method`` (or a kernel
     ``backend``) with a fused step runs it in one kernel call.
     """
-    sg = surrogate_function if surrogate_function is not None else _default_surrogate()
-    code, _ = surrogate.fused(sg)
+    sg, (code, _) = _surrogate(surrogate_function)
     check_backend(backend)
     _check_step_args(taps, weight, bias, v_threshold, bn)
     x = taps[-1]

@@ -126,27 +126,52 @@ def _island_exit(module, args, output):
     return _map_tensors(output, lambda y: y.movedim(0, -1).contiguous())
 
 
-class _Moved:
-    """``module``'s forward between two moves of T, installed as its forward (``enter`` on its arguments,
-    ``exit_`` on its output): inside the forward rather than in hooks, so that the module's own hooks see
-    its tensors as they flow outside it, whenever they were registered. ``inner``: an instance forward it
-    had (None: its class's)."""
+class _Moves:
+    """Mixin of a module whose forward runs between moves of T (:func:`_add_moves`): a time-last network's
+    boundary, or a module run time-first inside one. Inside the forward rather than in hooks, so that the
+    module's own hooks see its tensors as they flow outside it, whenever they were registered; in the class
+    (as ``torch.nn.utils.parametrize`` does) rather than in the instance, so that a replica
+    (``nn.DataParallel``) or a shallow copy runs itself. The instance holds its ``(enter, exit)`` pairs in
+    ``_moves`` (innermost first) and an instance forward it had in ``_inner_forward``."""
 
-    def __init__(self, module: nn.Module, enter, exit_, inner):
-        self.module, self.enter, self.exit, self.inner = module, enter, exit_, inner
+    def forward(self, *args, **kwargs):
+        moves = self.__dict__["_moves"]
+        for enter, _ in reversed(moves):
+            moved = enter(self, args)
+            args = args if moved is None else moved
+        inner = self.__dict__.get("_inner_forward")
+        out = inner(*args, **kwargs) if inner is not None else super().forward(*args, **kwargs)
+        for _, exit_ in moves:
+            moved = exit_(self, args, out)
+            out = out if moved is None else moved
+        return out
 
-    def __call__(self, *args, **kwargs):
-        moved = self.enter(self.module, args)
-        args = args if moved is None else moved
-        out = self.inner(*args, **kwargs) if self.inner is not None else \
-            type(self.module).forward(self.module, *args, **kwargs)
-        moved = self.exit(self.module, args, out)
-        return out if moved is None else moved
+    def __reduce_ex__(self, protocol):
+        # Pickled as the module's own class, moved again on loading: the moved class is made at run time.
+        return _new_moved, (_unmoved_class(type(self)),), self.__getstate__()
+
+
+_MOVED_CLASSES: dict[type, type] = {}
+
+
+def _moved_class(cls: type) -> type:
+    if cls not in _MOVED_CLASSES:  # (named as the module's class: messages and reprs name it)
+        _MOVED_CLASSES[cls] = type(cls.__name__, (_Moves, cls), {"__module__": cls.__module__,
+                                                                 "__qualname__": cls.__qualname__})
+    return _MOVED_CLASSES[cls]
+
+
+def _unmoved_class(cls: type) -> type:
+    return cls.__mro__[2] if issubclass(cls, _Moves) else cls
+
+
+def _new_moved(cls: type) -> nn.Module:
+    moved = _moved_class(cls)
+    return moved.__new__(moved)
 
 
 def _is_moved(m: nn.Module, enter, exit_) -> bool:
-    forward = m.__dict__.get("forward")
-    return isinstance(forward, _Moved) and forward.enter is enter and forward.exit is exit_
+    return isinstance(m, _Moves) and (enter, exit_) in m.__dict__.get("_moves", ())
 
 
 def runs_time_first_inside(m: nn.Module) -> bool:
@@ -158,15 +183,25 @@ def runs_time_first_inside(m: nn.Module) -> bool:
 
 
 def _add_moves(m: nn.Module, enter, exit_) -> None:
-    if not _is_moved(m, enter, exit_):
-        m.__dict__["forward"] = _Moved(m, enter, exit_, m.__dict__.get("forward"))
+    if _is_moved(m, enter, exit_):
+        return
+    if not isinstance(m, _Moves):
+        if "forward" in m.__dict__:  # (an instance forward would hide the class's)
+            m.__dict__["_inner_forward"] = m.__dict__.pop("forward")
+        m.__dict__["_moves"] = ()
+        m.__class__ = _moved_class(type(m))
+    m.__dict__["_moves"] = m.__dict__["_moves"] + ((enter, exit_),)
 
 
 def _remove_moves(m: nn.Module, enter, exit_) -> None:
-    if _is_moved(m, enter, exit_):
-        inner = m.__dict__.pop("forward").inner
-        if inner is not None:
-            m.__dict__["forward"] = inner
+    if not _is_moved(m, enter, exit_):
+        return
+    m.__dict__["_moves"] = tuple(pair for pair in m.__dict__["_moves"] if pair != (enter, exit_))
+    if not m.__dict__["_moves"]:
+        del m.__dict__["_moves"]
+        m.__class__ = _unmoved_class(type(m))
+        if "_inner_forward" in m.__dict__:
+            m.__dict__["forward"] = m.__dict__.pop("_inner_forward")
 
 
 def has_time_last_boundary(net: nn.Module) -> bool:

@@ -329,9 +329,10 @@ def _own_pass(net: nn.Module, x) -> list[dict]:
                             counts=closed_form_neuron_ops(module, x_in), counted=counted_neuron_ops(module, x_in)))
 
     def on_synapse(wrapper, inputs, out, name, module):
-        x_in = inputs[0] if wrapper is module else inputs[0].movedim(-1, 0)  # time-last: T first
+        time_last = wrapper is not module or runs_time_first_inside(wrapper)  # (a wrapper, or an island's outside)
+        x_in = inputs[0].movedim(-1, 0) if time_last else inputs[0]  # (T first)
         binary = bool(((x_in == 0) | (x_in == 1)).all())
-        macs = dense_macs(module, out)
+        macs = dense_macs(module, out.movedim(-1, 0) if runs_time_first_inside(wrapper) else out)
         record = dict(name=name, kind=type(module).__name__, binary=binary)
         after_neuron = any(r["role"] == "neuron" for r in records)
         if binary or after_neuron and bool(((x_in >= 0) & (x_in <= 1)).all()):  # (spikes, or pooled spikes)

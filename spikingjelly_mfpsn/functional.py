@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -347,7 +348,7 @@ def _swap(net: nn.Module, found: list, new_of: dict, example_input) -> None:
     if example_input is None:
         return
     ran: list = []
-    with modes_kept(net):
+    with modes_kept(net), contextlib.suppress(Exception):  # (a forward the new neurons fail: at the first call)
         net.eval()
         run_hooked(net, example_input, [old.register_forward_pre_hook(lambda m, args, n=name: ran.append(n))
                                         for name, old in found if id(old) in new_of])

@@ -115,6 +115,12 @@ class _View:
         """The wrapped time-first module (same parameters and buffers, hooks, and train/eval mode)."""
         return self._time_first
 
+    def _replicate_for_data_parallel(self):
+        # (torch's replicas set copies of the parameters on the replica, which would reach the shared module)
+        raise RuntimeError(f"{type(self).__name__}, a time-last view sharing its layer's parameters, cannot be "
+                           f"replicated by nn.DataParallel: convert the network with to_time_first(net) first, or "
+                           f"use DistributedDataParallel")
+
 
 def _attach(wrapper: nn.Module, module: nn.Module) -> None:
     """Make ``wrapper`` a multi-step view of ``module``: it keeps ``module`` (``_time_first``), shares its

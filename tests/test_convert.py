@@ -1224,3 +1224,27 @@ def test_hooks_see_the_tensors_outside_their_module_whenever_registered(register
     assert torch.equal(net(x), want)
     assert sorted(seen) == [("island", "in", (3, 5, 6)), ("island", "out", (3, 5, 6)),
                             ("net", "in", (6, 3, 4)), ("net", "out", (6, 3, 6) if registered == "before" else (3, 6))]
+
+
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.sn, self.gain = layer.Linear(3, 4, step_mode="m"), MulFreeChannelwisePSN(4, step_mode="m"), 1.0
+
+    def forward(self, x):
+        return self.sn(self.fc(x)) * self.gain
+
+
+def test_a_shallow_copy_of_a_converted_network_runs_itself():
+    """The boundary's moves held the module they were installed on: a shallow copy (as nn.DataParallel's
+    replicas are made) ran the original, with the original's attributes and children."""
+    x = torch.randn(5, 2, 3)
+    net = Gain()
+    want = net(x)
+    net = to_time_last(net)
+    twice = copy.copy(net)
+    twice.gain = 2.0
+    assert torch.equal(net(x), want) and torch.equal(twice(x), 2 * want)
+    back = pickle.loads(pickle.dumps(net))
+    assert has_time_last_boundary(back) and torch.equal(back(x), want)
+    assert not has_time_last_boundary(to_time_first(back)) and torch.equal(back(x), want)

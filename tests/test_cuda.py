@@ -167,6 +167,11 @@ def test_data_parallel_over_two_devices():
     want = net(x)
     functional.reset_net(net)
     torch.testing.assert_close(torch.nn.DataParallel(net, device_ids=[0, 1], dim=1)(x), want)
+    # A time-last network: the wrappers' replicas set their parameters on the shared layer (a TypeError deep in
+    # torch); refused by name
+    from spikingjelly_mfpsn import to_time_last
+    with pytest.raises(RuntimeError, match="cannot be replicated by nn.DataParallel: convert the network"):
+        torch.nn.DataParallel(to_time_last(copy.deepcopy(net)), device_ids=[0, 1], dim=1)(x)
 
 
 @needs_cuda

@@ -372,3 +372,17 @@ def test_event_counts_of_pooled_spikes_are_not_rounded():
     x = torch.tensor([[[[1.0, 1.0, -1.0, -1.0]]]])  # spikes 1, 1, 0, 0: pooled 0.5
     synaptic = [r for r in energy.estimate(net.eval(), x, sops="events").layers if r.role == "synaptic"]
     assert [(r.name, r.counts) for r in synaptic] == [("4", {"sop": 0.5})]
+
+
+def test_a_time_last_network_with_synaptic_islands_counts_as_time_first():
+    """A Conv subclass with a forward of its own runs time-first inside a time-last network
+    (fallback='time_first'); its input was read as time-first where hooks see the time-last one (a crash)."""
+    class MyConv(layer.Conv1d):
+        def forward(self, x):
+            return super().forward(x)
+    net = nn.Sequential(layer.Conv1d(2, 4, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(4, step_mode="m"),
+                        MyConv(4, 6, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(6, step_mode="m")).eval()
+    x = torch.rand(5, 2, 2, 7)
+    want = energy.estimate(copy.deepcopy(net), x)
+    got = energy.estimate(spikingjelly_mfpsn.to_time_last(copy.deepcopy(net), fallback="time_first"), x)
+    assert str(got) == str(want)

@@ -321,7 +321,7 @@ def test_neuron_kwargs_override_the_settings_of_a_reconfigured_mf_psn():
 
 
 @pytest.mark.parametrize("kwargs", [dict(surrogate_function=surrogate.Sigmoid(alpha=2.0)),
-                                    dict(method="conv1d"), dict(backend="torch", layout="time_last"),
+                                    dict(method="conv1d"), dict(backend="torch", layout="time_first"),
                                     dict(step_mode="s", method="auto")])
 def test_a_second_replace_neurons_takes_run_time_settings_without_new_weights(kwargs, recwarn):
     """Same k and dilation, settings a neuron can take as it is (its surrogate, method, backend, layout or
@@ -414,6 +414,8 @@ def test_a_layout_the_layers_around_do_not_hand_over_is_refused():
     headless = to_time_last(replace_neurons(two_lif_net(), k=2, example_input=x)[0], boundary=False)
     for net, kwargs, match in ((headless, dict(layout="time_first"), "with or without its boundary"),
                                (two_lif_net(), dict(layout="time_last"), "convert the network instead"),
+                               (replace_neurons(two_lif_net(), k=2, example_input=x)[0], dict(layout="time_last"),
+                                "convert the network"),
                                (to_time_last(two_lif_net(), fallback="time_first"), dict(step_mode="s"),
                                 "runs time-last")):
         before = {k: v.clone() for k, v in net.state_dict().items()}

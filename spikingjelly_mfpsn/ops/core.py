@@ -23,8 +23,8 @@ import torch
 from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
-from .registry import (LAYOUTS, Implementation, channel_dim, check_backend, check_charge_args, check_dense,
-                       check_dilation, choose, find, get, input_dtype_error, supported, tap_schedule, time_dim)
+from .registry import (LAYOUTS, Implementation, channel_dim, check_charge_args, check_dense, check_dilation,
+                       choose, find, get, input_dtype_error, known_backend, supported, tap_schedule, time_dim)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -84,7 +84,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     computes in the weight's dtype.
     """
     sg, (code, alpha) = _surrogate(surrogate_function)
-    check_backend(backend)
+    known_backend(backend)
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     dilation = _within_steps(x, dilation, layout)
     if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
@@ -302,8 +302,9 @@ def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, tra
         # One cast of a lower-precision x for both of its uses: a cast in each would round the gradient of
         # each to x's dtype before autograd adds them (they cancel much, as in a batch norm's backward)
         x = _in_weight_dtype(x, weight)
-        mean, var = _stats(impl, x, weight, dilation, layout)
-        w, b = fold_checked(weight, bn, mean, var, batch=True)  # (checked before the running ones take it in)
+        stats = _stats(impl, x, weight, dilation, layout)
+        (mean, var), (w, b) = fold_batch(weight, bn, stats, lambda: reduce.batch_stats(
+            impl.apply(x.double(), weight.double(), None, dilation, layout), channel_dim(layout)))
         update_running_stats(bn, mean, var, x.numel() // max(weight.shape[0], 1))
     else:
         w, b = fold_checked(weight, bn, bn.running_mean, bn.running_var)
@@ -317,19 +318,21 @@ def _stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tenso
     else:
         x = _in_weight_dtype(x, weight)
         mean, var = reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
-    return exact_stats_where_overflowed(mean, var, lambda: reduce.batch_stats(
-        impl.apply(x.double(), weight.double(), None, dilation, layout), channel_dim(layout)))
+    return mean, var
 
 
-def exact_stats_where_overflowed(mean: torch.Tensor, var: torch.Tensor, exact: Callable[[], tuple]) -> tuple:
-    """``(mean, var)``, or where either is not finite on the CPU, the float64 statistics ``exact()`` cast
-    back (beyond the dtype's range: inf): a sum that overflowed on the way (``n * var`` beyond the range,
-    ``var`` within it) depends on the order and precision a method sums in. Eager only."""
-    if mean.dtype == torch.float64 or not mean.is_cpu or torch.compiler.is_compiling() \
-            or bool(torch.cat((mean, var)).sum(dtype=torch.float64).isfinite()):
-        return mean, var
-    exact_mean, exact_var = exact()
-    return exact_mean.to(mean.dtype), exact_var.to(var.dtype)
+def fold_batch(weight: torch.Tensor, bn: BatchNorm, stats: tuple, exact: Callable[[], tuple]) -> tuple:
+    """``(stats, fold_checked(...))`` of a batch's ``stats = (mean, var)`` (checked before the running ones take
+    them in). Where the check refuses them on the CPU, once more with the float64 statistics ``exact()``, cast
+    back (beyond the dtype's range: inf, refused): a sum that overflowed on the way (``n * var`` beyond the
+    range, ``var`` within it) depends on the order and precision a method sums in."""
+    try:
+        return stats, fold_checked(weight, bn, *stats, batch=True)
+    except ValueError:
+        if stats[0].dtype == torch.float64 or not stats[0].is_cpu:
+            raise
+    stats = tuple(s.to(t.dtype) for s, t in zip(exact(), stats))
+    return stats, fold_checked(weight, bn, *stats, batch=True)
 
 
 def update_running_stats(bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
@@ -503,7 +506,7 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     ``backend``) with a fused step runs it in one kernel call.
     """
     sg, (code, _) = _surrogate(surrogate_function)
-    check_backend(backend)
+    known_backend(backend)
     _check_step_args(taps, weight, bias, v_threshold, bn)
     x = taps[-1]
     for i, tap in enumerate(taps):
@@ -540,9 +543,9 @@ def _step_charge(taps: list, w: torch.Tensor, b: Optional[torch.Tensor]) -> torc
 
 def _step_spikes(taps, weight, bias, v_threshold, bn, quantize, training, sg) -> torch.Tensor:
     if bn is not None and training:
-        mean, var = exact_stats_where_overflowed(*reduce.batch_stats(_step_charge(taps, weight, None), 1), lambda: (
-            reduce.batch_stats(_step_charge([t if t is None else t.double() for t in taps], weight.double(), None), 1)))
-        w, b = fold_checked(weight, bn, mean, var, batch=True)
+        stats = reduce.batch_stats(_step_charge(taps, weight, None), 1)
+        (mean, var), (w, b) = fold_batch(weight, bn, stats, lambda: reduce.batch_stats(
+            _step_charge([t if t is None else t.double() for t in taps], weight.double(), None), 1))
         update_running_stats(bn, mean, var, taps[-1].numel() // max(weight.shape[0], 1))
     elif bn is not None:
         w, b = fold_checked(weight, bn, bn.running_mean, bn.running_var)

@@ -400,12 +400,19 @@ def _backends() -> tuple:
     return tuple(BACKEND_LIBRARIES) + tuple(extra)
 
 
+def known_backend(backend: str) -> str:
+    """``backend``, or ValueError unless it is built in or named by a registered implementation (whether it
+    runs here is not checked: :func:`check_backend`)."""
+    if not isinstance(backend, str) or backend not in BACKEND_LIBRARIES and backend not in _backends():
+        raise ValueError(f"backend must be one of {_backends()}, got {backend!r}")
+    return backend
+
+
 def check_backend(backend: str) -> str:
     """Raise a clear error unless ``backend`` is known and its library imports.
 
     Known: built in, or named by a registered implementation."""
-    if not isinstance(backend, str) or backend not in _backends():
-        raise ValueError(f"backend must be one of {_backends()}, got {backend!r}")
+    known_backend(backend)
     if backend not in BACKEND_LIBRARIES:
         return backend
     if not backend_available(backend):

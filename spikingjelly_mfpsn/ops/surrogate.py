@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple
 
+from torch.nn.modules import module as _torch_module
+
 
 class Fused(NamedTuple):
     code: int  # > 0; the kernels' ``kind`` (C++ ``MFPSN_SG_<NAME>``, Triton ``SG``)
@@ -48,13 +50,13 @@ def fused(surrogate_function) -> tuple[int, float]:
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# torch's global module hooks (``register_module_forward_hook`` and kin): dicts it fills in place
+_GLOBAL_HOOKS = tuple(getattr(_torch_module, "_global" + name, {}) for name in _HOOKS)
 
 
 def _hooked(module) -> bool:
-    """Whether a hook would see ``module``'s call: its own (forward or backward) or a global module hook
-    (``torch.nn.modules.module.register_module_forward_hook`` and kin)."""
-    from torch.nn.modules import module as torch_module
-    return any(getattr(module, name, None) or getattr(torch_module, "_global" + name, None) for name in _HOOKS)
+    """Whether a hook would see ``module``'s call: its own (forward or backward) or a global module hook."""
+    return any(map(bool, _GLOBAL_HOOKS)) or any(getattr(module, name, None) for name in _HOOKS)
 
 
 def constants(code: int, alpha: float) -> tuple[float, float]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import itertools
 import json
@@ -167,7 +169,7 @@ def default_cache_path() -> str:
         The path in the ``SPIKINGJELLY_MFPSN_CACHE`` environment variable if set, else
         ``spikingjelly_mfpsn/autoselect.json`` under ``$XDG_CACHE_HOME`` (default ``~/.cache``).
     """
-    return os.environ.get(CACHE_ENV) or cache_home("autoselect.json")
+    return os.path.expanduser(os.environ.get(CACHE_ENV) or cache_home("autoselect.json"))
 
 
 class TimingCache:
@@ -182,7 +184,7 @@ class TimingCache:
     """
 
     def __init__(self, path: Optional[str]):
-        self.path = path = os.fspath(path) if path else None
+        self.path = path = os.path.expanduser(os.fspath(path)) if path else None
         what = _not_a_regular_file(path) if path else ""
         if what:
             warnings.warn(f"autoselect cache {path} is {what}, not a file: running without the cache "
@@ -260,7 +262,14 @@ class TimingCache:
             layers_, plans = self._read()
         layers_ = _newest(layers_, self.entries, self.put_keys, MAX_LAYER_ENTRIES)
         plans = _newest(plans, self.plans, self.put_plan_keys, MAX_PLANS)
-        tmp = os.path.join(os.path.dirname(target), f".autoselect-{os.getpid()}-{secrets.token_hex(8)}.json")
+        if os.path.exists(target) and (not os.stat(target).st_mode & 0o222 or not os.access(target, os.W_OK)):
+            # (a cache frozen with chmod a-w: also for root, whom the access check lets write)
+            raise PermissionError(errno.EACCES, "the file is read-only", target)
+        directory, base = os.path.split(target)
+        for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(base)}.*.tmp")):
+            with contextlib.suppress(OSError):  # (a save killed midway; under the lock, no other is writing)
+                os.unlink(stale)
+        tmp = os.path.join(directory, f".{base}.{os.getpid()}-{secrets.token_hex(8)}.tmp")
         try:
             with open(tmp, "x") as f:  # dumps: one C-encoded string (dump encodes in Python)
                 f.write(json.dumps({"schema": CACHE_SCHEMA, "layers": layers_, "plans": plans}))
@@ -289,9 +298,12 @@ def lock_timeout() -> float:
     """Seconds a save waits for the cache's lock: ``$SPIKINGJELLY_MFPSN_LOCK_TIMEOUT`` or ``LOCK_TIMEOUT``."""
     value = os.environ.get(LOCK_TIMEOUT_ENV)
     try:
-        return max(0.0, float(value)) if value else LOCK_TIMEOUT
+        seconds = float(value) if value else LOCK_TIMEOUT
     except ValueError:
-        raise ValueError(f"${LOCK_TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+        seconds = math.nan
+    if not 0 <= seconds < math.inf:  # (inf would wait for ever, nan and negatives for nothing)
+        raise ValueError(f"${LOCK_TIMEOUT_ENV} must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 def _not_a_regular_file(path: str) -> str:

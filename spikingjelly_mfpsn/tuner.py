@@ -453,6 +453,8 @@ def _check_options(m: int, layouts: Sequence[str], fallback: Optional[str], comp
                         f"{verbose!r}")
     if not isinstance(cache, (bool, str, os.PathLike)):
         raise TypeError(f"cache must be True, False or a path, got {type(cache).__name__}")
+    if not isinstance(cache, bool) and (not os.fspath(cache) or "\0" in os.fspath(cache)):
+        raise ValueError(f"cache must be True, False or a path, got {cache!r}")
     if cache is not False:
         lock_timeout()  # (a bad $SPIKINGJELLY_MFPSN_LOCK_TIMEOUT: refused before the timing, not after it)
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:

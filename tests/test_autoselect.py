@@ -1298,10 +1298,36 @@ def test_bad_arguments_are_refused_before_any_timing(monkeypatch):
         kwargs = {"net": seq_net(), "x_example": example(), **kwargs}
         with pytest.raises(error, match=match):
             mf.autoselect(cache=False, measure_fn=count, progress=False, **kwargs)
-    monkeypatch.setenv(tuner.LOCK_TIMEOUT_ENV, "10s")
-    with pytest.raises(ValueError, match="LOCK_TIMEOUT must be a number of seconds"):
-        mf.autoselect(seq_net(), example(), measure_fn=count, progress=False)
+    # (inf waited for ever for a stuck lock; nan and negative values were taken as 0; '' turned the cache off,
+    # and a NUL in the path failed unnamed)
+    for value in ("10s", "inf", "nan", "-3"):
+        monkeypatch.setenv(tuner.LOCK_TIMEOUT_ENV, value)
+        with pytest.raises(ValueError, match="LOCK_TIMEOUT must be a finite number of seconds >= 0"):
+            mf.autoselect(seq_net(), example(), measure_fn=count, progress=False)
+    monkeypatch.delenv(tuner.LOCK_TIMEOUT_ENV)
+    for cache in ("", "a\0b.json"):
+        with pytest.raises(ValueError, match="cache must be True, False or a path, got"):
+            mf.autoselect(seq_net(), example(), measure_fn=count, progress=False, cache=cache)
     assert not timed
+
+
+def test_a_read_only_cache_is_kept_and_killed_saves_leave_no_files(tmp_path, monkeypatch):
+    """A cache frozen with chmod a-w was replaced (renamed over) without a word; temporary files of saves
+    killed midway stayed for ever; a '~' in the path made a folder named '~'."""
+    path = tmp_path / "c.json"
+    _fast(_with_dropout(), torch.rand(6, 5, 2, 5), cache=str(path))
+    frozen = path.read_bytes()
+    path.chmod(0o444)
+    with pytest.warns(UserWarning, match="cannot be written .*read-only"):
+        _fast(seq_net(), example(), cache=str(path))
+    assert path.read_bytes() == frozen
+    path.chmod(0o644)
+    (tmp_path / ".c.json.123-abc.tmp").write_text("{")  # (a save killed before its rename)
+    _fast(seq_net(), example(), cache=str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "c.json.lock"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _fast(seq_net(), example(), cache="~/tilde.json")
+    assert (tmp_path / "tilde.json").is_file()
 
 
 class _KeywordGain(nn.Module):

@@ -37,6 +37,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import sysconfig
 import tempfile
@@ -77,7 +78,7 @@ def compiler() -> Optional[str]:
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get(BUILD_ENV) or cache_home("build"))
+    return Path(os.environ.get(BUILD_ENV) or cache_home("build")).expanduser()
 
 
 def _cpu_id() -> str:
@@ -156,6 +157,8 @@ def _build(cxx: str, flags: list[str], openmp: bool) -> Path:
     flags = flags + (["-fopenmp"] if openmp else [])
     key = "\0".join([cxx, *flags, *_installation(), _cpu_id(), _sources_digest()])
     name = "mfpsn_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if _loaded_read_only(build_dir() / name, name):
+        return build_dir() / name
     directory = _writable(build_dir() / name)
     try:
         _load_from(directory, name, flags, openmp)
@@ -168,12 +171,44 @@ def _build(cxx: str, flags: list[str], openmp: bool) -> Path:
     return directory
 
 
+def _loaded_read_only(directory: Path, name: str) -> bool:
+    """Whether this build, found whole in a directory that cannot be written (a shared, read-only install),
+    was loaded from there; False where it must be built (elsewhere, by :func:`_writable`)."""
+    library = directory / f"{name}.so"
+    if unwritable(directory) is None or not library.is_file() or _cut_short(library) or not _up_to_date(library):
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:
+        return False
+    return True
+
+
 def _up_to_date(library: Path) -> bool:
     """Whether ``library`` is built from the current sources, so that ninja only loads it."""
     try:
         return library.stat().st_mtime >= max(p.stat().st_mtime for p in SOURCES + HEADERS)
     except OSError:
         return False
+
+
+def _cut_short(library: Path) -> bool:
+    """Whether ``library`` is an ELF file cut short (a copy or write interrupted): its section headers,
+    at the end, lie beyond its size. Loading one faults (SIGBUS) rather than raise an error."""
+    try:
+        with open(library, "rb") as f:
+            head, size = f.read(64), os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if head[:4] != b"\x7fELF":
+        return False  # (not ELF: the loader refuses it with an error)
+    if len(head) < 64:
+        return True
+    order = "<" if head[5] == 1 else ">"
+    wide = head[4] == 2  # 64-bit: e_shoff at 0x28, e_shentsize and e_shnum at 0x3A; 32-bit: 0x20 and 0x2E
+    (offset,) = struct.unpack_from(order + ("Q" if wide else "I"), head, 0x28 if wide else 0x20)
+    entry, count = struct.unpack_from(order + "HH", head, 0x3A if wide else 0x2E)
+    return offset + entry * count > size
 
 
 def _announce_build(directory: Path) -> None:
@@ -189,7 +224,10 @@ def _load_from(directory: Path, name: str, flags: list[str], openmp: bool) -> No
     with _build_lock(directory):
         with contextlib.suppress(FileNotFoundError):  # a build killed midway leaves cpp_extension's own lock
             (directory / "lock").unlink()
-        if not _up_to_date(directory / f"{name}.so"):
+        library = directory / f"{name}.so"
+        if _cut_short(library):  # (ninja takes it for up to date, and loading it would fault, not raise)
+            library.unlink()
+        if not _up_to_date(library):
             _announce_build(directory)
         cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"] if openmp else [], build_directory=str(directory),

@@ -63,7 +63,7 @@ class UnconvertibleModuleError(TypeError):
 
 
 def _is_elementwise(m: nn.Module) -> bool:
-    return type(m) in ELEMENTWISE or isinstance(m, _compat.surrogate.SurrogateFunctionBase)
+    return _unmoved_class(type(m)) in ELEMENTWISE or isinstance(m, _compat.surrogate.SurrogateFunctionBase)
 
 
 # ---------------------------------------------------------------------------- moves of T at a boundary
@@ -162,7 +162,18 @@ def _moved_class(cls: type) -> type:
 
 
 def _unmoved_class(cls: type) -> type:
-    return cls.__mro__[2] if issubclass(cls, _Moves) else cls
+    """The class a moved module had (the one after :class:`_Moves` in its MRO), or ``cls``."""
+    mro = cls.__mro__
+    return mro[mro.index(_Moves) + 1] if _Moves in mro else cls
+
+
+def _without_moves(cls: type) -> type:
+    """``cls`` without the moves: the module's own class, or a class made over the moved one since (by
+    ``torch.nn.utils.parametrize``) made again over the module's own."""
+    base = _unmoved_class(cls)
+    if cls is _MOVED_CLASSES.get(base):
+        return base
+    return type(cls.__name__, (base,), {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")})
 
 
 def _new_moved(cls: type) -> nn.Module:
@@ -170,22 +181,29 @@ def _new_moved(cls: type) -> nn.Module:
     return moved.__new__(moved)
 
 
-def _is_moved(m: nn.Module, enter, exit_) -> bool:
-    return isinstance(m, _Moves) and (enter, exit_) in m.__dict__.get("_moves", ())
+def _is_moved(m: nn.Module, enter, exit_, outermost: bool = False) -> bool:
+    moves = m.__dict__.get("_moves", ()) if isinstance(m, _Moves) else ()
+    return (moves[-1:] == ((enter, exit_),)) if outermost else (enter, exit_) in moves
 
 
 def runs_time_first_inside(m: nn.Module) -> bool:
     """Whether ``m`` runs time-first inside a time-last network.
 
     ``to_time_last(net, fallback='time_first')`` leaves such a module as it was, with a transpose on
-    each side."""
-    return _is_moved(m, _island_enter, _island_exit)
+    each side (its hooks see the time-last tensors outside it; but a module that is a network with a
+    boundary of its own takes time-first ones)."""
+    return _is_moved(m, _island_enter, _island_exit, outermost=True)
 
 
 def _add_moves(m: nn.Module, enter, exit_) -> None:
     if _is_moved(m, enter, exit_):
         return
     if not isinstance(m, _Moves):
+        if parametrize.is_parametrized(m):  # (torch undoes its class by its first base: it would be the moves')
+            raise UnconvertibleModuleError(f"{type(m).__name__} is parametrized (torch.nn.utils.parametrize), and "
+                                           f"it would run time-first inside a time-last network or take its "
+                                           f"boundary: remove its parametrizations first (and register them "
+                                           f"again after the conversion)")
         if "forward" in m.__dict__:  # (an instance forward would hide the class's)
             m.__dict__["_inner_forward"] = m.__dict__.pop("forward")
         m.__dict__["_moves"] = ()
@@ -199,7 +217,7 @@ def _remove_moves(m: nn.Module, enter, exit_) -> None:
     m.__dict__["_moves"] = tuple(pair for pair in m.__dict__["_moves"] if pair != (enter, exit_))
     if not m.__dict__["_moves"]:
         del m.__dict__["_moves"]
-        m.__class__ = _unmoved_class(type(m))
+        m.__class__ = _without_moves(type(m))
         if "_inner_forward" in m.__dict__:
             m.__dict__["forward"] = m.__dict__.pop("_inner_forward")
 
@@ -270,6 +288,7 @@ class _Converter:
     def _replacement(self, m: nn.Module, path: str, per_step: bool) -> nn.Module:
         if isinstance(m, TIME_LAST_TYPES) or _is_moved(m, _island_enter, _island_exit):
             return m
+        kind = _unmoved_class(type(m))  # (a network with its boundary: its own class)
         if _layout_aware(m):
             if per_step or getattr(m, "step_mode", "m") != "m":
                 self.errors.append(f"{_describe(path, m)}: the time-last layout needs step_mode='m' outside "
@@ -277,14 +296,14 @@ class _Converter:
             else:
                 self.actions.append(partial(setattr, m, "layout", "time_last"))
             return m
-        if _is_elementwise(m) or not m._modules and type(m).forward in (nn.Sequential.forward, nn.Module.forward):
+        if _is_elementwise(m) or not m._modules and kind.forward in (nn.Sequential.forward, nn.Module.forward):
             return m  # (an empty Sequential passes its input through; an empty ModuleList is not called)
         if layer.wrapper_class(m) is not None:
             return self._wrap(m, path, per_step)
-        if type(m) is _compat.sj_layer("SeqToANNContainer"):
+        if kind is _compat.sj_layer("SeqToANNContainer"):
             return self._seq_to_ann(m, path)
         if isinstance(m, _compat.StepModule) or next(m.children(), None) is None or \
-                per_step and type(m).forward is not nn.Sequential.forward:  # (a forward of its own, per step)
+                per_step and kind.forward is not nn.Sequential.forward:  # (a forward of its own, per step)
             return self._unconvertible(m, path, per_step)
         for name, child in _occurrences(m):
             new = self.convert(child, _path(path, name), per_step)

@@ -430,7 +430,7 @@ def fuse_batchnorm(net: nn.Module, example_input=None) -> list[tuple[str, str]]:
     """
     _check_net(net)
     slots, pairs, hooked, traced = _slots(net), [], [], _traced_pairs(net, example_input)
-    if traced is None and type(net).forward is not nn.Sequential.forward and \
+    if traced is None and type(net).forward is not nn.Sequential.forward and not runs_time_last(net) and \
             any(isinstance(m, MulFreeChannelwisePSN) and m.input_bn is None for m in net.modules()):
         warnings.warn(f"fuse_batchnorm cannot trace {type(net).__name__}.forward (to see what reads each batch "
                       f"norm's output), so it fuses no pair that this forward runs; a forward that traces (given "

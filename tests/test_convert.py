@@ -368,7 +368,7 @@ def test_fallback_runs_modules_time_first():
     torch.manual_seed(0)
     net = lif_net().double()
     net_tl = to_time_last(copy.deepcopy(net), fallback="time_first")
-    assert isinstance(net_tl[0], mf.layer.TimeLastConv) and type(net_tl[2]) is neuron.IFNode
+    assert isinstance(net_tl[0], mf.layer.TimeLastConv) and isinstance(net_tl[2], neuron.IFNode)
     x = torch.rand(4, 2, 2, 4, 4, dtype=torch.float64) * 2
     assert_same_run(net, net_tl, x)
     back = to_time_first(net_tl)
@@ -391,7 +391,7 @@ def test_fallback_runs_a_container_with_an_unknown_child_time_first():
     with pytest.raises(UnconvertibleModuleError, match=r"0\.1 \(Square\)"):
         to_time_last(net)
     net_tl = to_time_last(copy.deepcopy(net), fallback="time_first")
-    assert type(net_tl[0]) is layer.SeqToANNContainer and net_tl[1].layout == "time_last"
+    assert isinstance(net_tl[0], layer.SeqToANNContainer) and net_tl[1].layout == "time_last"
     assert_same_run(net, net_tl, torch.randn(5, 2, 3, dtype=torch.float64))
 
 
@@ -1248,3 +1248,62 @@ def test_a_shallow_copy_of_a_converted_network_runs_itself():
     back = pickle.loads(pickle.dumps(net))
     assert has_time_last_boundary(back) and torch.equal(back(x), want)
     assert not has_time_last_boundary(to_time_first(back)) and torch.equal(back(x), want)
+
+
+class OwnConv(layer.Conv1d):  # (a forward of its own: it runs time-first inside a time-last network)
+    def forward(self, x):
+        return super().forward(x)
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_a_parametrization_and_the_moves_of_a_module_run_time_first():
+    """Registered after the conversion, a parametrization on such a module turned it into a bare mixin
+    object at to_time_first; registered before, the conversion is refused by name (torch undoes a
+    parametrization by the class's first base, which would be the moves')."""
+    from torch.nn.utils import parametrize
+    x = torch.randn(5, 2, 2, 7)
+    net = nn.Sequential(OwnConv(2, 4, 3, padding=1, step_mode="m"), MulFreeChannelwisePSN(4, step_mode="m"))
+    net = to_time_last(net, fallback="time_first")
+    parametrize.register_parametrization(net[0], "weight", Double())
+    want = net(x)
+    back = to_time_first(net)
+    assert isinstance(back[0], OwnConv) and parametrize.is_parametrized(back[0]) and torch.equal(back(x), want)
+    with pytest.raises(UnconvertibleModuleError, match="is parametrized .*remove its parametrizations first"):
+        to_time_last(back, fallback="time_first")
+
+
+def test_a_lone_module_run_time_first_behind_its_own_boundary():
+    """A module that is both the network (boundary) and run time-first: its hooks see time-first tensors,
+    so replace_neurons took N for its channels and energy.estimate read its input as time-last."""
+    x = torch.rand(6, 2, 3) * 3
+    lif = to_time_last(neuron.LIFNode(step_mode="m"), fallback="time_first")
+    new, summary = mf.replace_neurons(lif, example_input=x)
+    assert summary.rows[0].channels == 3 and new(x).shape == (6, 2, 3)
+    conv = OwnConv(3, 4, 3, padding=1, step_mode="m")
+    xs = (torch.rand(6, 2, 3, 7) > 0.5).float()
+    want = str(mf.energy.estimate(copy.deepcopy(conv), xs))
+    assert str(mf.energy.estimate(to_time_last(conv, fallback="time_first"), xs)) == want
+
+
+@pytest.mark.parametrize("build", [nn.ReLU, nn.Identity, nn.Sequential])
+def test_converting_a_lone_element_wise_module_twice_leaves_it(build):
+    """A second to_time_last refused the converted ReLU (its class is the boundary's now), or added moves."""
+    x = torch.randn(5, 2, 3)
+    m = to_time_last(build())
+    for fallback in (None, "time_first"):
+        assert to_time_last(m, fallback=fallback) is m and torch.equal(m(x), build()(x))
+
+
+def test_fusing_a_time_last_network_says_why_once():
+    """The moved network's forward is not Sequential's: fuse_batchnorm also warned that it cannot trace it."""
+    net = nn.Sequential(layer.Conv1d(2, 4, 3, padding=1), layer.BatchNorm1d(4), MulFreeChannelwisePSN(4))
+    functional.set_step_mode(net, "m")
+    net = to_time_last(net)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mf.fuse_batchnorm(net) == []
+    assert [str(w.message)[:40] for w in caught] == ["fuse_batchnorm fused nothing: it finds i"]

@@ -180,3 +180,24 @@ def test_bad_backend_and_method_names_are_named_as_such():
             ops.mf_psn_step([x[0], x[1]], w, bias=torch.zeros(4), backend=bad)
     with pytest.raises(ValueError, match="'auto' is not an implementation: ops.choose"):
         ops.get("auto")
+
+
+def test_the_deprecated_batch_stats_recompute_overflowed_sums_in_float64():
+    """ops.batch_stats gave inf where the float64 statistics are in range (n * var beyond float32), and the
+    C++ method another mean than the others."""
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 4, 2) * 1.5e19, torch.ones(2, 2)
+    want = reference.batch_stats(reference.charge(x.double(), w.double(), None, 1, "time_first"), 2)
+    for method in [n for n in ops.names(layout="time_first") if ops.get(n).backend != "cupy"]:
+        with pytest.warns(DeprecationWarning):
+            mean, var = ops.batch_stats(x, w, 1, "time_first", method)
+        assert torch.equal(mean, want[0].float()) and torch.equal(var, want[1].float()), method
+
+
+def test_a_backend_that_does_not_run_here_is_refused_with_a_pinned_method_too():
+    x, w = torch.randn(6, 2, 4), torch.rand(4, 2)
+    if not ops.backend_available("cupy"):
+        with pytest.raises(ops.BackendUnavailableError, match="backend='cupy'"):
+            ops.mf_psn(x, w, bias=torch.zeros(4), backend="cupy", method="shift_add")
+    else:
+        pytest.skip("cupy runs here")

@@ -24,7 +24,7 @@ from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
 from .registry import (LAYOUTS, Implementation, channel_dim, check_charge_args, check_dense, check_dilation,
-                       choose, find, get, input_dtype_error, known_backend, supported, tap_schedule, time_dim)
+                       check_backend, choose, find, get, input_dtype_error, supported, tap_schedule, time_dim)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -84,7 +84,7 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     computes in the weight's dtype.
     """
     sg, (code, alpha) = _surrogate(surrogate_function)
-    known_backend(backend)
+    _check_backend(backend)
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     dilation = _within_steps(x, dilation, layout)
     if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
@@ -113,6 +113,12 @@ def _resolved(x, weight, dilation, layout, method, backend) -> Optional[Implemen
         return get(method if method != "auto" else choose(x, weight, dilation, layout, backend))
     except (ValueError, IndexError, AttributeError, RuntimeError):
         return None  # (the checks then say what is wrong)
+
+
+def _check_backend(backend: str) -> None:
+    """``backend`` known, and where it is not torch, available (cheap: its library is imported by then)."""
+    if backend != "torch":
+        check_backend(backend)
 
 
 def _surrogate(surrogate_function) -> tuple:
@@ -506,7 +512,7 @@ def mf_psn_step(taps: list, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     ``backend``) with a fused step runs it in one kernel call.
     """
     sg, (code, _) = _surrogate(surrogate_function)
-    known_backend(backend)
+    _check_backend(backend)
     _check_step_args(taps, weight, bias, v_threshold, bn)
     x = taps[-1]
     for i, tap in enumerate(taps):
@@ -600,7 +606,12 @@ def batch_stats(x, weight, dilation, layout, method) -> tuple[torch.Tensor, torc
     """Deprecated: ``ops.reduce.batch_stats(ops.charge(...), channel_dim)``, or a BatchNorm in mf_psn."""
     _deprecated("batch_stats", "ops.reduce.batch_stats(ops.charge(x, weight, ...), channel_dim)")
     impl, x = _checked(x, weight, None, dilation, layout, method)
-    return _stats(impl, x, weight, dilation, layout)
+    mean, var = _stats(impl, x, weight, dilation, layout)
+    if mean.dtype == torch.float64 or not mean.is_cpu or bool(torch.cat((mean, var)).sum(dtype=torch.float64).isfinite()):
+        return mean, var
+    exact = reduce.batch_stats(impl.apply(_in_weight_dtype(x, weight).double(), weight.double(), None, dilation,
+                                          layout), channel_dim(layout))  # (as fold_batch: the same in every method)
+    return exact[0].to(mean.dtype), exact[1].to(var.dtype)
 
 
 def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, method, surrogate_function, running=None,

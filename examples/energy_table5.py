@@ -88,11 +88,13 @@ def main():
         parser.error(f"--firing-rate must be in [0, 1], got {args.firing_rate}")
     torch.manual_seed(args.seed)
     x = image_to_sequence(torch.randn(args.batch, 3, 32, T))  # normalised-image statistics
-    nets = {}
+    builders = {"MF-PSN (d=1)": mfpsn(), "MF-PSN (sawtooth d)": mfpsn(sawtooth=True)}
     if hasattr(neuron, "PSN"):  # (SpikingJelly 2.x)
-        nets["PSN"] = sequential_cifar_net(lambda i, c: neuron.PSN(T))
-    nets["MF-PSN (d=1)"] = sequential_cifar_net(mfpsn())
-    nets["MF-PSN (sawtooth d)"] = sequential_cifar_net(mfpsn(sawtooth=True))
+        builders = {"PSN": lambda i, c: neuron.PSN(T), **builders}
+    nets = {}
+    for name, build in builders.items():  # (each from the seed: the same weights on every SpikingJelly version)
+        torch.manual_seed(args.seed)
+        nets[name] = sequential_cifar_net(build)
     reports = {}
     for name, net in nets.items():
         calibrate(net, args.calibrate)

@@ -24,7 +24,8 @@ from .. import _compat
 from .._util import autocasting
 from . import reduce, surrogate
 from .registry import (LAYOUTS, Implementation, channel_dim, check_charge_args, check_dense, check_dilation,
-                       check_backend, choose, find, get, input_dtype_error, supported, tap_schedule, time_dim)
+                       backend_available, choose, find, get, input_dtype_error, known_backend, not_here, supported,
+                       tap_schedule, time_dim)
 
 QUANTIZERS = (None, "whole", "round")  # quantize=: no quantiser, or the straight-through estimator's kind
 
@@ -116,9 +117,10 @@ def _resolved(x, weight, dilation, layout, method, backend) -> Optional[Implemen
 
 
 def _check_backend(backend: str) -> None:
-    """``backend`` known, and where it is not torch, available (cheap: its library is imported by then)."""
-    if backend != "torch":
-        check_backend(backend)
+    """``backend`` known, and where it is not torch, available (cheap: its library is imported by then): else
+    the error of a network saved where it ran, with the way back."""
+    if backend != "torch" and not backend_available(known_backend(backend)):
+        raise not_here(backend)
 
 
 def _surrogate(surrogate_function) -> tuple:

@@ -311,8 +311,7 @@ def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, tra
         # each to x's dtype before autograd adds them (they cancel much, as in a batch norm's backward)
         x = _in_weight_dtype(x, weight)
         stats = _stats(impl, x, weight, dilation, layout)
-        (mean, var), (w, b) = fold_batch(weight, bn, stats, lambda: reduce.batch_stats(
-            impl.apply(x.double(), weight.double(), None, dilation, layout), channel_dim(layout)))
+        (mean, var), (w, b) = fold_batch(weight, bn, stats, lambda: _exact_stats(impl, x, weight, dilation, layout))
         update_running_stats(bn, mean, var, x.numel() // max(weight.shape[0], 1))
     else:
         w, b = fold_checked(weight, bn, bn.running_mean, bn.running_var)
@@ -327,6 +326,12 @@ def _stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tenso
         x = _in_weight_dtype(x, weight)
         mean, var = reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
     return mean, var
+
+
+def _exact_stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 ``(mean, biased var)`` of the charge (of x as the implementation reads it)."""
+    return reduce.batch_stats(impl.apply(_in_weight_dtype(x, weight).double(), weight.double(), None, dilation,
+                                         layout), channel_dim(layout))
 
 
 def fold_batch(weight: torch.Tensor, bn: BatchNorm, stats: tuple, exact: Callable[[], tuple]) -> tuple:
@@ -611,8 +616,7 @@ def batch_stats(x, weight, dilation, layout, method) -> tuple[torch.Tensor, torc
     mean, var = _stats(impl, x, weight, dilation, layout)
     if mean.dtype == torch.float64 or not mean.is_cpu or bool(torch.cat((mean, var)).sum(dtype=torch.float64).isfinite()):
         return mean, var
-    exact = reduce.batch_stats(impl.apply(_in_weight_dtype(x, weight).double(), weight.double(), None, dilation,
-                                          layout), channel_dim(layout))  # (as fold_batch: the same in every method)
+    exact = _exact_stats(impl, x, weight, dilation, layout)  # (as fold_batch: the same in every method)
     return exact[0].to(mean.dtype), exact[1].to(var.dtype)
 
 

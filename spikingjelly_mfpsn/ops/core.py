@@ -321,11 +321,9 @@ def _bn_spikes(impl, x, weight, bn, quantize, dilation, layout, code, alpha, tra
 def _stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(mean, biased var)`` of the bias-free charge, through the fused kernel where there is one."""
     if impl.stats is not None:
-        mean, var = impl.stats(x, weight, dilation, layout)
-    else:
-        x = _in_weight_dtype(x, weight)
-        mean, var = reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
-    return mean, var
+        return impl.stats(x, weight, dilation, layout)
+    x = _in_weight_dtype(x, weight)
+    return reduce.batch_stats(impl.apply(x, weight, None, dilation, layout), channel_dim(layout))
 
 
 def _exact_stats(impl, x, weight, dilation, layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -271,3 +271,31 @@ def test_the_build_command_refuses_a_build_cache_it_cannot_write(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot be written" in lines[0] and "SPIKINGJELLY_MFPSN_BUILD" in lines[0], lines
     assert not out.stdout
+
+
+@needs_compiler
+def test_a_compiler_without_openmp_builds_single_threaded_kernels_and_says_so(tmp_path):
+    """A compiler that refuses -fopenmp (Apple's clang without libomp) gets kernels built without OpenMP,
+    which give the same charge on one thread, and a warning that says so (before: silence, so a user's
+    torch.set_num_threads did nothing for them and nothing told why)."""
+    real = cpp_ops.compiler()
+    fake = tmp_path / "c++-without-openmp"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do if [ "$a" = -fopenmp ]; then\n'
+                    "  echo \"clang: error: unsupported option '-fopenmp'\" >&2; exit 1; fi; done\n"
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o755)
+    out = run_python(f"""
+        import sys, warnings, torch
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+        import reference
+        from spikingjelly_mfpsn import ops
+        x, w, b = torch.randn(6, 2, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            h = ops.charge(x, w, b, 2, "time_first", "cpp")
+        assert torch.allclose(h, reference.charge(x, w, b, 2, "time_first")), "charge"
+        print([str(c.message) for c in caught if "OpenMP" in str(c.message)])
+    """, CXX=str(fake), SPIKINGJELLY_MFPSN_BUILD=str(tmp_path / "build"))
+    assert out.returncode == 0, out.stderr
+    assert "did not build with OpenMP" in out.stdout and "run on one thread" in out.stdout, out.stdout
+    assert "unsupported option '-fopenmp'" in out.stdout, out.stdout

@@ -277,6 +277,8 @@ def load() -> Path:
             for openmp in (True, False):  # without OpenMP the kernels run on one thread
                 try:
                     directory = _build(cxx, flags, openmp)
+                    if errors:
+                        _warn_single_threaded(errors[0])
                     break
                 except BuildError:
                     raise
@@ -288,6 +290,15 @@ def load() -> Path:
         _register_fakes()
         _LOADED.append(directory)
         return directory
+
+
+def _warn_single_threaded(error: str) -> None:
+    """Say that the build with OpenMP failed (e.g. Apple clang without libomp) and the kernels run on one
+    thread, with the compiler's last words."""
+    last = [line for line in error.splitlines() if line.strip()][-3:]
+    warnings.warn("backend 'cpp': the C++ operators did not build with OpenMP (-fopenmp), so they were built "
+                  "without it and run on one thread whatever torch.get_num_threads() says; the compiler said:\n"
+                  + "\n".join(last))
 
 
 def _ops():

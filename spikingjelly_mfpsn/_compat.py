@@ -149,22 +149,39 @@ def spiking_neuron_classes() -> tuple:
                  and obj.__module__.startswith("spikingjelly.activation_based.neuron"))
 
 
-# Neurons whose output is not a spike train though their names do not say "NonSpiking": LIAF (leaky
-# integrate and analog fire) outputs ``act(v)``.
-_ANALOG_OUTPUT_NAMES = ("LIAFNode", "TernaryIFNode", "TernaryLIFNode")  # (ternary: spikes of -1, 0, +1)
+# Neurons whose output is not a 0/1 spike train though their names do not say "NonSpiking", by kind: LIAF
+# (leaky integrate and analog fire) outputs ``act(v)``; ternary nodes -1, 0, +1; STBIF (SpikeZIP) signed
+# levels, I-LIF integer spike counts, the few-spike family (HG, outlier-aware) weighted spikes; OTTT's LIF
+# ``[spikes, traces]`` in training, for OTTT's layers.
+OTHER_OUTPUTS = {"LIAFNode": "readout", "TernaryIFNode": "ternary", "TernaryLIFNode": "ternary",
+                 "STBIFNode": "levels", "ILIFNode": "levels", "FewSpikeNode": "levels", "OTTTLIFNode": "traces"}
+
+
+def output_kind(cls: type) -> str:
+    """What a SpikingJelly neuron class outputs: ``'readout'`` (``NonSpiking*``), a kind of
+    :data:`OTHER_OUTPUTS` (also for their subclasses), or ``'spikes'``."""
+    names = [c.__name__ for c in cls.__mro__]
+    if any("NonSpiking" in n for n in names):
+        return "readout"
+    return next((OTHER_OUTPUTS[n] for n in names if n in OTHER_OUTPUTS), "spikes")
 
 
 def readout_neuron_classes() -> tuple:
-    """The classes of :func:`spiking_neuron_classes` that output membrane potentials, analog values or
-    signed spikes rather than 0/1 spikes: every ``NonSpiking*`` node (``NonSpikingIFNode``,
-    ``NonSpikingLIFNode``, ``NoisyNonSpikingIFNode`` and their bases, 2.x only), ``LIAFNode`` and the
-    ternary nodes (-1/0/+1); those this version defines."""
-    return tuple(cls for cls in spiking_neuron_classes()
-                 if "NonSpiking" in cls.__name__ or cls.__name__ in _ANALOG_OUTPUT_NAMES)
+    """The classes of :func:`spiking_neuron_classes` that output membrane potentials, analog values,
+    signed or multi-level spikes or spike traces rather than 0/1 spikes (:func:`output_kind`): every
+    ``NonSpiking*`` node (2.x only), ``LIAFNode``, the ternary nodes and those of :data:`OTHER_OUTPUTS`;
+    those this version defines."""
+    return tuple(cls for cls in spiking_neuron_classes() if output_kind(cls) != "spikes")
 
 
 __all__ = ["SJ_VERSION", "SJ2", "HAS_SET_BACKEND", "TLastSeqToANNContainer", "BatchNorm1d", "PSN", "op_counter",
            "MemoryModule", "MultiStepModule", "StepModule", "batch_norm", "step_mode_of", "dense_grad", "default_surrogate", "sj_layer",
            "t_last_seq_to_ann_forward", "invalidate_reset_cache", "add_to_namespace", "spiking_neuron_classes",
-           "readout_neuron_classes", "base", "functional", "layer", "neuron", "surrogate"]
+           "readout_neuron_classes", "output_kind", "OTHER_OUTPUTS", "base", "functional", "layer", "neuron", "surrogate"]
 
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass in this thread (where
+    ``torch.utils.checkpoint`` runs a forward again). torch has no public form of this; its checkpoint module
+    reads the same private function."""
+    return torch._C._current_graph_task_id() != -1

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import ops
+from . import _compat
 from ._compat import MemoryModule, default_surrogate
 from .ops.core import check_finite, fold_checked, normalize_input
 from .quantize import STE_MODES, quantize, shift_amounts
@@ -96,11 +97,12 @@ class FusedBatchNorm(nn.Module):
         if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or isinstance(bn, FusedBatchNorm):
             raise TypeError(f"bn must be a batch norm module not fused yet, got {type(bn).__name__}")
         bn.__class__ = _fused_class(type(bn))
+        bn.__dict__["_ran"] = False  # (see ChargeNeuronBase._normalised)
         return bn
 
     def forward(self, x):
         """``x`` itself: the neuron after this module normalises it."""
-        self.__dict__.pop("_copied", None)  # (it runs where it is: see __reduce_ex__)
+        self.__dict__["_ran"] = True  # (it runs where it is: see ChargeNeuronBase._normalised; compiled too)
         return x
 
     def batch_norm(self) -> ops.BatchNorm:
@@ -135,11 +137,11 @@ class FusedBatchNorm(nn.Module):
     def __reduce_ex__(self, protocol):
         # Pickled as the batch norm's class, fused again on loading: the fused class is made at run time
         # (a parametrized one refuses, as torch's parametrized modules do).
-        # A copy is marked until it runs: a neuron copied or saved apart from its network holds a copy of its
-        # batch norm that nothing runs (the network's own is another copy), and refuses to apply it.
+        # A copy has not run: a neuron copied or saved apart from its network holds a copy of its batch norm
+        # that nothing runs (the network's own is another copy), and refuses to apply it.
         if self._made_over():
             return super().__reduce_ex__(protocol)
-        return _new_fused, (self.batch_norm_class,), {**self.__dict__, "_copied": True}
+        return _new_fused, (self.batch_norm_class,), {**self.__dict__, "_ran": False}
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -410,16 +412,28 @@ class ChargeNeuronBase(MemoryModule):
         bn = self.input_bn
         if bn is None:
             return x
-        if bn.__dict__.get("_copied") and not torch.compiler.is_compiling():
-            raise RuntimeError(f"this {type(self).__name__} applies a fused batch norm that has not run since it was "
-                               f"copied or loaded: a neuron copied or saved apart from its network holds a copy of "
-                               f"the batch norm in front of it that the copied network does not run. Copy or save "
-                               f"the whole network (and run it), or functional.unfuse_batchnorm(net) first")
+        if not (torch.compiler.is_compiling() or _compat.in_backward()):  # (checkpointing runs it again there)
+            self._check_ran(bn)
         if multi_step and bn.training == args["training"]:
             args["input_bn"] = bn.batch_norm()
             return x
         layout = self._layout if multi_step else "time_last"  # (one step: that step's batch statistics)
         return normalize_input(self._promoted(x), bn.batch_norm(), layout, bn.training)
+
+    def _check_ran(self, bn: FusedBatchNorm) -> None:
+        """Refuse a fused batch norm that has not run (passing X on) since this neuron last applied it: one
+        replaced in the network, e.g. by ``nn.SyncBatchNorm.convert_sync_batchnorm``, whose module would
+        normalise X first, or a hidden copy (see ``FusedBatchNorm.__reduce_ex__``)."""
+        if not bn.__dict__.get("_ran", True):
+            raise RuntimeError(
+                f"this {type(self).__name__} applies a fused batch norm (functional.fuse_batchnorm) that has not run "
+                f"since the neuron last ran, or since it was copied or loaded: the batch norm in front of it was "
+                f"replaced (e.g. by nn.SyncBatchNorm.convert_sync_batchnorm, whose new module would normalise a "
+                f"second time), or the neuron runs without it, or it was copied or saved apart from its network "
+                f"(then it holds a copy of the batch norm that the network does not run). Run the network as "
+                f"fused: copy or save the whole network, or functional.unfuse_batchnorm(net) before replacing "
+                f"its batch norms or running the neuron alone")
+        bn.__dict__["_ran"] = False
 
     def multi_step_forward(self, x_seq: torch.Tensor) -> torch.Tensor:
         args = self._checked_args(x_seq)

@@ -498,10 +498,11 @@ def test_a_neuron_copied_apart_from_its_network_refuses_its_hidden_batch_norm():
         want = net(x)
     functional.reset_net(net)
     layers = nn.Sequential(*[copy.deepcopy(m) for m in net])
-    with pytest.raises(RuntimeError, match="fused batch norm that has not run since it was copied or loaded"):
+    with pytest.raises(RuntimeError, match="fused batch norm .* that has not run since the neuron last ran, "
+                                           "or since it was copied or loaded"):
         layers(x)
     alone = pickle.loads(pickle.dumps(net[2]))
-    with pytest.raises(RuntimeError, match="Copy or save the whole network"):
+    with pytest.raises(RuntimeError, match="copy or save the whole network"):
         alone(torch.randn(5, 2, 6, 4, 4))
     for whole in (copy.deepcopy(net), pickle.loads(pickle.dumps(net)),
                   spikingjelly_mfpsn.to_time_last(copy.deepcopy(net), example_input=x),
@@ -526,3 +527,49 @@ def test_a_hook_between_the_batch_norm_and_the_neuron_keeps_the_pair_apart(where
         assert fuse_batchnorm(nets[0]) == [("3.1", "4")]
     with torch.no_grad():
         assert torch.equal(nets[0](x), nets[1](x))
+
+
+def test_a_fused_batch_norm_replaced_in_the_network_is_refused_not_applied_twice():
+    """nn.SyncBatchNorm.convert_sync_batchnorm (as one does before DistributedDataParallel) puts a new,
+    normalising module where a fused batch norm was; the neuron went on applying the old one too: X was
+    normalised twice, the shared running statistics updated twice (46 of 192 eval spikes off). Before and
+    after the network ran, the neuron now refuses, naming the cause; unfused first, the conversion runs."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(layer.SeqToANNContainer(nn.BatchNorm1d(4)), MulFreeChannelwisePSN(4, step_mode="m"))
+
+    x = torch.randn(6, 8, 4) * 3 + 2
+    for warm in (False, True):
+        fused = net()
+        fuse_batchnorm(fused)
+        if warm:
+            fused(x)
+        converted = nn.SyncBatchNorm.convert_sync_batchnorm(fused)
+        with pytest.raises(RuntimeError, match="convert_sync_batchnorm"):
+            converted(x)
+    fused = net()
+    fuse_batchnorm(fused)
+    got = nn.SyncBatchNorm.convert_sync_batchnorm(unfuse_batchnorm(fused))
+    want = nn.SyncBatchNorm.convert_sync_batchnorm(net())
+    for _ in range(3):
+        assert torch.equal(got(x), want(x))
+    assert torch.equal(got[0][0].running_mean, want[0][0].running_mean)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_fused_neuron_recomputes_with_its_batch_norm(reentrant):
+    """torch.utils.checkpoint around the neuron alone runs it again in backward, without its batch norm:
+    that is no replacement, and the gradients are those of the unfused network."""
+    x = torch.randn(5, 2, 3, 4, 4)
+    grads = []
+    for fuse in (False, True):
+        net = conv_net()
+        if fuse:
+            fuse_batchnorm(net)
+        xx = x.clone().requires_grad_()
+        y = net[1](net[0](xx))
+        y = torch.utils.checkpoint.checkpoint(net[2], y, use_reentrant=reentrant)
+        torch.utils.checkpoint.checkpoint(lambda z: net[4](net[3](z)), y, use_reentrant=reentrant).sum().backward()
+        grads.append([xx.grad] + [p.grad for p in net.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -522,6 +522,11 @@ class GraphForward:
         exec(compile(self.code, "<time-last forward>", "exec"), namespace)  # noqa: S102  (fx's own code)
         self._fn = namespace["forward"]
 
+    @property
+    def __code__(self):
+        """The rewritten code's, for tools that read a forward's (``torch.export``'s non-strict mode)."""
+        return self._fn.__code__
+
     def __call__(self, *args, **kwargs):
         if self.reads and changed_reads(self.reads):
             raise RuntimeError(f"attributes the forward reads changed since to_time_last traced it "

@@ -262,3 +262,46 @@ def test_module_compile_still_skips_a_sequential():
     whole = len(graphs) == 1 and [graphs[0].count(op) for op in (nn.functional.linear, operator.mul)] == [2, 2]
     assert not whole, ("pytorch/pytorch#150915 looks fixed: drop the workaround in "
                        "spikingjelly_mfpsn.tuner._compile (use net.compile(backend=backend))")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_torch_export_of_a_rewritten_forward(strict):
+    """A forward that to_time_last rewrote (a callable, not a function) had no __code__, which
+    torch.export's non-strict mode reads: an AttributeError. Both modes now export what eager runs."""
+    import spikingjelly_mfpsn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.sn = layer.Linear(4, 4), MulFreeChannelwisePSN(4, k=2)
+
+        def forward(self, x):
+            return self.sn(self.fc(x)).mean(0)
+
+    torch.manual_seed(0)
+    net = Net()
+    functional.set_step_mode(net, "m")
+    x = torch.rand(4, 2, 4)
+    net = spikingjelly_mfpsn.to_time_last(net, example_input=x).eval()
+    exported = torch.export.export(net, (x,), strict=strict).module()
+    assert torch.equal(exported(x), net(x))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_neurons_refuse_nan(backend):
+    """Compiled, the finiteness checks were skipped: a NaN input in BN training went into the running
+    statistics, and a NaN weight silenced its channel, with no error. A compiled graph cannot branch on
+    values; it now asserts (torch's RuntimeError, naming what it checks), and the running statistics keep
+    no NaN."""
+    torch._dynamo.reset()
+    x = torch.randn(6, 3, 4)
+    x[2, 0, 1] = float("nan")
+    sn = MulFreeChannelwisePSN(4, k=2, threshold="bn", step_mode="m")
+    with pytest.raises(RuntimeError, match="MF-PSN: NaN or inf .* the batch statistics of its charge"):
+        torch.compile(sn, backend=backend, fullgraph=True)(x)
+    assert torch.isfinite(sn.running_mean).all() and torch.isfinite(sn.running_var).all()
+    sn = MulFreeChannelwisePSN(4, k=2, threshold="param", step_mode="m")
+    with torch.no_grad():
+        sn.weight[1, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="MF-PSN: NaN or inf .* in weight, v_threshold"):
+        torch.compile(sn, backend=backend, fullgraph=True)(torch.randn(6, 3, 4))

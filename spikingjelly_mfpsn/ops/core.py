@@ -355,8 +355,12 @@ def update_running_stats(bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor, n
         if bn.num_batches_tracked is not None:
             bn.num_batches_tracked.add_(1)
         factor = _running_factor(bn, 0)
-        bn.running_mean.lerp_(mean.detach().to(bn.running_mean), factor)
-        bn.running_var.lerp_((var.detach() * (n / max(n - 1, 1))).to(bn.running_var), factor)
+        mean, var = mean.detach().to(bn.running_mean), (var.detach() * (n / max(n - 1, 1))).to(bn.running_var)
+        if torch.compiler.is_compiling():  # (the finiteness check is an assertion there, perhaps run after this)
+            mean = torch.where(torch.isfinite(mean), mean, bn.running_mean)
+            var = torch.where(torch.isfinite(var), var, bn.running_var)
+        bn.running_mean.lerp_(mean, factor)
+        bn.running_var.lerp_(var, factor)
 
 
 def fold_checked(weight: torch.Tensor, bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor,
@@ -381,9 +385,8 @@ def check_finite(named: dict, stats: Optional[tuple] = None, batch: bool = False
     """Refuse NaN or inf in the tensors ``named`` (and, for ``stats = (mean, var, eps)``, in the statistics,
     with ``var + eps > 0``): it would silence a channel. ``batch``: the statistics are the batch's.
     Every call: a check skipped while tensors keep their version counters would miss a change through
-    ``.data``. On CUDA an asynchronous assertion (no synchronisation)."""
-    if torch.compiler.is_compiling():
-        return
+    ``.data``. On CUDA, and in a ``torch.compile`` graph (which cannot branch on values), torch's
+    asynchronous assertion (no synchronisation; a ``RuntimeError`` naming what it checks)."""
     with torch.no_grad():
         parts = [t.reshape(-1) for t in named.values()]
         if stats is not None:
@@ -392,8 +395,10 @@ def check_finite(named: dict, stats: Optional[tuple] = None, batch: bool = False
         flat = torch.cat(parts)
         if flat.is_meta:
             return  # (shape only: nothing to check)
-        if flat.is_cuda:
-            torch._assert_async(torch.isfinite(flat).all(), "MF-PSN: NaN/inf in its weight, threshold or statistics")
+        if flat.is_cuda or torch.compiler.is_compiling():
+            what = ", ".join(named) + (", the batch statistics of its charge" if batch else ", running_mean, "
+                                       "running_var" if stats is not None else "")
+            torch._assert_async(torch.isfinite(flat).all(), f"MF-PSN: NaN or inf (or var + eps <= 0) in {what}")
             return
         # One sum decides on the CPU: NaN or inf anywhere makes it so; a float64 sum of finite values that
         # overflows is looked at element by element

@@ -9,7 +9,7 @@ SpikingJelly defines itself).
 from . import _compat, functional, layer, ops, tuner
 from .convert import UnconvertibleModuleError, to_time_first, to_time_last
 from .functional import (autoselect, fuse_batchnorm, replace_neurons, sawtooth, set_backend, set_method,
-                         unfuse_batchnorm)
+                         unfuse_batchnorm, update_bn)
 from .neuron import MulFreeChannelwisePSN, default_method, exp_init_weight
 from .quantize import quantize, quantize_pow2_, shift_amounts
 from . import deploy, energy
@@ -26,4 +26,4 @@ for _name in ("autoselect", "fuse_batchnorm", "replace_neurons", "set_method", "
 __all__ = ["MulFreeChannelwisePSN", "UnconvertibleModuleError", "autoselect", "default_method", "deploy", "energy",
            "exp_init_weight", "functional", "fuse_batchnorm", "layer", "ops", "quantize", "quantize_pow2_",
            "replace_neurons", "sawtooth", "set_backend", "set_method", "shift_amounts", "to_time_first", "to_time_last",
-           "tuner", "unfuse_batchnorm", "__version__"]
+           "tuner", "unfuse_batchnorm", "update_bn", "__version__"]

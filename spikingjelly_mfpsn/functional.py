@@ -73,6 +73,10 @@ class Skipped:
 
 READOUT_REASON = "non-spiking readout (outputs membrane potential)"
 TERNARY_REASON = "ternary spikes (-1, 0, +1), which a 0/1 MF-PSN cannot give"
+#: Why ``replace_neurons`` leaves a neuron alone, by ``_compat.output_kind``.
+SKIP_REASONS = {"readout": READOUT_REASON, "ternary": TERNARY_REASON,
+                "levels": "signed, multi-level or weighted spikes, which a 0/1 MF-PSN cannot give",
+                "traces": "online-training neuron: its [spikes, traces] output feeds OTTT's layers"}
 
 
 @dataclass
@@ -142,8 +146,7 @@ def _find(net: nn.Module, targets, include_readouts: bool) -> tuple[list, list[S
         if not _is_target(targets, name, m):
             continue
         if _readout_kept(explicit, m, include_readouts):
-            skipped.append(Skipped(name, type(m).__name__, TERNARY_REASON if "Ternary" in type(m).__name__
-                                   else READOUT_REASON))
+            skipped.append(Skipped(name, type(m).__name__, SKIP_REASONS[_compat.output_kind(type(m))]))
         else:
             found.append((name, m))
     return found, skipped
@@ -520,6 +523,38 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
         bn.unfused()
     _compat.invalidate_reset_cache(net)
     return net
+
+
+def update_bn(loader, model: nn.Module, device=None) -> None:
+    """``torch.optim.swa_utils.update_bn`` for networks with BN-threshold MF-PSNs: one pass over ``loader``
+    recomputes the running statistics of every batch norm and of every ``threshold='bn'`` neuron.
+
+    torch's resets and recomputes batch norms only, so the neurons' statistics (of an ``AveragedModel``'s
+    averaged weights, say) stayed those of other weights. As torch's: statistics reset, averaged over the
+    batches (``momentum=None``), momenta put back; ``loader`` yields inputs or ``(input, ...)`` sequences,
+    moved to ``device`` where given; every module trains during the pass. Unlike torch's, it runs without
+    gradients, puts back each module's own train/eval mode (a frozen batch norm's eval), and resets the
+    network's state (``functional.reset_net``) before each batch and after.
+    """
+    _check_net(model)
+    tracked = [m for m in model.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+               or isinstance(m, MulFreeChannelwisePSN) and m.threshold == "bn"]
+    momenta = {m: m.momentum for m in tracked}
+    try:
+        with modes_kept(model), torch.no_grad():
+            for m in tracked:
+                m.reset_running_stats()
+                m.momentum = None
+            model.train()
+            for x in loader:
+                x = x[0] if isinstance(x, (list, tuple)) else x
+                _compat.functional.reset_net(model)
+                model(x if device is None else x.to(device))
+    finally:
+        for m, momentum in momenta.items():
+            m.momentum = momentum
+        _compat.functional.reset_net(model)
 
 
 def _check_instance(instance) -> None:

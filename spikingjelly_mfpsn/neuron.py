@@ -381,6 +381,9 @@ class ChargeNeuronBase(MemoryModule):
             if isinstance(x, torch.Tensor) else None
         if key is None or key != self.__dict__.get("_checked_key"):
             self._check_input(x)
+            if w.dim() != 2 or w.shape[1] != self.k:  # (a weight assigned, or tied to another neuron's)
+                raise ValueError(f"weight must have shape (channels, k) with k={self.k}, got {tuple(w.shape)}: "
+                                 f"a weight of another order needs a neuron built with that k")
             self.__dict__["_checked_key"] = key
         args["method"], args["backend"] = self._method, self._backend
         args["surrogate_function"] = self._member("surrogate_function")
@@ -453,6 +456,9 @@ class ChargeNeuronBase(MemoryModule):
         args = self._checked_args(x)
         given, x = x, self._normalised(x, args, False)
         queue = self.x_queue
+        if queue and not torch.compiler.is_compiling() and queue[-1].is_inference() \
+                and not torch.is_inference_mode_enabled():
+            queue = tuple(t.clone() for t in queue)  # (stored under inference_mode: autograd cannot save them)
         if queue and queue[-1].shape != x.shape:
             raise ValueError(f"single-step x has shape {tuple(x.shape)} but the stored state was built from "
                              f"inputs of shape {tuple(queue[-1].shape)}; call functional.reset_net(net) "
@@ -462,7 +468,10 @@ class ChargeNeuronBase(MemoryModule):
         if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
             stored = stored.clone()
         if keep and not queue and keep <= PADDED_HISTORY:  # zeros before the first step: one length from the
-            queue = (torch.zeros_like(stored),) * keep     # first step on, so torch.compile traces it once
+            # first step on, so torch.compile traces it once (tensors apart, requiring grad as inputs do: its
+            # guards see the same history at every step)
+            none = torch.zeros_like(stored, dtype=torch.bool)
+            queue = tuple(torch.where(none, stored, 0.0) for _ in range(keep))
         history = queue + (stored,)
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
@@ -510,9 +519,15 @@ class CheckpointConfig:
     CONFIG_KEY = "order_dilation"
     SHAPE_KEY = "weight"
 
+    @property
+    def order_dilation(self) -> torch.Tensor:
+        """``[k, dilation]``, the state dict's entry :attr:`CONFIG_KEY` (an attribute too, as
+        ``torch.distributed.checkpoint``'s state-dict functions read every entry of a state dict)."""
+        return torch.tensor([self.k, self.dilation])
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + self.CONFIG_KEY] = torch.tensor([self.k, self.dilation])
+        destination[prefix + self.CONFIG_KEY] = self.order_dilation
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -689,37 +704,60 @@ class MulFreeChannelwisePSN(CheckpointConfig, LazyModuleMixin, ChargeNeuronBase)
         shape (0,), torch's ``LazyLinear`` too: the neuron then had 0 channels)."""
         lazy = {name: t for name, t in [*self._parameters.items(), *self._buffers.items()]
                 if isinstance(t, nn.parameter.UninitializedTensorMixin)}
-        out = super()._apply(fn, recurse)
-        for name, t in lazy.items():
-            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        for name, t in lazy.items():  # (fn sees empty tensors: an uninitialised one refuses e.g. .bfloat16())
+            empty = torch.empty(0, dtype=t.dtype, device=t.device)
             if name in self._parameters:
-                self._parameters[name] = nn.UninitializedParameter(t.requires_grad, probe.device, probe.dtype)
+                self._parameters[name] = nn.Parameter(empty, t.requires_grad)
             else:
-                self._buffers[name] = LazyBuffer(False, probe.device, probe.dtype, getattr(t, "persistent", True))
-        return out
+                self._buffers[name] = empty
+        try:
+            return super()._apply(fn, recurse)
+        finally:  # (also where fn fails: the neuron stays lazy)
+            for name, t in lazy.items():
+                if name in self._parameters:
+                    done = self._parameters[name]
+                    self._parameters[name] = nn.UninitializedParameter(t.requires_grad, done.device, done.dtype)
+                else:
+                    done = self._buffers[name]
+                    self._buffers[name] = LazyBuffer(False, done.device, done.dtype, getattr(t, "persistent", True))
 
     # ------------------------------------------------------------------ parameters
     def _materialize(self, channels: int) -> None:
+        self.weight.materialize((channels, self.k))
+        if self.threshold == "bn":
+            for t in (self.gamma, self.beta, self.running_mean, self.running_var):
+                t.materialize((channels,))
+        else:
+            self.v_threshold.materialize((channels,))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The constructor's initial values again, running statistics included (torch's modules' method of
+        this name, e.g. after ``to_empty``); nothing for a neuron not built yet (``channels=None``)."""
+        if self.has_uninitialized_params():
+            return
         with torch.no_grad():
-            self.weight.materialize((channels, self.k))
             if self.exp_init:
-                self.weight.copy_(exp_init_weight(channels, self.k))
+                self.weight.copy_(exp_init_weight(self.channels, self.k))
             else:
                 nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
             if self.threshold == "bn":
-                for p, v in ((self.gamma, 1.0), (self.beta, -1.0)):
-                    p.materialize((channels,))
-                    p.fill_(v)
-                self.running_mean.materialize((channels,))
-                self.running_mean.zero_()
-                self.running_var.materialize((channels,))
-                self.running_var.fill_(1.0)
-            else:
-                self.v_threshold.materialize((channels,))
-                if abs(self.v_threshold_init) > torch.finfo(self.v_threshold.dtype).max:
-                    raise ValueError(f"v_threshold={self.v_threshold_init!r} is beyond the range of the parameters' "
-                                     f"dtype {self.v_threshold.dtype}")
-                self.v_threshold.fill_(self.v_threshold_init)
+                self.gamma.fill_(1.0)
+                self.beta.fill_(-1.0)
+                self.reset_running_stats()
+                return
+            if abs(self.v_threshold_init) > torch.finfo(self.v_threshold.dtype).max:
+                raise ValueError(f"v_threshold={self.v_threshold_init!r} is beyond the range of the parameters' "
+                                 f"dtype {self.v_threshold.dtype}")
+            self.v_threshold.fill_(self.v_threshold_init)
+
+    def reset_running_stats(self) -> None:
+        """Running mean 0, variance 1 and no batch counted (``threshold='bn'``; torch's batch norms' method of
+        this name, which ``functional.update_bn`` calls)."""
+        if self.threshold == "bn" and not self.has_uninitialized_params():
+            self.running_mean.zero_()
+            self.running_var.fill_(1.0)
+            self.num_batches_tracked.zero_()
 
     def initialize_parameters(self, x: torch.Tensor, *args, **kwargs) -> None:
         """Lazy initialisation hook: infer C from the first input."""

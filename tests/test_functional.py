@@ -478,3 +478,63 @@ def test_ternary_neurons_are_kept_and_listed_as_skipped(name):
                                                                    "MF-PSN cannot give")]
     net, summary = replace_neurons(net, k=2, include_readouts=True)
     assert isinstance(net[1], MulFreeChannelwisePSN)
+
+
+def test_update_bn_recomputes_the_neurons_statistics():
+    """torch.optim.swa_utils.update_bn resets and recomputes batch norms only: an AveragedModel's BN-threshold
+    neurons kept statistics of other weights (15 of 160 eval spikes off). spikingjelly_mfpsn.update_bn
+    recomputes both, as cumulative averages of each batch's statistics of the charge (reference), keeping
+    momenta and each module's mode."""
+    from torch.optim.swa_utils import AveragedModel
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+                        MulFreeChannelwisePSN(4, k=2, dilation=2, step_mode="m"), layer.Linear(4, 4, step_mode="m"),
+                        neuron.LIFNode(step_mode="m"))
+    data = [torch.randn(5, 8 - i, 3) * 3 + 1 for i in range(4)]
+    swa = AveragedModel(net)
+    for _ in range(3):
+        with torch.no_grad():
+            net[0].weight.mul_(1.5)
+        swa.update_parameters(net)
+    model = swa.module
+    model[3].eval()  # (modes are put back)
+    spikingjelly_mfpsn.update_bn([(x, 0) for x in data], swa)
+    lin, bn, sn = model[0], model[1], model[2]
+    means, variances = [], []
+    for x in data:
+        z = lin(x).detach().double()
+        mean, var = reference.batch_stats(z, 2)
+        h = (z - mean) / torch.sqrt(var + bn.eps) * bn.weight.double() + bn.bias.double()
+        y = reference.charge(h, sn.weight.double(), None, 2, "time_first")
+        mean, var = reference.batch_stats(y, 2)
+        n = y.numel() // y.shape[2]
+        means.append(mean)
+        variances.append(var * n / (n - 1))
+    torch.testing.assert_close(sn.running_mean.double(), torch.stack(means).mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sn.running_var.double(), torch.stack(variances).mean(0), rtol=1e-5, atol=1e-6)
+    assert sn.num_batches_tracked == len(data) and sn.momentum == 0.1 and not model[3].training and model.training
+
+
+OTHER_OUTPUTS = {  # neurons whose outputs a 0/1 MF-PSN cannot give (SpikingJelly 2.x)
+    "STBIFNode": (lambda cls: cls(q_threshold=0.5, level=4, sym=True, step_mode="m"), "signed, multi-level"),
+    "ILIFNode": (lambda cls: cls(step_mode="m"), "signed, multi-level"),
+    "FewSpikeNode": (lambda cls: cls(neuron.FewSpikeTable(theta=[1.0, 0.5], h=[1.0, 0.5], d=[1.0, 0.5]),
+                                     step_mode="m"), "weighted spikes"),
+    "OTTTLIFNode": (lambda cls: cls(), "[spikes, traces]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_OUTPUTS))
+def test_neurons_of_other_outputs_are_left_alone(name):
+    """STBIF's signed levels, I-LIF's spike counts, the few-spike family's weighted spikes and OTTT's
+    [spikes, traces] were swapped for 0/1 MF-PSNs without a word; they are skipped as the ternary nodes are."""
+    cls = getattr(neuron, name, None)
+    if cls is None:
+        pytest.skip(f"SpikingJelly {spikingjelly_mfpsn._compat.SJ_VERSION} has no {name}")
+    build, reason = OTHER_OUTPUTS[name]
+    net = nn.Sequential(layer.Linear(4, 6, step_mode="m"), neuron.LIFNode(step_mode="m"),
+                        layer.Linear(6, 6, step_mode="m"), build(cls))
+    kept = net[3]
+    net, summary = replace_neurons(net, k=2)
+    assert net[3] is kept and isinstance(net[1], MulFreeChannelwisePSN)
+    assert [(s.name, s.old) for s in summary.skipped] == [("3", name)] and reason in summary.skipped[0].reason

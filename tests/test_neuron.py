@@ -1121,3 +1121,113 @@ def test_chunked_sequences_run_through_a_multi_step_container():
     functional.reset_net(net)
     with pytest.raises(ValueError, match=r"layer\.MultiStepContainer\(neuron\) runs them step by step"):
         functional.chunk_multi_step_forward(2, x, sn)
+
+
+def test_torch_distributed_checkpoint_state_dicts():
+    """torch.distributed.checkpoint's get_model_state_dict (the checkpoint API of DDP and FSDP models) read
+    every state-dict entry as an attribute, and the neuron's order_dilation was none: an AttributeError. It
+    now gives the state dict, set_model_state_dict loads it, and another order is still refused."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), MulFreeChannelwisePSN(4, k=3, dilation=2, step_mode="m"))
+    x = torch.randn(6, 5, 3)
+    net(x)
+    saved = get_model_state_dict(net)
+    assert saved.keys() == net.state_dict().keys() and saved["1.order_dilation"].tolist() == [3, 2]
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), MulFreeChannelwisePSN(4, k=3, dilation=2, step_mode="m"))
+    set_model_state_dict(other, saved)
+    for key, value in net.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+    with pytest.raises(RuntimeError, match="dilation=2 but this MulFreeChannelwisePSN has dilation=1"):
+        set_model_state_dict(torch.nn.Sequential(torch.nn.Linear(3, 4), MulFreeChannelwisePSN(4, k=3, step_mode="m")),
+                             saved)
+
+
+@pytest.mark.parametrize("step_mode", ["m", "s"])
+def test_a_weight_of_another_order_is_refused_in_both_step_modes(step_mode):
+    """A (C, 2) weight assigned to a k=3 neuron ran as a 2-tap neuron on whole sequences (its repr and
+    checkpoint saying k=3), and was refused on single steps: now one error, naming weight and k."""
+    sn = MulFreeChannelwisePSN(3, k=3, step_mode=step_mode, threshold="param")
+    sn.weight = torch.nn.Parameter(torch.ones(3, 2))
+    x = torch.rand(6, 2, 3)
+    with pytest.raises(ValueError, match=r"weight must have shape \(channels, k\) with k=3, got \(3, 2\)"):
+        sn(x if step_mode == "m" else x[0])
+
+
+def test_a_lazy_neuron_takes_every_cast():
+    """.bfloat16() on a neuron not built yet (channels=None, as replace_neurons makes them) raised torch's
+    'Attempted to use an uninitialized parameter', where .to(torch.bfloat16) and .half() worked."""
+    for cast, dtype in ((lambda m: m.bfloat16(), torch.bfloat16), (lambda m: m.half(), torch.float16),
+                        (lambda m: m.double(), torch.float64), (lambda m: m.to(torch.bfloat16), torch.bfloat16)):
+        sn = cast(MulFreeChannelwisePSN(k=2, step_mode="m"))
+        assert sn.channels is None and sn.weight.dtype == dtype and sn.running_mean.dtype == dtype
+        assert sn(torch.rand(4, 2, 5, dtype=dtype)).dtype == dtype and sn.channels == 5
+    sn = MulFreeChannelwisePSN(k=2, step_mode="m")
+    with pytest.raises((RuntimeError, AssertionError)):
+        sn.to("cuda:99")  # (fails: the neuron stays lazy, not a neuron of 0 channels)
+    assert sn.channels is None and isinstance(sn.weight, torch.nn.UninitializedParameter)
+
+
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+def test_reset_parameters_after_to_empty(threshold):
+    """A neuron made on the meta device and materialised with to_empty (FSDP's way) had no reset_parameters:
+    its weights and running statistics stayed uninitialised memory (num_batches_tracked 140619601091904)."""
+    fresh = MulFreeChannelwisePSN(4, k=3, threshold=threshold, v_threshold=0.5, step_mode="m")
+    with torch.device("meta"):
+        sn = MulFreeChannelwisePSN(4, k=3, threshold=threshold, v_threshold=0.5, step_mode="m")
+    sn = sn.to_empty(device="cpu")
+    for t in sn.state_dict().values():
+        if t.is_floating_point() or t.dim() == 0:
+            t.fill_(123)
+    sn.reset_parameters()
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(sn.state_dict()[key], value), key
+    assert torch.equal(sn.weight, torch.tensor([[0.25, 0.5, 1.0]] * 4))
+    if threshold == "bn":
+        sn(torch.randn(5, 2, 4))
+        sn.reset_running_stats()
+        assert sn.num_batches_tracked == 0 and torch.equal(sn.running_var, torch.ones(4))
+
+
+def test_a_stream_started_under_inference_mode_goes_on_with_gradients():
+    """Single steps fed under torch.inference_mode (a warm-up) stored inference tensors, and the stream could
+    not go on with autograd ('Inference tensors cannot be saved for backward'), where SpikingJelly's LIF goes
+    on. Now it goes on: spikes and input gradients as a whole sequence's."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4)
+    sn = MulFreeChannelwisePSN(4, k=3, threshold="param", step_mode="s")
+    with torch.inference_mode():
+        first = [sn(x[t]) for t in range(3)]
+    later = x[3:].clone().requires_grad_()
+    got = torch.stack(first + [sn(later[t - 3]) for t in range(3, 6)])
+    got[3:].sum().backward()
+    whole = torch.cat([x[:3], x[3:].clone().requires_grad_()])
+    whole.retain_grad()
+    sn.step_mode = "m"
+    spikes = sn(whole)
+    assert torch.equal(got, spikes.detach())
+    spikes[3:].sum().backward()
+    torch.testing.assert_close(later.grad, whole.grad[3:])
+
+
+def test_a_compiled_training_stream_traces_once():
+    """In training, the zeros before the first step (one tensor, repeated, not requiring grad) changed
+    torch.compile's guards at every step while the history filled (which entries are one tensor, which
+    require grad): a sawtooth network of k=4 failed with fullgraph=True at step 9. Values as eager."""
+    torch._dynamo.reset()
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(3, 4), MulFreeChannelwisePSN(4, k=4, dilation=1), torch.nn.Linear(4, 4),
+            MulFreeChannelwisePSN(4, k=4, dilation=2), torch.nn.Linear(4, 4), MulFreeChannelwisePSN(4, k=4, dilation=3))
+    eager, compiled = net(), net()
+    run = torch.compile(compiled, fullgraph=True, backend="eager")
+    x = torch.randn(16, 2, 3)
+    got = torch.stack([run(x_t) for x_t in x])
+    want = torch.stack([eager(x_t) for x_t in x])
+    assert torch.equal(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    for a, b in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

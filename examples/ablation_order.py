@@ -65,6 +65,7 @@ def parse_args(argv=None):
     if "--overwrite" not in passed:
         held = [d for d in (os.path.join(args.out_dir, tag(k, s)) for k in args.orders for s in (True, False))
                 if any(os.path.isfile(os.path.join(d, n)) for n in (common.CHECKPOINT, common.METRICS))]
+        held += [f for f in (os.path.join(args.out_dir, "ablation.json"),) if os.path.isfile(f)]  # (another sweep's)
         if held:
             p.error(f"--out-dir {args.out_dir} already holds runs ({', '.join(sorted(set(held)))}): pass "
                     f"--overwrite to replace them, or choose another --out-dir")

@@ -204,6 +204,11 @@ def check_out_dir(p: argparse.ArgumentParser, args) -> None:
     unless --overwrite is given."""
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out-dir {args.out_dir} is a file, not a folder")
+    parent = os.path.dirname(os.path.abspath(args.out_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        p.error(f"--out-dir {args.out_dir} cannot be made: {parent} is a file, not a folder")
     held = [n for n in (CHECKPOINT, METRICS) if os.path.isfile(os.path.join(args.out_dir, n))]
     if held and not (args.resume or args.overwrite):
         p.error(f"--out-dir {args.out_dir} already holds a run ({', '.join(held)}): pass --resume to continue it, "
@@ -455,12 +460,17 @@ def make_optimizer(task: Task, model: nn.Module, args, env: Env, total_steps: in
     params = task.param_groups(model) if task.param_groups is not None else model.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     # Cosine annealing per step, in closed form so that a resumed run with more epochs follows the new schedule.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
+    def cosine(step):
+        return 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
     scaler = torch.amp.GradScaler(env.device.type) if args.amp == "fp16" else None
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
+        # (the optimizer's rates are the old schedule's last: the first resumed step takes the new one's)
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base * cosine(scheduler.last_epoch)
         if scaler is not None and ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
     return optimizer, scheduler, scaler

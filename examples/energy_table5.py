@@ -15,10 +15,10 @@ import argparse
 
 import torch
 import torch.nn as nn
-from spikingjelly.activation_based import functional, layer, neuron
+from spikingjelly.activation_based import layer, neuron
 
 import spikingjelly_mfpsn  # noqa: F401
-from spikingjelly_mfpsn import MulFreeChannelwisePSN, energy
+from spikingjelly_mfpsn import MulFreeChannelwisePSN, energy, update_bn
 
 T = 32
 PAPER_TABLE5 = """Paper Table 5 (trained network, per CIFAR100 image):
@@ -54,17 +54,10 @@ def image_to_sequence(images: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def calibrate(net: nn.Module, batches: int, batch_size: int = 16) -> None:
-    """Set batch-norm statistics (SpikingJelly BN layers and MF-PSN thresholds) from random images,
-    as a cumulative average; weights stay untouched."""
-    for m in net.modules():
-        if hasattr(m, "momentum"):
-            m.momentum = None
-    net.train()
-    for _ in range(batches):
-        functional.reset_net(net)
-        net(image_to_sequence(torch.randn(batch_size, 3, 32, T)))
-    functional.reset_net(net)
-    net.eval()
+    """Set batch-norm statistics (SpikingJelly BN layers and MF-PSN thresholds) from random images of torch's
+    generator, as a cumulative average (``spikingjelly_mfpsn.update_bn``); weights stay untouched."""
+    if batches:
+        update_bn([image_to_sequence(torch.randn(batch_size, 3, 32, T)) for _ in range(batches)], net)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +90,7 @@ def main():
         nets[name] = sequential_cifar_net(build)
     reports = {}
     for name, net in nets.items():
+        torch.manual_seed(args.seed + 1)  # (the same images for every network, on every SpikingJelly version)
         calibrate(net, args.calibrate)
         reports[name] = energy.estimate(net.eval(), x, firing_rate=args.firing_rate)
     print(energy.table5(reports))

@@ -1056,3 +1056,49 @@ def test_the_readers_and_readout_name_a_bool_or_a_string_argument(tmp_path):
             data.SHD(str(tmp_path / "shd_train.h5"), **kwargs)
     with pytest.raises(ValueError, match="tau must be a number >= 1, got '2'"):
         models.MembraneReadout("2")
+
+
+def test_a_resumed_run_with_more_epochs_starts_on_the_new_schedule(tmp_path):
+    """Resumed with a larger --epochs, the first resumed step ran at the old schedule's last rate (0.0, and
+    so recorded): the optimizer kept it until the scheduler's next step."""
+    import math
+    train_sequential = _import_example("train_sequential")
+    out = str(tmp_path / "run")
+    train_sequential.main([*MINI, "--out-dir", out, "--epochs", "1"])  # 2 steps of 2
+    history = train_sequential.main([*MINI, "--out-dir", out, "--resume"])["history"]  # then 2 more of 4
+    assert [h["lr"] for h in history] == pytest.approx([0.002, 0.002 * 0.5 * (1 + math.cos(math.pi * 2 / 4))])
+
+
+def test_an_out_dir_below_a_file_is_a_usage_error(tmp_path, capsys):
+    """It ended in a NotADirectoryError traceback, after the data was loaded and the methods timed."""
+    train_sequential = _import_example("train_sequential")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        train_sequential.main([*MINI, "--out-dir", str(tmp_path / "file" / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--out-dir" in err and "is a file, not a folder" in err, err
+
+
+def test_a_second_sweep_does_not_replace_the_first_ones_table(tmp_path, capsys):
+    """A sweep of other orders into the same --out-dir replaced ablation.json and ablation.png silently."""
+    ablation_order = _import_example("ablation_order")
+    (tmp_path / "ablation.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        ablation_order.parse_args(["--orders", "3", "--out-dir", str(tmp_path)])
+    assert "ablation.json" in capsys.readouterr().err
+    ablation_order.parse_args(["--orders", "3", "--out-dir", str(tmp_path), "--overwrite"])
+
+
+def test_energy_table5_calibrates_every_network_on_the_same_images(monkeypatch, capsys):
+    """--calibrate drew each network's images from one generator in turn: the MF-PSN rows depended on
+    whether a PSN network (SpikingJelly 2.x only) was calibrated before them."""
+    energy_table5 = _import_example("energy_table5")
+
+    def rows():
+        monkeypatch.setattr(sys, "argv", ["energy_table5.py", "--batch", "1", "--calibrate", "1"])
+        energy_table5.main()
+        return [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("MF-PSN")][:2]
+
+    first = rows()
+    monkeypatch.delattr(energy_table5.neuron, "PSN", raising=False)
+    assert len(first) == 2 and rows() == first

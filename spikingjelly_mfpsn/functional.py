@@ -526,10 +526,10 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
 
 
 def update_bn(loader, model: nn.Module, device=None) -> None:
-    """``torch.optim.swa_utils.update_bn`` for networks with BN-threshold MF-PSNs: one pass over ``loader``
-    recomputes the running statistics of every batch norm and of every ``threshold='bn'`` neuron.
+    """``torch.optim.swa_utils.update_bn`` that also recomputes the statistics of BN-threshold MF-PSNs.
 
-    torch's resets and recomputes batch norms only, so the neurons' statistics (of an ``AveragedModel``'s
+    One pass over ``loader`` recomputes the running statistics of every batch norm and of every
+    ``threshold='bn'`` neuron. torch's resets and recomputes batch norms only, so the neurons' statistics (of an ``AveragedModel``'s
     averaged weights, say) stayed those of other weights. As torch's: statistics reset, averaged over the
     batches (``momentum=None``), momenta put back; ``loader`` yields inputs or ``(input, ...)`` sequences,
     moved to ``device`` where given; every module trains during the pass. Unlike torch's, it runs without

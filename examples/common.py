@@ -484,6 +484,9 @@ def fit(task: Task, args, env: Env) -> dict:
     ckpt_path = os.path.join(args.out_dir, CHECKPOINT)
     options = training_options(args, env)
     ckpt = load_checkpoint(ckpt_path, task.config, env, options) if args.resume else None
+    if ckpt is not None and ckpt["epoch"] > args.epochs:  # (it trained nothing, and reported more epochs)
+        raise SystemExit(f"--resume: {ckpt_path} has trained {ckpt['epoch']} epochs, more than --epochs "
+                         f"{args.epochs}: pass --epochs {ckpt['epoch']} or more")
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
 

@@ -1102,3 +1102,13 @@ def test_energy_table5_calibrates_every_network_on_the_same_images(monkeypatch, 
     first = rows()
     monkeypatch.delattr(energy_table5.neuron, "PSN", raising=False)
     assert len(first) == 2 and rows() == first
+
+
+def test_resume_with_fewer_epochs_than_trained_is_refused(tmp_path):
+    """It trained nothing and reported the checkpoint's epochs, more than --epochs asked for."""
+    train_sequential = _import_example("train_sequential")
+    out = str(tmp_path / "run")
+    train_sequential.main([*MINI, "--out-dir", out])
+    with pytest.raises(SystemExit) as e:
+        train_sequential.main([*MINI, "--out-dir", out, "--resume", "--epochs", "1"])
+    assert "has trained 2 epochs, more than --epochs 1" in str(e.value.code), e.value.code

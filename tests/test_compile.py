@@ -305,3 +305,4 @@ def test_compiled_neurons_refuse_nan(backend):
         sn.weight[1, 0] = float("nan")
     with pytest.raises(RuntimeError, match="MF-PSN: NaN or inf .* in weight, v_threshold"):
         torch.compile(sn, backend=backend, fullgraph=True)(torch.randn(6, 3, 4))
+    assert torch.is_grad_enabled()  # (the assertion raised inside a no_grad block left gradients disabled)

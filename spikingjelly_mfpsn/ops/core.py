@@ -395,17 +395,18 @@ def check_finite(named: dict, stats: Optional[tuple] = None, batch: bool = False
         flat = torch.cat(parts)
         if flat.is_meta:
             return  # (shape only: nothing to check)
-        if flat.is_cuda or torch.compiler.is_compiling():
-            what = ", ".join(named) + (", the batch statistics of its charge" if batch else ", running_mean, "
-                                       "running_var" if stats is not None else "")
-            torch._assert_async(torch.isfinite(flat).all(), f"MF-PSN: NaN or inf (or var + eps <= 0) in {what}")
-            return
-        # One sum decides on the CPU: NaN or inf anywhere makes it so; a float64 sum of finite values that
-        # overflows is looked at element by element
-        if not math.isfinite(float(flat.sum(dtype=torch.float64))):
-            message = _non_finite_message(named, stats, batch)
-            if message is not None:
-                raise ValueError(message)
+        finite = torch.isfinite(flat).all() if flat.is_cuda or torch.compiler.is_compiling() else None
+    if finite is not None:  # (outside no_grad: a compiled graph raising inside it leaves gradients disabled)
+        what = ", ".join(named) + (", the batch statistics of its charge" if batch else ", running_mean, "
+                                   "running_var" if stats is not None else "")
+        torch._assert_async(finite, f"MF-PSN: NaN or inf (or var + eps <= 0) in {what}")
+        return
+    # One sum decides on the CPU: NaN or inf anywhere makes it so; a float64 sum of finite values that
+    # overflows is looked at element by element
+    if not math.isfinite(float(flat.sum(dtype=torch.float64))):
+        message = _non_finite_message(named, stats, batch)
+        if message is not None:
+            raise ValueError(message)
 
 
 def _non_finite_message(named: dict, stats: Optional[tuple], batch: bool) -> Optional[str]:

@@ -468,10 +468,11 @@ class ChargeNeuronBase(MemoryModule):
         if keep and stored is given:  # (a copy: the caller may refill its buffer, or change it in place)
             stored = stored.clone()
         if keep and not queue and keep <= PADDED_HISTORY:  # zeros before the first step: one length from the
-            # first step on, so torch.compile traces it once (tensors apart, requiring grad as inputs do: its
-            # guards see the same history at every step)
+            # first step on, so torch.compile traces it once (there tensors apart, requiring grad as inputs do:
+            # its guards see the same history at every step; eager, one tensor)
             none = torch.zeros_like(stored, dtype=torch.bool)
-            queue = tuple(torch.where(none, stored, 0.0) for _ in range(keep))
+            queue = tuple(torch.where(none, stored, 0.0) for _ in range(keep)) if torch.compiler.is_compiling() \
+                else (torch.zeros_like(stored),) * keep
         history = queue + (stored,)
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
         self.x_queue = history[max(0, len(history) - keep):] if keep > 0 else ()
@@ -524,6 +525,18 @@ class CheckpointConfig:
         """``[k, dilation]``, the state dict's entry :attr:`CONFIG_KEY` (an attribute too, as
         ``torch.distributed.checkpoint``'s state-dict functions read every entry of a state dict)."""
         return torch.tensor([self.k, self.dilation])
+
+    @order_dilation.setter
+    def order_dilation(self, value) -> None:
+        """Taken where it holds this neuron's ``[k, dilation]`` (``torch.func.functional_call`` with a whole state
+        dict sets every entry); another value is refused."""
+        try:
+            same = isinstance(value, torch.Tensor) and value.tolist() == [self.k, self.dilation]
+        except RuntimeError:  # (a function transform's wrapper holds no values to compare)
+            same = True
+        if not same:
+            raise ValueError(f"order_dilation of this {type(self).__name__} is [k, dilation] = [{self.k}, "
+                             f"{self.dilation}], not {value!r}: build a neuron of that order and dilation")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -573,3 +573,23 @@ def test_a_checkpointed_fused_neuron_recomputes_with_its_batch_norm(reentrant):
         grads.append([xx.grad] + [p.grad for p in net.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_a_measure_fn_of_your_own_gets_the_fused_neuron_itself():
+    """autoselect gave a caller's measure_fn an anonymous Sequential(batch norm, neuron) for a fused neuron,
+    so a measure_fn reading the module's method timed every candidate alike (an arbitrary pick) or failed."""
+    def fake(module, args, m):
+        assert isinstance(module, MulFreeChannelwisePSN) or not isinstance(module, nn.Sequential)
+        module(*args)  # (runs as often as it likes: its batch norm runs before it)
+        module(*args)
+        return 1.0 if getattr(module, "method", None) == "conv1d" else 2.0
+
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+                            MulFreeChannelwisePSN(4, step_mode="m"))
+        if fuse:
+            fuse_batchnorm(net)
+        spikingjelly_mfpsn.autoselect(net, torch.randn(5, 2, 3), cache=False, measure_fn=fake,
+                                      layouts=("time_first",), progress=False)
+        assert net[2].method == "conv1d"

@@ -1231,3 +1231,17 @@ def test_a_compiled_training_stream_traces_once():
     want.sum().backward()
     for a, b in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_functional_call_with_a_whole_state_dict():
+    """torch.func.functional_call sets every entry it is given: with a whole state_dict (as guarantees.rst
+    says to give it) the order_dilation attribute had no setter. Its own value is taken, another refused."""
+    sn = MulFreeChannelwisePSN(3, k=2, step_mode="m").eval()
+    x = torch.randn(4, 2, 3)
+    other = {k: v * 2 if k == "weight" else v for k, v in sn.state_dict().items()}
+    want = reference.mfpsn_charge(x, other["weight"], 1, "time_first", "bn", gamma=sn.gamma, beta=sn.beta,
+                                  stats=(sn.running_mean, sn.running_var))[0].detach() >= 0
+    assert torch.equal(functional_call(sn, other, (x,)), want.float())
+    assert torch.equal(sn.weight, other["weight"] / 2)
+    with pytest.raises(ValueError, match=r"order_dilation of this MulFreeChannelwisePSN is \[k, dilation\] = \[2, 1\]"):
+        functional_call(sn, {**other, "order_dilation": torch.tensor([3, 1])}, (x,))

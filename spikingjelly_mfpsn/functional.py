@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import _compat, layer, ops, tracing
 from ._util import modes_kept, module_slots, run_hooked
 from .convert import has_time_last_boundary, runs_time_first_inside, runs_time_last, to_time_last
+from .neuron import ChargeNeuronBase as _ChargeNeuronBase
 from .neuron import FusedBatchNorm, MulFreeChannelwisePSN
 
 logger = _compat.logger
@@ -528,33 +529,54 @@ def unfuse_batchnorm(net: nn.Module) -> nn.Module:
 def update_bn(loader, model: nn.Module, device=None) -> None:
     """``torch.optim.swa_utils.update_bn`` that also recomputes the statistics of BN-threshold MF-PSNs.
 
-    One pass over ``loader`` recomputes the running statistics of every batch norm and of every
-    ``threshold='bn'`` neuron. torch's resets and recomputes batch norms only, so the neurons' statistics (of an ``AveragedModel``'s
-    averaged weights, say) stayed those of other weights. As torch's: statistics reset, averaged over the
-    batches (``momentum=None``), momenta put back; ``loader`` yields inputs or ``(input, ...)`` sequences,
-    moved to ``device`` where given; every module trains during the pass. Unlike torch's, it runs without
-    gradients, puts back each module's own train/eval mode (a frozen batch norm's eval), and resets the
-    network's state (``functional.reset_net``) before each batch and after.
+    One pass over ``loader`` recomputes the running statistics of every batch norm (time-last wrapped ones
+    too) and of every ``threshold='bn'`` neuron. torch's resets and recomputes batch norms only, so the
+    neurons' statistics (of an ``AveragedModel``'s averaged weights, say) stayed those of other weights. As
+    torch's: statistics reset, averaged over the batches (``momentum=None``), momenta put back; ``loader``
+    yields inputs or ``(input, ...)`` sequences, moved to ``device`` where given; every module trains during
+    the pass (folded, inference-only neurons excepted). Unlike torch's, it runs without gradients, puts back
+    each module's own train/eval mode (a frozen batch norm's eval) and, where a batch fails, the statistics
+    from before; it resets the network's state (``functional.reset_net``) before each batch and after.
     """
     _check_net(model)
-    tracked = [m for m in model.modules()
-               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-               or isinstance(m, MulFreeChannelwisePSN) and m.threshold == "bn"]
-    momenta = {m: m.momentum for m in tracked}
+    tracked = list({id(m): m for m in map(_tracked_stats, model.modules()) if m is not None}.values())
+    saved = [(m, m.momentum, {name: t.clone() for name, t in _stats_of(m).items()}) for m in tracked]
     try:
         with modes_kept(model), torch.no_grad():
             for m in tracked:
                 m.reset_running_stats()
                 m.momentum = None
             model.train()
+            for m in model.modules():  # (deploy.fold's neurons: inference only, no statistics)
+                if isinstance(m, _ChargeNeuronBase) and not isinstance(m, MulFreeChannelwisePSN):
+                    m.eval()
             for x in loader:
                 x = x[0] if isinstance(x, (list, tuple)) else x
                 _compat.functional.reset_net(model)
                 model(x if device is None else x.to(device))
+    except BaseException:
+        with torch.no_grad():
+            for m, _, before in saved:
+                for name, t in before.items():
+                    getattr(m, name).copy_(t)
+        raise
     finally:
-        for m, momentum in momenta.items():
+        for m, momentum, _ in saved:
             m.momentum = momentum
         _compat.functional.reset_net(model)
+
+
+def _tracked_stats(m: nn.Module) -> Optional[nn.Module]:
+    """The module holding running statistics that ``m`` updates (a time-last wrapper's batch norm), or None."""
+    m = getattr(m, "time_first_module", m) if isinstance(m, layer.TimeLastModule) else m
+    if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.running_mean is not None:
+        return m
+    return m if isinstance(m, MulFreeChannelwisePSN) and m.threshold == "bn" else None
+
+
+def _stats_of(m: nn.Module) -> dict:
+    named = {name: getattr(m, name) for name in ("running_mean", "running_var", "num_batches_tracked")}
+    return {name: t for name, t in named.items() if t is not None and not nn.parameter.is_lazy(t)}
 
 
 def _check_instance(instance) -> None:

@@ -521,6 +521,8 @@ OTHER_OUTPUTS = {  # neurons whose outputs a 0/1 MF-PSN cannot give (SpikingJell
     "FewSpikeNode": (lambda cls: cls(neuron.FewSpikeTable(theta=[1.0, 0.5], h=[1.0, 0.5], d=[1.0, 0.5]),
                                      step_mode="m"), "weighted spikes"),
     "OTTTLIFNode": (lambda cls: cls(), "[spikes, traces]"),
+    "DSRIFNode": (lambda cls: cls(step_mode="m"), "weighted spikes"),
+    "DSRLIFNode": (lambda cls: cls(step_mode="m"), "weighted spikes"),
 }
 
 
@@ -538,3 +540,44 @@ def test_neurons_of_other_outputs_are_left_alone(name):
     net, summary = replace_neurons(net, k=2)
     assert net[3] is kept and isinstance(net[1], MulFreeChannelwisePSN)
     assert [(s.name, s.old) for s in summary.skipped] == [("3", name)] and reason in summary.skipped[0].reason
+
+
+def _bn_net(fuse=False):
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+                        MulFreeChannelwisePSN(4, step_mode="m"))
+    if fuse:
+        spikingjelly_mfpsn.fuse_batchnorm(net)
+    return net
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_update_bn_of_a_time_last_network(fuse):
+    """The batch norms of a to_time_last network (wrapped, so not torch batch norms) were neither reset nor
+    averaged: blended with momentum 0.1 instead, and eval outputs differed from the time-first network's."""
+    data = [torch.randn(5, 2, 3) * 2 + 1 for _ in range(3)]
+    nets = [_bn_net(fuse), to_time_last(_bn_net(fuse), example_input=data[0])]
+    for net in nets:
+        net(torch.randn(5, 2, 3) * 9 - 4)  # (statistics of earlier training)
+        spikingjelly_mfpsn.update_bn(data, net)
+    first, last = nets
+    for a, b in ((first[1].running_mean, last[1].running_mean), (first[2].running_var, last[2].running_var)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        assert torch.equal(first.eval()(data[0]), last.eval()(data[0]))
+
+
+def test_update_bn_keeps_the_statistics_when_a_batch_fails_and_skips_folded_neurons():
+    """A batch that failed left every statistic reset (trained ones lost); a folded network failed with
+    advice to call net.eval(), which update_bn itself undid."""
+    net = _bn_net()
+    for _ in range(5):
+        net(torch.randn(5, 8, 3) * 3 + 1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(RuntimeError, match="same dtype"):  # (the Linear's error, at the second batch)
+        spikingjelly_mfpsn.update_bn([torch.randn(5, 8, 3), torch.randn(5, 8, 3, dtype=torch.float64)], net)
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    folded = spikingjelly_mfpsn.deploy.fold(net.eval())
+    spikingjelly_mfpsn.update_bn([torch.randn(5, 8, 3)], folded)
+    assert not folded.training and folded[1].num_batches_tracked == 1

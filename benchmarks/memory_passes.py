@@ -170,8 +170,9 @@ def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
     channels = shape[ops.channel_dim(layout)]
     sn = neuron.MulFreeChannelwisePSN(channels, k=k, dilation=1, step_mode="m",
                                       layout=layout, threshold=threshold, backend=backend, method=method)
-    if input_bn == "fused":
+    if input_bn == "fused":  # (as in its network: the fused batch norm passes X on, the neuron normalises it)
         sn.set_input_bn(FusedBatchNorm.fuse(BatchNormLayer(channels, layout)))
+        sn = nn.Sequential(sn.input_bn, sn)
     elif input_bn == "layer":
         sn = nn.Sequential(BatchNormLayer(channels, layout), sn)
     if strided:  # the time axis moved to the other end of the storage
@@ -195,7 +196,7 @@ def step_passes(method: str, layout: str, threshold: str, shape, k: int = 2,
     fwd, fwd_launches, s = passes(lambda: sn(x))
     # The gradients of X and the parameters as the step produces them: X stands for an activation, whose
     # gradient autograd hands on rather than accumulates (into a strided leaf it would copy it first).
-    params = [*sn.parameters(), *(sn.input_bn.parameters() if input_bn == "fused" else ())]
+    params = list(sn.parameters())
     bwd, bwd_launches, _ = passes(lambda: torch.autograd.grad(s, [x, *params], g))
     return fwd, bwd, fwd_launches, bwd_launches
 

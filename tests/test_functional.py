@@ -487,7 +487,7 @@ def test_update_bn_recomputes_the_neurons_statistics():
     momenta and each module's mode."""
     from torch.optim.swa_utils import AveragedModel
     torch.manual_seed(0)
-    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.SeqToANNContainer(nn.BatchNorm1d(4)),
                         MulFreeChannelwisePSN(4, k=2, dilation=2, step_mode="m"), layer.Linear(4, 4, step_mode="m"),
                         neuron.LIFNode(step_mode="m"))
     data = [torch.randn(5, 8 - i, 3) * 3 + 1 for i in range(4)]
@@ -499,7 +499,7 @@ def test_update_bn_recomputes_the_neurons_statistics():
     model = swa.module
     model[3].eval()  # (modes are put back)
     spikingjelly_mfpsn.update_bn([(x, 0) for x in data], swa)
-    lin, bn, sn = model[0], model[1], model[2]
+    lin, bn, sn = model[0], model[1][0], model[2]
     means, variances = [], []
     for x in data:
         z = lin(x).detach().double()
@@ -544,7 +544,7 @@ def test_neurons_of_other_outputs_are_left_alone(name):
 
 def _bn_net(fuse=False):
     torch.manual_seed(0)
-    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+    net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.SeqToANNContainer(nn.BatchNorm1d(4)),
                         MulFreeChannelwisePSN(4, step_mode="m"))
     if fuse:
         spikingjelly_mfpsn.fuse_batchnorm(net)
@@ -560,9 +560,10 @@ def test_update_bn_of_a_time_last_network(fuse):
     for net in nets:
         net(torch.randn(5, 2, 3) * 9 - 4)  # (statistics of earlier training)
         spikingjelly_mfpsn.update_bn(data, net)
+    first, last = (n.state_dict() for n in nets)
+    for key in ("1.0.running_mean", "1.0.running_var", "2.running_mean", "2.running_var"):
+        torch.testing.assert_close(first[key], last[key])
     first, last = nets
-    for a, b in ((first[1].running_mean, last[1].running_mean), (first[2].running_var, last[2].running_var)):
-        torch.testing.assert_close(a, b)
     with torch.no_grad():
         assert torch.equal(first.eval()(data[0]), last.eval()(data[0]))
 
@@ -580,4 +581,4 @@ def test_update_bn_keeps_the_statistics_when_a_batch_fails_and_skips_folded_neur
         assert torch.equal(value, before[key]), key
     folded = spikingjelly_mfpsn.deploy.fold(net.eval())
     spikingjelly_mfpsn.update_bn([torch.randn(5, 8, 3)], folded)
-    assert not folded.training and folded[1].num_batches_tracked == 1
+    assert not folded.training and folded.state_dict()["1.0.num_batches_tracked"] == 1

@@ -586,7 +586,7 @@ def test_a_measure_fn_of_your_own_gets_the_fused_neuron_itself():
 
     for fuse in (False, True):
         torch.manual_seed(0)
-        net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.BatchNorm1d(4, step_mode="m"),
+        net = nn.Sequential(layer.Linear(3, 4, step_mode="m"), layer.SeqToANNContainer(nn.BatchNorm1d(4)),
                             MulFreeChannelwisePSN(4, step_mode="m"))
         if fuse:
             fuse_batchnorm(net)

@@ -152,8 +152,7 @@ def spiking_neuron_classes() -> tuple:
 # Neurons whose output is not a 0/1 spike train though their names do not say "NonSpiking", by kind: LIAF
 # (leaky integrate and analog fire) outputs ``act(v)``; ternary nodes -1, 0, +1; STBIF (SpikeZIP) signed
 # levels, I-LIF integer spike counts, the few-spike family (HG, outlier-aware) and DSR's nodes weighted spikes
-# (v_threshold * spike); OTTT's LIF
-# ``[spikes, traces]`` in training, for OTTT's layers.
+# (v_threshold * spike); OTTT's LIF ``[spikes, traces]`` in training, for OTTT's layers.
 OTHER_OUTPUTS = {"LIAFNode": "readout", "TernaryIFNode": "ternary", "TernaryLIFNode": "ternary",
                  "STBIFNode": "levels", "ILIFNode": "levels", "FewSpikeNode": "levels", "DSRIFNode": "levels",
                  "DSRLIFNode": "levels", "OTTTLIFNode": "traces"}

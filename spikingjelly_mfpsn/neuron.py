@@ -470,8 +470,7 @@ class ChargeNeuronBase(MemoryModule):
         if keep and not queue and keep <= PADDED_HISTORY:  # zeros before the first step: one length from the
             # first step on, so torch.compile traces it once (there tensors apart, requiring grad as inputs do:
             # its guards see the same history at every step; eager, one tensor)
-            none = torch.zeros_like(stored, dtype=torch.bool)
-            queue = tuple(torch.where(none, stored, 0.0) for _ in range(keep)) if torch.compiler.is_compiling() \
+            queue = _compiled_zeros(stored, keep) if torch.compiler.is_compiling() \
                 else (torch.zeros_like(stored),) * keep
         history = queue + (stored,)
         spikes = ops.mf_psn_step(ops.step_taps(history, self.k, self.dilation), **args)
@@ -502,6 +501,12 @@ class ChargeNeuronBase(MemoryModule):
         self.x_queue = () if any(t.is_meta for t in self.x_queue) else tuple(fn(t) for t in self.x_queue)
         return super()._apply(fn)  # (SpikingJelly's takes no ``recurse``, which to_empty passes)
 
+
+
+def _compiled_zeros(like: torch.Tensor, count: int) -> tuple:
+    """``count`` zero tensors apart, requiring grad as ``like`` does (in a compiled graph)."""
+    none = torch.zeros_like(like, dtype=torch.bool)
+    return tuple(torch.where(none, like, 0.0) for _ in range(count))
 
 
 # The longest single-step history padded with zeros from the first step on (one length: torch.compile traces

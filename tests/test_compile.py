@@ -40,6 +40,23 @@ def test_no_graph_break_inside_the_neuron(method, layout, training, grad):
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
 
 
+
+@pytest.mark.parametrize("backend", [b for b in ops.available_backends() if b != "torch"] or ["none"])
+def test_no_graph_break_with_a_kernel_backend(backend):
+    """A network switched by ``functional.set_backend``: the neuron checks at every call that its backend runs
+    here, and that check (``importlib``'s finder, which dynamo refuses to trace on torch 2.11 with Python
+    3.12: a graph break in every neuron, then eager past the recompile limit) stays out of the graph."""
+    import torch._dynamo as dynamo
+    if backend == "none":
+        pytest.skip("no kernel backend installed here (cpp needs a C++ compiler, triton TRITON_INTERPRET=1)")
+    net = small_net()
+    functional.set_backend(net, backend)
+    x = torch.randn(6, 4, 6)
+    net(x)
+    dynamo.reset()
+    explanation = dynamo.explain(net)(x)
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+
 def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
     """An implementation torch.compile cannot trace (``compiles=False``, as CuPy's launches)
     is what ``method='auto'`` runs eagerly, but not inside a compiled graph, where a traceable one gives

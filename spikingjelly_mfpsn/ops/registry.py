@@ -441,10 +441,16 @@ def backend_available(backend: str) -> bool:
         return any(impl.backend == backend for impl in _REGISTRY.values())
     if backend == "torch":
         return True
-    import importlib.util
     lib = BACKEND_LIBRARIES[backend]
-    return (lib is None or importlib.util.find_spec(lib) is not None) and any(
-        impl.backend == backend for impl in _REGISTRY.values())
+    return (lib is None or _importable(lib)) and any(impl.backend == backend for impl in _REGISTRY.values())
+
+
+@torch.compiler.assume_constant_result
+def _importable(lib: str) -> bool:
+    """Whether ``lib`` can be imported: a constant to torch.compile, whose dynamo (torch 2.11) does not trace
+    ``importlib.util.find_spec`` and broke the graph at every neuron with a kernel backend."""
+    import importlib.util
+    return importlib.util.find_spec(lib) is not None
 
 
 def available_backends() -> tuple[str, ...]:

@@ -105,6 +105,29 @@ def test_compiled_with_cuda_graphs_the_fused_kernels_train_as_eager():
 
 
 @needs_triton
+def test_a_fused_pair_compiled_with_cuda_graphs_first_trains_as_eager():
+    """torch.compile(mode="reduce-overhead") of a fused pair (method 'triton') whose first step ever, in a fresh
+    process, is the compiled one: nothing the kernels allocate inside the CUDA graphs' warm-up outlives the
+    step (CUDA graph trees refuse a live tensor in their pool), and three steps give the eager twin's spikes."""
+    code = ("import copy, torch, spikingjelly_mfpsn\n"
+            "from spikingjelly.activation_based import functional, layer, neuron\n"
+            "torch.manual_seed(0)\n"
+            "pair = torch.nn.Sequential(layer.BatchNorm1d(13, step_mode='m'), neuron.MulFreeChannelwisePSN(\n"
+            "    13, k=2, step_mode='m', method='triton')).cuda()\n"
+            "spikingjelly_mfpsn.fuse_batchnorm(pair); eager = copy.deepcopy(pair)\n"
+            "compiled = torch.compile(pair, mode='reduce-overhead'); x = torch.randn(8, 4, 13, 6, device='cuda')\n"
+            "for i in range(3):\n"
+            "    out = [net((x + i).requires_grad_()) for net in (compiled, eager)]\n"
+            "    [(s * torch.linspace(-1, 1, s.numel(), device='cuda').view(s.shape)).sum().backward() for s in out]\n"
+            "    functional.reset_net(pair); functional.reset_net(eager)\n"
+            "    print(torch.equal(out[0], out[1]), float(out[1].mean()) not in (0.0, 1.0))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True"] * 6, run.stdout
+
+
+@needs_triton
 def test_gradients_are_the_same_bits_in_another_process():
     code = ("import torch, hashlib, spikingjelly_mfpsn; from spikingjelly.activation_based import neuron\n"
             "torch.manual_seed(0); sn = neuron.MulFreeChannelwisePSN(64, k=3, step_mode='m', method='triton').cuda()\n"

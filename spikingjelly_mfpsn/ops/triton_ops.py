@@ -1004,21 +1004,15 @@ def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     return (4, 8) if INTERPRETED else tiles.fold_blocks(c, n_split, per_channel)
 
 
-@functools.lru_cache(maxsize=16)
-def _ones(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (C, 1) weight of ones: the input batch norm's statistics are the moments of its charge (a normal
-    tensor even under ``torch.inference_mode``: it is cached for later calls with autograd)."""
-    with torch.inference_mode(False):
-        return torch.ones((c, 1), dtype=dtype, device=device)
-
-
 def _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved) -> torch.Tensor:
     """The input batch norm's fold: P0 (5, C) = (mean0, a0, beta0, var0, OK), from its batch statistics
     (two kernels, the running ones updated) or from the given running ones; raises :class:`_Refused`."""
     eps0, running0, given0 = pre_cfg
     c = geometry[2][1]
     p0 = torch.empty((5, c), dtype=dtype, device=x4.device)
-    mean0, var0 = _stats_and_fold(x4, geometry, _ones(c, dtype, x4.device), gamma0, beta0,
+    ones = torch.ones((c, 1), dtype=dtype, device=x4.device)  # (per call, not cached: a tensor kept from a
+    # call inside torch.compile's CUDA graphs would live in their memory pool, which they refuse)
+    mean0, var0 = _stats_and_fold(x4, geometry, ones, gamma0, beta0,
                                   (p0[1], p0[2], p0[4], p0[0], p0[3]), (eps0, False, 1, running0, given0, acc),
                                   pre=True, saved=saved)
     if given0 is not None:

@@ -46,6 +46,7 @@ from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops, set_m
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 SECTIONS = ("correctness", "determinism", "neuron", "network", "host")
+NETWORKS = ("table10", "sequential")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -276,23 +277,27 @@ def _host_and_launches(fn, device):
     return host, mode.launches
 
 
-def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda rows: None):
-    """The networks' training step, eager; then compiled (mode="reduce-overhead") at the time steps in
-    ``compile_ts`` (None: every one), last, since compiling takes long; ``progress(rows)`` after each."""
+def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda rows: None,
+                   networks=NETWORKS, eager=True):
+    """The ``networks``' training step, eager (unless not ``eager``); then compiled (mode="reduce-overhead")
+    at the time steps in ``compile_ts`` (None: every one), last, since compiling takes long; ``progress(rows)``
+    after each."""
     N, c, hidden, size = (2, 8, 16, 8) if dry_run else (128, 128, 256, 32)
     Ts = (2,) if dry_run else (2, 8, 32) if quick else (2, 4, 8, 16, 32)
     nets = [("Table 10", T, lambda kind, T=T: table10_net(kind, T, c, hidden, 100, size),
-             (T, N, 3, size, size)) for T in Ts]
-    nets.append(("sequential CIFAR", size, lambda kind: models.sequential_image_net(
-        3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), (size, N, 3, size)))
+             (T, N, 3, size, size)) for T in Ts if "table10" in networks]
+    nets += [("sequential CIFAR", size, lambda kind: models.sequential_image_net(
+        3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), (size, N, 3, size))] * ("sequential" in networks)
     kinds = ["mfpsn", "mfpsn, fused BN"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
-    jobs = [(net, kinds, False) for net in nets]
+    jobs = [(net, kinds, False) for net in nets if eager]
     # compiled, method 'auto' takes what inductor fuses; the Triton operators inside the graph, for comparison
     compiled_kinds = [k for k in kinds if k != "lif"] + ["mfpsn, fused BN, triton"]
     compiled = [(net, compiled_kinds, True) for net in nets if compile_ts is None or net[1] in compile_ts]
     jobs += sorted(compiled, key=lambda job: job[0][0] != "sequential CIFAR")  # the short one first
     rows = []
     for (label, T, build, shape), job_kinds, compiled in jobs:
+        if compiled:  # each network compiled afresh, as in its own training script
+            torch._dynamo.reset()
         torch.manual_seed(0)
         x, y = torch.rand(shape, device=device), torch.randint(0, 100, (N,), device=device)
         fns = {}
@@ -441,6 +446,9 @@ def main(argv=None):
                         help="time steps at which the networks are also compiled (default: all; 8 with --quick)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
                         help="which parts to run (default: all)")
+    parser.add_argument("--networks", nargs="+", choices=NETWORKS, default=NETWORKS,
+                        help="which networks the network section times (default: both)")
+    parser.add_argument("--no-eager", action="store_true", help="time the networks compiled only")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # (b)'s fresh process
     args = parser.parse_args(argv)
     if args.probe:
@@ -460,7 +468,8 @@ def main(argv=None):
                 ("neuron", lambda: neuron_timing(device, args.quick, args.dry_run, repeats)),
                 ("host", lambda: host_profile(device, args.dry_run)),
                 ("network", lambda: network_timing(device, args.quick, args.dry_run, repeats, compile_ts,
-                                                   lambda rows: save({**result, "network": rows}, out))))
+                                                   lambda rows: save({**result, "network": rows}, out),
+                                                   args.networks, not args.no_eager)))
     for name, run in (s for s in sections if s[0] in args.sections):  # saved after each, so a run stopped part-way still leaves its figures
         result[name] = run()
         if name == "correctness":

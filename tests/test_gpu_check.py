@@ -30,6 +30,16 @@ def test_dry_run_writes_its_report(tmp_path):
     assert "## (a) correctness: " in text and "bit-identical" in text and "| Table 10 | 2 | mfpsn |" in text
 
 
+
+def test_the_network_section_times_the_networks_asked_for(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT, "OUT": ""}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--out",
+                          str(tmp_path), "--sections", "network", "--networks", "sequential"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["network"]
+    assert rows and {r["network"] for r in rows} == {"sequential CIFAR"}
+
 def test_the_check_sees_a_wrong_method():
     """The correctness part fails a method whose charge is off (here by one step of delay)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

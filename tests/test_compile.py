@@ -1,6 +1,7 @@
 """torch.compile and mixed precision with MF-PSN."""
 import copy
 import operator
+import os
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from spikingjelly.activation_based import functional, layer
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, ops
 
 from nets import assert_compiled_trains_as_eager
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_net():
@@ -56,6 +59,32 @@ def test_no_graph_break_with_a_kernel_backend(backend):
     dynamo.reset()
     explanation = dynamo.explain(net)(x)
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused batch norm"])
+def test_a_compiled_training_loop_compiles_once(fused):
+    """In a fresh process (nothing cached yet), the first compiled step traces what later steps run: no
+    global filled inside the trace whose guard fails at the second step (that recompiled every network
+    once more, CUDA graphs included)."""
+    import subprocess
+    import sys
+    code = ("import torch, torch.nn as nn, spikingjelly_mfpsn\n"
+            "from spikingjelly.activation_based import functional, layer\n"
+            "from spikingjelly_mfpsn import MulFreeChannelwisePSN\n"
+            "torch.manual_seed(0)\n"
+            "net = nn.Sequential(layer.Conv1d(6, 16, 1), layer.BatchNorm1d(16), MulFreeChannelwisePSN(16, k=3, dilation=2),\n"
+            "                    layer.Conv1d(16, 16, 1), MulFreeChannelwisePSN(16, k=2, threshold='param'),\n"
+            "                    layer.Conv1d(16, 4, 1))\n"
+            "functional.set_step_mode(net, 'm')\n"
+            f"{'spikingjelly_mfpsn.fuse_batchnorm(net)' if fused else 'pass'}\n"
+            "torch._dynamo.config.error_on_recompile = True\n"
+            "compiled = torch.compile(net, backend='aot_eager')\n"
+            "for i in range(3):\n"
+            "    compiled(torch.randn(5, 4, 6, 3) + i).sum().backward(); functional.reset_net(net)\n"
+            "print('once')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and run.stdout.split() == ["once"], run.stderr[-3000:]
 
 def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
     """An implementation torch.compile cannot trace (``compiles=False``, as CuPy's launches)

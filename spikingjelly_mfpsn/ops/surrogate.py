@@ -9,9 +9,11 @@ surrogate runs unfused (the charge, then the surrogate module), with the same re
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
+import torch
 from torch.nn.modules import module as _torch_module
 
 
@@ -28,7 +30,13 @@ TABLE = {
 CODES = {name: entry.code for name, entry in TABLE.items()}
 NONE = (0, 0.0)  # what :func:`fused` gives for a surrogate the kernels do not reproduce
 _BY_CODE = {entry.code: entry for entry in TABLE.values()}
-_TYPES: dict = {}  # SpikingJelly's class -> code, filled at the first call (SpikingJelly imports late)
+
+
+@functools.lru_cache(maxsize=None)
+def _types() -> dict:
+    """SpikingJelly's class -> code (read at the first call: SpikingJelly imports late)."""
+    from .._compat import surrogate
+    return {getattr(surrogate, name): code for name, code in CODES.items()}
 
 
 def fused(surrogate_function) -> tuple[int, float]:
@@ -37,10 +45,9 @@ def fused(surrogate_function) -> tuple[int, float]:
     Only SpikingJelly's own classes of the table (exact type, spiking mode, a float alpha, no hooks of its
     own or global module hooks): a subclass or a hooked module may behave differently, so it takes the
     unfused path, where the surrogate module is called."""
-    if not _TYPES:
-        from .._compat import surrogate
-        _TYPES.update({getattr(surrogate, name): code for name, code in CODES.items()})
-    code = _TYPES.get(type(surrogate_function), 0)
+    # (under torch.compile read afresh: a cache filled inside the first trace made the second step recompile)
+    types = _types.__wrapped__() if torch.compiler.is_compiling() else _types()
+    code = types.get(type(surrogate_function), 0)
     if not code or not getattr(surrogate_function, "spiking", False) \
             or not isinstance(surrogate_function.alpha, (int, float)):
         return NONE

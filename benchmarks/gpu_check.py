@@ -311,6 +311,7 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
             name = kind + (", compiled" if compiled else "")
             fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
         host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in ("mfpsn", "mfpsn, fused BN")}
+        graphs = {name: _compiled_graphs(fn) for name, fn in fns.items()} if compiled else {}
         times = interleaved(fns, repeats=repeats, warmup=3, device=device)
         base = "psn, compiled" if compiled else "psn" if "psn" in times else "lif"
         base = base if base in times else next(iter(times))
@@ -318,10 +319,22 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
             rows.append({"network": label, "T": T, "candidate": name, "ms": median(ts) * 1e3,
                          "ratio": ratio_cell(ts, times[base]), "baseline": base,
                          "peak_mib": _peak(fns[name], device),
-                         "host_ms": host.get(name, (None, None))[0], "launches": host.get(name, (None, None))[1]})
+                         "host_ms": host.get(name, (None, None))[0], "launches": host.get(name, (None, None))[1],
+                         "graphs": graphs.get(name)})
         print(f"  {label} T={T}: " + ", ".join(f"{n} {median(ts) * 1e3:.1f} ms" for n, ts in times.items()), flush=True)
         progress(rows)
     return rows
+
+
+def _compiled_graphs(step) -> str:
+    """Its first two steps (compiling, then recording the CUDA graphs) as ``"graphs/breaks/cudagraph
+    skips"``: one graph, no break and no skip is a whole step in CUDA graphs (inductor logs its skips
+    only where ``TORCH_LOGS=cudagraphs`` is set)."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    step(), step()
+    return (f"{counters['stats']['unique_graphs']}/{sum(counters['graph_break'].values())}/"
+            f"{counters['inductor']['cudagraph_skips']}")
 
 
 def host_profile(device, dry_run, rows=15):
@@ -413,10 +426,11 @@ def markdown(result) -> str:
     if "network" in result:
         lines += ["", "## (c) networks, training step", ""]
         lines.append(markdown_table(
-            ["network", "T", "candidate", "median", "ratio", "baseline", "peak MiB", "host ms", "launches"],
+            ["network", "T", "candidate", "median", "ratio", "baseline", "peak MiB", "host ms", "launches",
+             "graphs/breaks/skips"],
             [[r["network"], r["T"], r["candidate"], f"{r['ms']:.2f} ms", r["ratio"], r["baseline"],
-              _cell(r["peak_mib"], "{:.0f}"), _cell(r["host_ms"], "{:.1f}"), _cell(r["launches"], "{}")]
-             for r in result["network"]]))
+              _cell(r["peak_mib"], "{:.0f}"), _cell(r["host_ms"], "{:.1f}"), _cell(r["launches"], "{}"),
+              _cell(r.get("graphs"), "{}")] for r in result["network"]]))
     return "\n".join(lines) + "\n"
 
 

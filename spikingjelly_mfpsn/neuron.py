@@ -374,17 +374,21 @@ class ChargeNeuronBase(MemoryModule):
 
     def _checked_args(self, x: torch.Tensor) -> dict:
         """The arguments of ``ops.mf_psn`` for this forward, after :meth:`_check_input`, which is skipped
-        while inputs keep the shape and dtype last checked, and the neuron its configuration."""
+        while inputs keep the shape and dtype last checked, and the neuron its configuration. Under
+        torch.compile it checks every trace and keeps no key: a guard on the last call's shape recompiled
+        the network at each change of batch size (then ran it eagerly past dynamo's recompile limit)."""
         args = self._mf_psn_args()
         w = args["weight"]
+        compiling = torch.compiler.is_compiling()
         key = (x.shape, x.dtype, x.layout, w.shape, w.dtype, self._layout, self.step_mode) \
-            if isinstance(x, torch.Tensor) else None
+            if isinstance(x, torch.Tensor) and not compiling else None
         if key is None or key != self.__dict__.get("_checked_key"):
             self._check_input(x)
             if w.dim() != 2 or w.shape[1] != self.k:  # (a weight assigned, or tied to another neuron's)
                 raise ValueError(f"weight must have shape (channels, k) with k={self.k}, got {tuple(w.shape)}: "
                                  f"a weight of another order needs a neuron built with that k")
-            self.__dict__["_checked_key"] = key
+            if not compiling:
+                self.__dict__["_checked_key"] = key
         args["method"], args["backend"] = self._method, self._backend
         args["surrogate_function"] = self._member("surrogate_function")
         return args

@@ -86,6 +86,28 @@ def test_a_compiled_training_loop_compiles_once(fused):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0 and run.stdout.split() == ["once"], run.stderr[-3000:]
 
+
+def test_a_new_batch_size_compiles_once_and_then_not_again():
+    """Batches of other sizes (a last short batch, evaluation): one more compile, dynamic in the batch, then
+    none; a guard on the size the neurons checked last recompiled at every change, and ran the network
+    eagerly past dynamo's recompile limit."""
+    net = small_net()
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend=backend)
+    try:
+        for n in (4, 3, 5, 7, 3, 4, 6):
+            compiled(torch.randn(5, n, 6)).sum().backward()
+            functional.reset_net(net)
+    finally:
+        torch._dynamo.reset()
+    assert len(compiles) == 2
+
 def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
     """An implementation torch.compile cannot trace (``compiles=False``, as CuPy's launches)
     is what ``method='auto'`` runs eagerly, but not inside a compiled graph, where a traceable one gives

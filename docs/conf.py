@@ -37,7 +37,8 @@ _tmp.cleanup()
 """
 SKIP = {"cuda": "not torch.cuda.is_available()",
         "cpp": "not spikingjelly_mfpsn.ops.backend_available('cpp')",
-        "cupy": "not spikingjelly_mfpsn.ops.backend_available('cupy')"}
+        "cupy": "not spikingjelly_mfpsn.ops.backend_available('cupy')",
+        "torchvision": "__import__('importlib.util').util.find_spec('torchvision') is None"}
 
 
 def run_python_blocks(app, doctree):

@@ -438,6 +438,9 @@ def _on_every_rank(net: nn.Module, report: Optional[AutoselectReport], selects: 
         dist.broadcast_object_list(box, src=0)
         report = box[0]
     report.forward_only = not torch.is_grad_enabled()
+    if not selects and any(map(nn.parameter.is_lazy, net.parameters())):
+        with _rng_kept(net, x_example):  # (rank 0's first forward built its lazy neurons: build them here too)
+            _outputs(net, _probe(x_example))
     if report.layout is not None:
         if not selects:  # (the selection applied its choice on this rank already)
             _apply(net, report.layout, report.methods, fallback, x_example)
@@ -475,6 +478,10 @@ def _check_options(m: int, layouts: Sequence[str], fallback: Optional[str], comp
 def _check_args(net: nn.Module, x_example) -> None:
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    if isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):  # (its forward and backward
+        # run collectives, which rank 0's timing alone would leave the other ranks waiting for)
+        raise ValueError(f"net is wrapped in {type(net).__name__}: call autoselect on every rank with the model "
+                         f"before wrapping it (or with {type(net).__name__.lower()}.module)")
     # autoselect feeds net time-first inputs: a network converted with to_time_last(net, boundary=False)
     # takes (N, ..., T) instead, which the layout conversions cannot tell.
     inner = next((name for name, m in net.named_modules() if isinstance(m, TIME_LAST_TYPES)

@@ -544,38 +544,47 @@ def test_model_zoo_after_replace_neurons(arch, tmp_path):
     assert net(x).shape == before.shape
 
 
-def _dist_worker(rank, path, init_file, results):
+def _dist_worker(rank, path, init_file, results, faster):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        net = seq_net()
+        net = seq_net()  # (lazy neurons: their channels come with the first forward)
         if rank == 0:
-            fake = FakeTimes(7, {"time_last": 0.1})
+            fake = FakeTimes(7, {faster: 0.1})
         else:
             def fake(*a):
                 raise AssertionError("only rank 0 measures")
+        with pytest.raises(ValueError, match="net is wrapped in DistributedDataParallel.*before wrapping"):
+            mf.autoselect(nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(2, 2))), torch.rand(3, 2))
         report = mf.autoselect(net, example(), cache=path, measure_fn=fake, progress=False)
         methods = {n: m.method for n, m in net.named_modules() if isinstance(m, MulFreeChannelwisePSN)}
-        results.put((rank, report.layout, current_layout(net), methods))
+        lazy = any(map(nn.parameter.is_lazy, net.parameters()))
+        nn.parallel.DistributedDataParallel(net)(example()).sum().backward()  # (refuses lazy parameters)
+        results.put((rank, report.layout, current_layout(net), methods, lazy))
     finally:
         dist.destroy_process_group()
 
 
-def test_distributed_rank0_decides_every_rank_applies(tmp_path):
+@pytest.mark.parametrize("faster", ["time_last", "time_first"])
+def test_distributed_rank0_decides_every_rank_applies(tmp_path, faster):
+    """Every rank leaves with rank 0's choice and its neurons built (rank 0's timing built them there; a
+    choice of time-first ran no forward elsewhere, and DistributedDataParallel refused the lazy rest),
+    and a network already wrapped is refused by name before any collective."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_dist_worker, args=(r, str(tmp_path / f"c{r}.json"), str(tmp_path / "init"),
-                                                    results)) for r in range(2)]
+                                                    results, faster)) for r in range(2)]
     for p in procs:
         p.start()
     got = sorted(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    (_, layout0, applied0, methods0), (_, layout1, applied1, methods1) = got
-    assert layout0 == layout1 == applied0 == applied1 == "time_last"
+    (_, layout0, applied0, methods0, lazy0), (_, layout1, applied1, methods1, lazy1) = got
+    assert layout0 == layout1 == applied0 == applied1 == faster
     assert methods0 == methods1
+    assert not lazy0 and not lazy1
 
 
 def test_stale_whole_network_plan_is_measured_again(tmp_path):

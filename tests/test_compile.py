@@ -61,11 +61,13 @@ def test_no_graph_break_with_a_kernel_backend(backend):
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
 
 
+@pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if "cpp" in ops.available_backends() else []))
 @pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused batch norm"])
-def test_a_compiled_training_loop_compiles_once(fused):
-    """In a fresh process (nothing cached yet), the first compiled step traces what later steps run: no
-    global filled inside the trace whose guard fails at the second step (that recompiled every network
-    once more, CUDA graphs included)."""
+def test_a_compiled_training_loop_compiles_once(fused, backend):
+    """In a fresh process (nothing cached or loaded yet), the first compiled step traces what later steps
+    run, in one graph: no global filled inside the trace whose guard fails at the second step (that
+    recompiled every network once more, CUDA graphs included), and no graph break where the C++ library
+    is loaded at the first call (it broke the graph at every neuron, for good)."""
     import subprocess
     import sys
     code = ("import torch, torch.nn as nn, spikingjelly_mfpsn\n"
@@ -77,8 +79,9 @@ def test_a_compiled_training_loop_compiles_once(fused):
             "                    layer.Conv1d(16, 4, 1))\n"
             "functional.set_step_mode(net, 'm')\n"
             f"{'spikingjelly_mfpsn.fuse_batchnorm(net)' if fused else 'pass'}\n"
+            f"spikingjelly_mfpsn.set_backend(net, {backend!r})\n"
             "torch._dynamo.config.error_on_recompile = True\n"
-            "compiled = torch.compile(net, backend='aot_eager')\n"
+            "compiled = torch.compile(net, backend='aot_eager', fullgraph=True)\n"
             "for i in range(3):\n"
             "    compiled(torch.randn(5, 4, 6, 3) + i).sum().backward(); functional.reset_net(net)\n"
             "print('once')\n")

@@ -301,9 +301,17 @@ def _warn_single_threaded(error: str) -> None:
                   + "\n".join(last))
 
 
-def _ops():
+@torch.compiler.assume_constant_result
+def _loaded() -> bool:
+    """True, once :func:`load` has run. A constant to torch.compile, which calls it while tracing: a first
+    call under compile builds and loads the library then, where it broke the graph at every neuron."""
     if not _LOADED:
         load()
+    return True
+
+
+def _ops():
+    _loaded()
     return torch.ops.spikingjelly_mfpsn
 
 

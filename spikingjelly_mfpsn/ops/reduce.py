@@ -55,7 +55,8 @@ class BatchStats(torch.autograd.Function):
         mean = channel_sum(y, channel_axis) / n
         z = y - mean.view(shape)
         off = channel_sum(z, channel_axis) / n
-        var = (channel_dot(z, z, channel_axis) / n - off * off).clamp_(min=0)
+        # (out of place: dynamo of torch 2.11 lost the gradient of an output changed in place)
+        var = (channel_dot(z, z, channel_axis) / n - off * off).clamp(min=0)
         return mean + off, var
 
     @staticmethod

@@ -152,11 +152,26 @@ def _shift_add(x, weight, bias, dilation, layout):
     return h
 
 
+def _shift_add_out_of_place(x, weight, bias, dilation, layout):
+    """:func:`_shift_add` as a sum of shifted, zero-padded products (for a compiled graph, which fuses it)."""
+    td = time_dim(layout) % x.dim()
+    t = x.shape[td]
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    h = torch.zeros(x.shape, dtype=dtype, device=x.device) if bias is None else \
+        bias.view(channel_view_shape(x.dim(), layout)).to(dtype).expand(x.shape)
+    for _, w_i, lag in _taps(weight, x, dilation, layout):
+        pad = x.new_zeros(x.shape[:td] + (lag,) + x.shape[td + 1:], dtype=dtype)
+        h = h + torch.cat([pad, x.narrow(td, 0, t - lag) * w_i], td)
+    return h
+
+
 class _ShiftAdd(torch.autograd.Function):
     """:func:`_shift_add` with its own backward; saves only X and W."""
 
     @staticmethod
     def forward(x, weight, bias, dilation, layout):
+        if torch.compiler.is_compiling():  # (dynamo of torch 2.11 lost the gradient of an output built in place)
+            return _shift_add_out_of_place(x, weight, bias, dilation, layout)
         return _shift_add(x, weight, bias, dilation, layout)
 
     @staticmethod

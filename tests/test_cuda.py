@@ -210,3 +210,19 @@ def test_a_half_neuron_trains_on_a_batch_of_64k_values_per_channel(method):
                                          "bn", gamma=torch.ones(2).double().cuda(), beta=-torch.ones(2).double().cuda())
     n = x.numel() // 2
     torch.testing.assert_close(sn.running_var.double(), 0.9 + 0.1 * var * n / (n - 1), rtol=2e-3, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused batch norm"])
+def test_method_auto_compiled_trains_as_eager_on_cuda(fused):
+    """Under compile ``method='auto'`` traces the torch path; on torch 2.11 dynamo lost the gradients of its
+    Functions' outputs built in place (0 through every neuron): three compiled steps give eager's spikes,
+    gradients and running statistics, with and without a fused batch norm in front."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv1d(3, 16, 1), layer.BatchNorm1d(16), neuron.MulFreeChannelwisePSN(16, k=3, dilation=2),
+                        layer.Conv1d(16, 16, 1), neuron.MulFreeChannelwisePSN(16, k=2, threshold="param"),
+                        layer.Conv1d(16, 4, 1))
+    functional.set_step_mode(net, "m")
+    if fused:
+        fuse_batchnorm(net)
+    assert_compiled_trains_as_eager(net.cuda(), torch.randn(8, 4, 3, 6, device="cuda"), steps=3, backend="aot_eager")

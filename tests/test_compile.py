@@ -111,6 +111,40 @@ def test_a_new_batch_size_compiles_once_and_then_not_again():
         torch._dynamo.reset()
     assert len(compiles) == 2
 
+
+@pytest.mark.parametrize("method", ["shift_add", "conv1d", "vmap_mm"])
+@pytest.mark.parametrize("threshold", ["bn", "param"])
+@pytest.mark.parametrize("layout", ["time_first", "time_last"])
+def test_compiled_torch_methods_match_the_reference(method, threshold, layout):
+    """Under compile the torch methods trace other code than eagerly (shift_add sums padded products, the
+    statistics clamp out of place): spikes and every gradient against the plain float64 reference."""
+    import reference
+    torch.manual_seed(0)
+    sn = MulFreeChannelwisePSN(5, k=3, dilation=2, step_mode="m", method=method, threshold=threshold,
+                               layout=layout).double()
+    with torch.no_grad():
+        (sn.gamma if threshold == "bn" else sn.v_threshold).uniform_(0.5, 1.5)
+    x = torch.randn((7, 3, 5, 2) if layout == "time_first" else (3, 5, 2, 7), dtype=torch.float64) + 0.3
+    params = [sn.weight] + ([sn.gamma, sn.beta] if threshold == "bn" else [sn.v_threshold])
+    leaves = [p.detach().clone().requires_grad_() for p in params]
+    x_ref = x.clone().requires_grad_()
+    h, _ = reference.mfpsn_charge(x_ref, leaves[0], 2, layout, threshold, gamma=leaves[1] if threshold == "bn" else None,
+                                  beta=leaves[2] if threshold == "bn" else None,
+                                  v_threshold=leaves[1] if threshold == "param" else None)
+    xc = x.clone().requires_grad_()
+    torch._dynamo.reset()
+    try:
+        s = torch.compile(sn, backend="aot_eager")(xc)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(s, (h.detach() >= 0).double())
+    g = torch.randn(s.shape, dtype=torch.float64)
+    s.backward(g)
+    sn.surrogate_function(h).backward(g)
+    for got, want, name in zip([xc.grad] + [p.grad for p in params], [x_ref.grad] + [t.grad for t in leaves],
+                               ["x", "weight", "gamma" if threshold == "bn" else "v_threshold", "beta"]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+
 def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
     """An implementation torch.compile cannot trace (``compiles=False``, as CuPy's launches)
     is what ``method='auto'`` runs eagerly, but not inside a compiled graph, where a traceable one gives

@@ -355,12 +355,30 @@ def update_running_stats(bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor, n
         if bn.num_batches_tracked is not None:
             bn.num_batches_tracked.add_(1)
         factor = _running_factor(bn, 0)
+        if torch.compiler.is_compiling():
+            _blend_running(bn.running_mean, bn.running_var, mean.detach(), var.detach(), float(factor), n)
+            return
         mean, var = mean.detach().to(bn.running_mean), (var.detach() * (n / max(n - 1, 1))).to(bn.running_var)
-        if torch.compiler.is_compiling():  # (the finiteness check is an assertion there, perhaps run after this)
-            mean = torch.where(torch.isfinite(mean), mean, bn.running_mean)
-            var = torch.where(torch.isfinite(var), var, bn.running_var)
         bn.running_mean.lerp_(mean, factor)
         bn.running_var.lerp_(var, factor)
+
+
+@torch.library.custom_op("spikingjelly_mfpsn::blend_running", mutates_args=("running_mean", "running_var"))
+def _blend_running(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                   factor: float, n: int) -> None:
+    """:func:`update_running_stats` under torch.compile, an operator inductor does not fuse into the kernel
+    that sums the statistics: Triton 3.6 (torch 2.11) fails to compile some such fusions for CUDA ("operand
+    does not dominate this use" in its layout pass). The finiteness check is an assertion there, perhaps
+    run after this: a non-finite statistic leaves its running one as it was. (``n``, not a float of it: a
+    batch size dynamic in the graph stays so.)"""
+    mean, var = mean.to(running_mean), (var * (n / max(n - 1, 1))).to(running_var)
+    running_mean.lerp_(torch.where(torch.isfinite(mean), mean, running_mean), factor)
+    running_var.lerp_(torch.where(torch.isfinite(var), var, running_var), factor)
+
+
+@_blend_running.register_fake
+def _(running_mean, running_var, mean, var, factor, n) -> None:
+    return None
 
 
 def fold_checked(weight: torch.Tensor, bn: BatchNorm, mean: torch.Tensor, var: torch.Tensor,

@@ -311,19 +311,34 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
             name = kind + (", compiled" if compiled else "")
             fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
         host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in ("mfpsn", "mfpsn, fused BN")}
-        graphs = {name: _compiled_graphs(fn) for name, fn in fns.items()} if compiled else {}
-        times = interleaved(fns, repeats=repeats, warmup=3, device=device)
+        graphs, failed = _compiled_graphs_of(fns) if compiled else ({}, {})
+        rows += [{"network": label, "T": T, "candidate": name, "error": error} for name, error in failed.items()]
+        times = interleaved(fns, repeats=repeats, warmup=3, device=device) if fns else {}
         base = "psn, compiled" if compiled else "psn" if "psn" in times else "lif"
-        base = base if base in times else next(iter(times))
+        base = base if base in times else next(iter(times), None)
         for name, ts in times.items():
             rows.append({"network": label, "T": T, "candidate": name, "ms": median(ts) * 1e3,
                          "ratio": ratio_cell(ts, times[base]), "baseline": base,
-                         "peak_mib": _peak(fns[name], device),
+                         "peak_mib": None if compiled else _peak(fns[name], device),  # (graphs: pool at warm-up)
                          "host_ms": host.get(name, (None, None))[0], "launches": host.get(name, (None, None))[1],
                          "graphs": graphs.get(name)})
         print(f"  {label} T={T}: " + ", ".join(f"{n} {median(ts) * 1e3:.1f} ms" for n, ts in times.items()), flush=True)
         progress(rows)
     return rows
+
+
+def _compiled_graphs_of(fns) -> tuple[dict, dict]:
+    """``({name: _compiled_graphs(step)}, {name: error})`` of the compiled steps ``fns``; a step that fails
+    to compile or run is reported and taken out of ``fns``, so that the others are still timed."""
+    graphs, failed = {}, {}
+    for name in list(fns):
+        try:
+            graphs[name] = _compiled_graphs(fns[name])
+        except Exception as e:  # noqa: BLE001 (e.g. inductor's own compiler failing on this machine)
+            failed[name] = f"{type(e).__name__}: {str(e)[-400:]}"
+            print(f"  {name} failed: {failed[name]}", flush=True)
+            del fns[name]
+    return graphs, failed
 
 
 def _compiled_graphs(step) -> str:
@@ -430,7 +445,9 @@ def markdown(result) -> str:
              "graphs/breaks/skips"],
             [[r["network"], r["T"], r["candidate"], f"{r['ms']:.2f} ms", r["ratio"], r["baseline"],
               _cell(r["peak_mib"], "{:.0f}"), _cell(r["host_ms"], "{:.1f}"), _cell(r["launches"], "{}"),
-              _cell(r.get("graphs"), "{}")] for r in result["network"]]))
+              _cell(r.get("graphs"), "{}")] if "error" not in r else
+             [r["network"], r["T"], r["candidate"], "failed: " + r["error"].strip().splitlines()[-1][:120]] + ["-"] * 6
+             for r in result["network"]]))
     return "\n".join(lines) + "\n"
 
 

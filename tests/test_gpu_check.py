@@ -96,3 +96,23 @@ def test_the_benchmark_scripts_refuse_bad_flags_by_name(tmp_path, script, args, 
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path)
     assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "OUT").exists()
+
+
+def test_a_compiled_candidate_that_fails_is_reported_and_the_others_timed():
+    """A compiled network step that raises (e.g. inductor's compiler failing on that machine) becomes a
+    'failed' row of the report instead of ending the run."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+
+    def broken():
+        raise RuntimeError("PassManager::run failed")
+    fns = {"works": lambda: None, "broken": broken}
+    graphs, failed = gpu_check._compiled_graphs_of(fns)
+    assert list(fns) == ["works"] and list(graphs) == ["works"]
+    assert list(failed) == ["broken"] and "PassManager::run failed" in failed["broken"]
+    row = {"network": "Table 10", "T": 8, "candidate": "broken, compiled", "error": failed["broken"]}
+    text = gpu_check.markdown({"versions": {"device": "cpu"}, "network": [row]})
+    assert "| Table 10 | 8 | broken, compiled | failed: RuntimeError: PassManager::run failed |" in text

@@ -139,6 +139,20 @@ def test_sawtooth_dilations_follow_running_order(name):
     assert {(m.dilation, m.k) for m in models.spiking_layers(flat)} == {(1, 3)}
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_one_dilation_everywhere_takes_sawtooth_off(name):
+    """dilation=d with sawtooth=False gives every MF-PSN dilation d; with the sawtooth on, and a step mode
+    other than the builders' own, a clear error (a duplicate keyword TypeError before)."""
+    kwargs, shape, _ = TINY[name]
+    net = models.build(name, neuron="mfpsn", k=2, sawtooth=False, dilation=2, **kwargs)
+    assert {m.dilation for m in models.spiking_layers(net)} == {2}
+    assert net(torch.rand(shape)).isfinite().all()
+    with pytest.raises(ValueError, match="sawtooth=False"):
+        models.build(name, neuron="mfpsn", dilation=2, **kwargs)
+    with pytest.raises(ValueError, match="set_step_mode"):
+        models.build(name, neuron="mfpsn", step_mode="s", **kwargs)
+
+
 def test_psn_choice_needs_spikingjelly_2():
     if models.psn_available("psn"):
         net = models.sequential_image_net(1, 8, T=5, neuron="psn", channels=4, hidden=8)

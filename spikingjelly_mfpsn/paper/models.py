@@ -61,9 +61,10 @@ class NeuronFactory:
         neuron: one of :data:`NEURONS`, or a SpikingJelly neuron class (built with
             ``step_mode='m'``, ``surrogate_function`` and ``neuron_kwargs``)
         k: order of MF-PSN and Sliding PSN
-        sawtooth: MF-PSN dilations 1, 2, 3, ... in running order; ``False``: all 1
+        sawtooth: MF-PSN dilations 1, 2, 3, ... in running order; ``False``: all 1, or all ``dilation``
         surrogate_function: a SpikingJelly surrogate, copied into every neuron (``ATan()`` by default)
-        neuron_kwargs: passed to every neuron (e.g. ``threshold='param'`` for MF-PSN)
+        neuron_kwargs: passed to every neuron (e.g. ``threshold='param'`` for MF-PSN); ``dilation=d``
+            (with ``sawtooth=False``) gives every MF-PSN dilation ``d``
     """
 
     def __init__(self, neuron: Union[str, type] = "mfpsn", k: int = 2, sawtooth: bool = True,
@@ -84,6 +85,14 @@ class NeuronFactory:
         self.sawtooth = bool(sawtooth)
         self.surrogate_function = (surrogate_function if surrogate_function is not None
                                    else _compat.default_surrogate())
+        if "step_mode" in neuron_kwargs:
+            raise ValueError("step_mode: the networks are built multi-step ('m'); switch the whole network "
+                             "afterwards with functional.set_step_mode(net, 's')")
+        self.dilation = neuron_kwargs.pop("dilation", None)
+        if self.dilation is not None and self.sawtooth:
+            raise ValueError(f"dilation={self.dilation!r} and sawtooth=True: the sawtooth sets every MF-PSN's "
+                             f"dilation (1, 2, 3, ...); pass sawtooth=False for dilation {self.dilation!r} "
+                             f"in every MF-PSN")
         self.neuron_kwargs = neuron_kwargs
         self.mfpsn_count = 0  # MF-PSN layers made so far: the next one's sawtooth position
 
@@ -92,8 +101,10 @@ class NeuronFactory:
         sg = copy.deepcopy(self.surrogate_function)
         kw = dict(self.neuron_kwargs)
         mfpsn = MulFreeChannelwisePSN if self.neuron == "mfpsn" else self.neuron
+        if self.dilation is not None:  # (only an MF-PSN takes one: another neuron refuses it by name)
+            kw["dilation"] = self.dilation
         if isinstance(mfpsn, type) and issubclass(mfpsn, MulFreeChannelwisePSN):  # (the class too: k, the sawtooth)
-            d = sawtooth_dilation(self.mfpsn_count) if self.sawtooth else 1
+            d = sawtooth_dilation(self.mfpsn_count) if self.sawtooth else kw.pop("dilation", 1)
             self.mfpsn_count += 1
             return mfpsn(channels, k=self.k, dilation=d, surrogate_function=sg, step_mode="m", **kw)
         if self.neuron == "lif":

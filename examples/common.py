@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -314,13 +315,35 @@ def configure_method(net: nn.Module, args, x_example: torch.Tensor, env: Env) ->
         except (TypeError, ValueError) as e:  # (e.g. a LIF network, which has no time-last form)
             usage_exit(f"--layout {args.layout}: {' '.join(line.strip() for line in str(e).splitlines())}")
     layout = args.layout or "time_first"
-    net = set_method(net, args.method, layout=layout, example_input=x_example)
+    held = _HeldWarnings()  # (its warning that some layers keep their method: the usage error below says it)
+    logging.getLogger("spikingjelly_mfpsn").addFilter(held)
+    try:
+        net = set_method(net, args.method, layout=layout, example_input=x_example)
+    finally:
+        logging.getLogger("spikingjelly_mfpsn").removeFilter(held)
     kept = [m for m in net.modules() if isinstance(m, MulFreeChannelwisePSN) and m.method != args.method]
+    held.release(unless=bool(kept))
     if kept:  # (a run named after a method its layers do not run)
         runs = dict.fromkeys([*kept[0].supported_methods, *kept[0].candidate_methods])
         usage_exit(f"--method {args.method}: {len(kept)} MF-PSN layer(s) cannot run it in the {layout} layout (they "
                    f"run {', '.join(runs)}); pick one of those, or another --layout")
     return net, f"{args.method} ({layout})", 0.0
+
+
+class _HeldWarnings(logging.Filter):
+    """A logging filter that holds the records passing through it, to be let out later or dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self, unless: bool) -> None:
+        for record in [] if unless else self.records:
+            logging.getLogger(record.name).handle(record)
 
 
 def usage_exit(message: str):

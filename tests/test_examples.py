@@ -1043,6 +1043,7 @@ def test_a_method_the_layout_does_not_have_is_a_usage_error(tmp_path):
                        env=_env(), timeout=300)
     assert r.returncode == 2 and "--method conv2d: " in r.stderr and "time_first layout" in r.stderr, r.stderr[-800:]
     assert "Traceback" not in r.stderr and not os.path.exists(os.path.join(out, "metrics.json"))
+    assert "does not support method" not in r.stderr + r.stdout  # (one message: set_method's warning said it first)
 
 
 def test_an_incomplete_cifar_folder_names_what_it_lacks_and_batches_name_their_file(tmp_path):

@@ -76,6 +76,24 @@ def test_the_session_script_logs_each_stage(tmp_path):
     assert "no CUDA device here" in (tmp_path / "check.log").read_text()
 
 
+@pytest.mark.parametrize("tests_s, tests_k", [("0", ""), ("300", "inductor_with_method_auto")])
+def test_the_session_script_runs_the_tests_asked_for(tmp_path, tests_s, tests_k):
+    """TESTS_S=0 skips the CUDA tests (a GPU session short of time runs gpu_check only); TESTS_K selects
+    among them with a pytest -k expression."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none"),
+           "TESTS_S": tests_s, "TESTS_K": tests_k, "CHECK_S": "120", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh")], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    log = (tmp_path / "session.log").read_text()
+    assert "gpu_check: " in log and ("tests: " in log) == (tests_s != "0")
+    if tests_k:
+        log = (tmp_path / "tests.log").read_text()  # (that CUDA test alone, skipped: no CUDA device here)
+        assert log.count("SKIPPED [1] tests/test_cuda.py") == 1 and "deselected" in log, log[-2000:]
+    else:
+        assert not (tmp_path / "tests.log").exists()
+
+
 @pytest.mark.parametrize("script, args, says", [
     ("host_cost.py", ["--shape", "4,2,8"], "argument --shape: expected four sizes"),
     ("host_cost.py", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),

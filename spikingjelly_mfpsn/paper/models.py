@@ -88,11 +88,10 @@ class NeuronFactory:
         if "step_mode" in neuron_kwargs:
             raise ValueError("step_mode: the networks are built multi-step ('m'); switch the whole network "
                              "afterwards with functional.set_step_mode(net, 's')")
-        self.dilation = neuron_kwargs.pop("dilation", None)
-        if self.dilation is not None and self.sawtooth:
-            raise ValueError(f"dilation={self.dilation!r} and sawtooth=True: the sawtooth sets every MF-PSN's "
-                             f"dilation (1, 2, 3, ...); pass sawtooth=False for dilation {self.dilation!r} "
-                             f"in every MF-PSN")
+        if "dilation" in neuron_kwargs and self.sawtooth:
+            d = neuron_kwargs["dilation"]
+            raise ValueError(f"dilation={d!r} and sawtooth=True: the sawtooth sets every MF-PSN's dilation "
+                             f"(1, 2, 3, ...); pass sawtooth=False for dilation {d!r} in every MF-PSN")
         self.neuron_kwargs = neuron_kwargs
         self.mfpsn_count = 0  # MF-PSN layers made so far: the next one's sawtooth position
 
@@ -101,8 +100,6 @@ class NeuronFactory:
         sg = copy.deepcopy(self.surrogate_function)
         kw = dict(self.neuron_kwargs)
         mfpsn = MulFreeChannelwisePSN if self.neuron == "mfpsn" else self.neuron
-        if self.dilation is not None:  # (only an MF-PSN takes one: another neuron refuses it by name)
-            kw["dilation"] = self.dilation
         if isinstance(mfpsn, type) and issubclass(mfpsn, MulFreeChannelwisePSN):  # (the class too: k, the sawtooth)
             d = sawtooth_dilation(self.mfpsn_count) if self.sawtooth else kw.pop("dilation", 1)
             self.mfpsn_count += 1

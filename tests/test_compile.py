@@ -145,6 +145,7 @@ def test_compiled_torch_methods_match_the_reference(method, threshold, layout):
                                ["x", "weight", "gamma" if threshold == "bn" else "v_threshold", "beta"]):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
 
+
 def test_auto_under_compile_takes_an_implementation_the_compiler_traces():
     """An implementation torch.compile cannot trace (``compiles=False``, as CuPy's launches)
     is what ``method='auto'`` runs eagerly, but not inside a compiled graph, where a traceable one gives

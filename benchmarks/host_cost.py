@@ -1,22 +1,37 @@
 """Host cost of one neuron layer's training step: the Python and dispatch time around the kernels.
 
 Tiny tensors on the CPU, where the kernels cost next to nothing, timed side by side in this process
-(ratios, never absolute claims): MF-PSN on 'triton' with its kernel launches stubbed out (through
-Triton's interpreter, whose run is replaced by a no-op: everything but the kernels and Triton's own
-launch code), on 'cpp', and on the default torch method, against SpikingJelly's BatchNorm + PSN, PSN
-and LIF. A GPU adds Triton's per-launch cost to the first two rows; ``benchmarks/gpu_check.py``
-measures the whole step's host time there.
+(ratios, never absolute claims): MF-PSN on 'triton', on 'cpp' and on the default torch method, against
+SpikingJelly's BatchNorm + PSN, PSN and LIF. The Triton rows launch nothing; how they get there:
 
-    python benchmarks/host_cost.py [--shape T,N,C,L] [--repeats 200]
+* ``--launch compiled`` (where Triton has its CUDA backend): through the code that launches on a GPU.
+  A stand-in CUDA driver (``_fake_cuda.py``) has Triton specialise and compile each kernel for sm_90 and
+  drops the launches, so the rows hold Triton's per-launch Python (argument binding, cache lookup) and
+  this package's; each Triton row appears twice, with the compiled kernels bound
+  (``spikingjelly_mfpsn.ops.launch``) and with every launch through Triton's ``JITFunction.run``. A GPU
+  adds the launcher's C code and the driver call to these.
+* ``--launch interpreter`` (the default): Triton's interpreter with its run replaced by a no-op, which
+  leaves out Triton's launch path.
+
+``benchmarks/gpu_check.py`` measures the whole step's host time on a GPU.
+
+    python benchmarks/host_cost.py [--launch compiled] [--shape T,N,C,L] [--repeats 200]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+COMPILED = sys.argv[sys.argv.index("--launch") + 1:][:1] == ["compiled"] if "--launch" in sys.argv else False
+if COMPILED:  # (before triton is imported by anything else)
+    import _fake_cuda
+    _fake_cuda.install()
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -26,6 +41,7 @@ from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops  # noqa: E402
+from spikingjelly_mfpsn.ops import launch  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 
@@ -46,16 +62,38 @@ class StubbedTriton:
         self.cls.run = self.real
 
 
+def triton_layers(c: int) -> dict[str, nn.Module]:
+    """BN- and parameter-threshold MF-PSN on 'triton', and a batch norm fused into it."""
+    pair = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), MulFreeChannelwisePSN(c, k=2, step_mode="m",
+                                                                                      method="triton"))
+    fuse_batchnorm(pair)
+    return {"MF-PSN triton, bn": MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton"),
+            "MF-PSN triton, param": MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton", threshold="param"),
+            "BatchNorm + MF-PSN triton, fused": pair}
+
+
+THROUGH_TRITON = " (compiled, through Triton)"
+
+
+def through_triton(step):
+    """``step`` with every Triton launch through Triton's ``JITFunction.run`` (binding off)."""
+    def run():
+        bind, launch.BIND = launch.BIND, False
+        try:
+            step()
+        finally:
+            launch.BIND = bind
+    return run
+
+
 def candidates(T: int, c: int) -> dict[str, nn.Module]:
     out = {}
-    if "triton" in ops.names():
-        out["MF-PSN triton, bn (kernels stubbed)"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton")
-        out["MF-PSN triton, param (kernels stubbed)"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="triton",
-                                                                              threshold="param")
-        pair = nn.Sequential(layer.BatchNorm1d(c, step_mode="m"), MulFreeChannelwisePSN(c, k=2, step_mode="m",
-                                                                                          method="triton"))
-        fuse_batchnorm(pair)
-        out["BatchNorm + MF-PSN triton, fused (kernels stubbed)"] = pair
+    if "triton" in ops.names() and COMPILED:
+        for name, module in triton_layers(c).items():
+            out[name + " (compiled, bound)"] = module
+            out[name + THROUGH_TRITON] = copy.deepcopy(module)
+    elif "triton" in ops.names():
+        out.update({name + " (kernels stubbed)": module for name, module in triton_layers(c).items()})
     if "cpp" in ops.names():
         out["MF-PSN cpp, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="cpp")
     out["MF-PSN shift_add, bn"] = MulFreeChannelwisePSN(c, k=2, step_mode="m", method="shift_add")
@@ -70,14 +108,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=shape, default="4,2,8,4", help="T,N,C,L")
     parser.add_argument("--repeats", type=positive_int, default=200)
+    parser.add_argument("--launch", choices=("interpreter", "compiled"), default="interpreter",
+                        help="how the Triton rows launch (see above); read before anything imports triton")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     T, n, c, m = args.shape
     x, grad = torch.randn(T, n, c, m), torch.randn(T, n, c, m)
     fns = {name: layer_step(mod, x, grad) for name, mod in candidates(T, c).items()}
+    fns = {name: through_triton(fn) if name.endswith(THROUGH_TRITON) else fn for name, fn in fns.items()}
     for fn in fns.values():  # real kernels once (lazy state, autotuning)
         fn()
-    with StubbedTriton():
+    with contextlib.nullcontext() if COMPILED else StubbedTriton():
         times = interleaved(fns, repeats=args.repeats, warmup=20)
     base = "BatchNorm + PSN" if "BatchNorm + PSN" in times else "LIF"
     rows = [[name, f"{median(ts) * 1e6:.0f} us", ratio_cell(ts, times[base])] for name, ts in times.items()]

@@ -86,7 +86,7 @@ def count_triton(mode: Traffic):
     """Count every Triton launch into ``mode`` by one rule: what its kernel declares it reads and writes
     (``triton_ops.TRAFFIC``), never the interpreter's own copies. A launch of a kernel that declares
     nothing raises: it could not be counted."""
-    from spikingjelly_mfpsn.ops import triton_ops
+    from spikingjelly_mfpsn.ops import launch, triton_ops
     import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
 
@@ -111,10 +111,11 @@ def count_triton(mode: Traffic):
             mode.paused = False
 
     cls.run = run
+    bind, launch.BIND = launch.BIND, False  # every launch through Triton's run, where it is counted
     try:
         yield mode
     finally:
-        cls.run = real
+        cls.run, launch.BIND = real, bind
 
 
 def _cpp_bn_sweeps(name: str, args, out) -> tuple[int, int]:

@@ -97,6 +97,7 @@ def test_the_session_script_runs_the_tests_asked_for(tmp_path, tests_s, tests_k)
 @pytest.mark.parametrize("script, args, says", [
     ("host_cost.py", ["--shape", "4,2,8"], "argument --shape: expected four sizes"),
     ("host_cost.py", ["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
+    ("host_cost.py", ["--launch", "gpu"], "argument --launch: invalid choice: 'gpu'"),
     ("memory_passes.py", ["--shape", "1,2"], "argument --shape: expected four sizes"),
     ("time_last_layers.py", ["--repeat", "0"], "argument --repeat: expected an int >= 1"),
     ("speed_suite.py", ["--parts", "nueron", "--out", "OUT"], "--parts: unknown 'nueron'"),

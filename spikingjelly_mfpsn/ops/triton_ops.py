@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from . import surrogate, tiles
+from . import launch, surrogate, tiles
 from .registry import LAYOUTS, Implementation, first_order_only, needs_grad, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -773,8 +773,12 @@ _KEY = ["R", "C", "T", "M", "K"]
 # The forward kernel is autotuned (no reduction: every tile gives the same bits). Kernels that reduce run
 # on tiles chosen from the shape alone (:func:`_reduction_tile`), so their sums are added in the same
 # order in every run and every process.
-_FWD = {layout: triton.autotune(_configs(layout), key=_KEY, prune_configs_by={"early_config_prune": _prune})(
-    _charge_fwd_kernel) for layout in _TILES}
+_FWD = {layout: launch.Bound(triton.autotune(_configs(layout), key=_KEY, prune_configs_by={
+    "early_config_prune": _prune})(_charge_fwd_kernel)) for layout in _TILES}
+# Every kernel is launched through launch.Bound: Triton's binding of its arguments once per specialisation.
+_BOUND = {k.__name__: launch.Bound(k) for k in (
+    _charge_bwd_kernel, _bn_moments_kernel, _bn_fold_kernel, _bn_grad_moments_kernel, _bn_grad_fold_kernel,
+    _bn_grad_x_kernel, _param_fold_kernel, _param_grad_fold_kernel)}
 
 
 # ---------------------------------------------------------------- launchers
@@ -939,12 +943,12 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     if x.numel() > 0:
         grad = grad.contiguous()  # dense like H; a copy only for strided or broadcast gradients
         _, os_, _, _ = _view4(grad, layout)
-        _charge_bwd_kernel[grid](grad, bias if bias is not None else weight, x4, weight,
-                                 gx if gx is not None else grad, pw, pb, r, c, t, m, k, dilation,
-                                 *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
-                                 bias.stride(0) if bias is not None else 0, SG=spike_kind,
-                                 HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
-                                 ACC=acc, EXACT=acc != tl.float64, BK=bk, **_tile_args(tile))
+        _BOUND['_charge_bwd_kernel'][grid](grad, bias if bias is not None else weight, x4, weight,
+                                           gx if gx is not None else grad, pw, pb, r, c, t, m, k, dilation,
+                                           *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
+                                           bias.stride(0) if bias is not None else 0, SG=spike_kind,
+                                           HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
+                                           ACC=acc, EXACT=acc != tl.float64, BK=bk, **_tile_args(tile))
     gx = gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
     if partials:
         return gx, pw, pb
@@ -1034,15 +1038,16 @@ def _stats_and_fold(x4, geometry, weight, gamma, beta, outs, fold_cfg, p0=None, 
     if given is None:
         part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
                            device=x4.device)
-        _bn_moments_kernel[(n_cb, n_split)](x4, weight, p0, part, r, c, t, m, dilation, *xs, *weight.stride(), K=k,
-                                            IN_BN=in_bn, ACC=acc, **_tile_args(tile))
+        _BOUND['_bn_moments_kernel'][(n_cb, n_split)](x4, weight, p0, part, r, c, t, m, dilation, *xs,
+                                                      *weight.stride(), K=k, IN_BN=in_bn, ACC=acc,
+                                                      **_tile_args(tile))
     else:
         (mean, var), part, n_split = given, weight, 0
     rm, rv, factor = running if running is not None else (mean, var, 0.0)
     if running is not None and saved is not None:
         saved.append(((rm, rv), (rm.clone(), rv.clone())))
     bc, bs = _fold_blocks(c, n_split, 2)
-    _bn_fold_kernel[(tiles.cdiv(c, bc),)](
+    _BOUND['_bn_fold_kernel'][(tiles.cdiv(c, bc),)](
         part, n_split, x4, weight, p0, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1],
         xs[3], *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
         var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
@@ -1112,10 +1117,9 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
     mean, p0 = mean.contiguous(), p0 if in_bn else weight
     part = torch.empty((n_split, c, rows, bk), dtype=torch.float64 if acc == tl.float64 else torch.float32,
                        device=device)
-    _bn_grad_moments_kernel[(n_cb, n_split)](grad, x4, weight, wq, b, mean, p0, part, r, c, t, m, dilation, *consts,
-                                             *xs, *gs, *weight.stride(), K=k, BK=bk, SG=kind, STATS=stats,
-                                             IN_BN=in_bn, ROWS=rows, ACC=acc, EXACT=acc != tl.float64,
-                                             **_tile_args(tile))
+    _BOUND['_bn_grad_moments_kernel'][(n_cb, n_split)](
+        grad, x4, weight, wq, b, mean, p0, part, r, c, t, m, dilation, *consts, *xs, *gs, *weight.stride(), K=k,
+        BK=bk, SG=kind, STATS=stats, IN_BN=in_bn, ROWS=rows, ACC=acc, EXACT=acc != tl.float64, **_tile_args(tile))
     # dL/dW, dL/dgamma, dL/dbeta, the statistics' coefficients for K6 and the input batch norm's (dL/dgamma0,
     # dL/dbeta0 and K6's two) in one allocation
     g_weight, g_gamma, g_beta, coef, g_pre = torch.empty(c * (k + 4 + 4 * in_bn), dtype=dtype, device=device) \
@@ -1123,7 +1127,7 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
     g_weight = g_weight.view(c, k)
     eps0, stats0 = pre if in_bn else (1.0, False)
     bc, bs = _fold_blocks(c, n_split, rows * bk)
-    _bn_grad_fold_kernel[(tiles.cdiv(c, bc),)](
+    _BOUND['_bn_grad_fold_kernel'][(tiles.cdiv(c, bc),)](
         part, n_split, weight, gamma, mean, var, wq, p0, g_weight, g_gamma, g_beta, coef, g_pre if in_bn else coef,
         c, t, r * t, dilation, *_hi_lo(eps), *_hi_lo(eps0), *weight.stride(), gamma.stride(0), mean.stride(0),
         var.stride(0), K=k, BK=bk, ROUND=ste == "round", STATS=stats, IN_BN=in_bn, STATS0=stats0, ROWS=rows,
@@ -1131,7 +1135,7 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
     gx = None
     if need_gx:
         gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=device)
-        _bn_grad_x_kernel[_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
+        _BOUND['_bn_grad_x_kernel'][_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
             grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx, r, c, t, m, dilation, *consts,
             *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, EXACT=acc != tl.float64,
             **_tile_args(tile))
@@ -1178,9 +1182,9 @@ def _param_forward(x, weight, v_threshold, cfg):
     wq, b, ok = flat.split_with_sizes((c * k, c, c))
     wq = wq.view(c, k)
     bc = 4 if INTERPRETED else min(tiles.pow2_ceil(c), 256)
-    _param_fold_kernel[(tiles.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
-                                              v_threshold.stride(0), K=k, QUANT=ste is not None,
-                                              F64=weight.dtype == torch.float64, BC=bc)
+    _BOUND['_param_fold_kernel'][(tiles.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
+                                                       v_threshold.stride(0), K=k, QUANT=ste is not None,
+                                                       F64=weight.dtype == torch.float64, BC=bc)
     _refuse_unless_finite(ok, x, "its weight or v_threshold")
     _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
     return s, wq, b, flat
@@ -1217,9 +1221,9 @@ def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
     g_weight, g_vth = torch.empty(c * (k + 1), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c))
     g_weight = g_weight.view(c, k)
     bc, bs = _fold_blocks(c, pw.shape[0], pw.shape[2] + 1)
-    _param_grad_fold_kernel[(tiles.cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
-                                                   *weight.stride(), K=k, BK=pw.shape[2], ROUND=ste == "round",
-                                                   F64=weight.dtype == torch.float64, BC=bc, BS=bs)
+    _BOUND['_param_grad_fold_kernel'][(tiles.cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
+                                                            *weight.stride(), K=k, BK=pw.shape[2], ROUND=ste == "round",
+                                                            F64=weight.dtype == torch.float64, BC=bc, BS=bs)
     return gx, g_weight, g_vth
 
 
@@ -1464,9 +1468,21 @@ def param_fire(x, weight, v_threshold, ste, dilation, layout, code, alpha) -> Op
         return None
 
 
+def _driver_device() -> Optional[str]:
+    """The device type Triton's kernels run on here: the CPU under its interpreter, else its active
+    driver's (CUDA; the CPU for a CPU backend), None where it has none."""
+    if INTERPRETED:
+        return "cpu"
+    try:
+        return triton.runtime.driver.active.get_active_torch_device().type
+    except Exception:  # (Triton raises RuntimeError where no driver is active; a driver may raise more)
+        return None
+
+
 def requirements(x, weight, dilation, layout) -> list[str]:
-    """CUDA tensors, or CPU ones through Triton's interpreter (read at the call: a test may switch it)."""
-    if x.is_cuda or (INTERPRETED and x.is_cpu):
+    """CUDA tensors, or CPU ones where Triton runs on the CPU (its interpreter; read at the call: a test
+    may switch it)."""
+    if x.is_cuda or (x.is_cpu and _driver_device() == "cpu"):
         return []
     hint = "; on the CPU set TRITON_INTERPRET=1 before importing spikingjelly_mfpsn" if x.is_cpu else ""
     return [f"triton kernels need CUDA tensors (x is on {x.device}){hint}"]

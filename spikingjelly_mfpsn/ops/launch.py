@@ -1,0 +1,105 @@
+"""Triton launches with the argument binding done once per specialisation, not on every launch.
+
+``kernel[grid](*args)`` has Triton bind and specialise every argument, build its cache key from them
+and check the kernel's globals before each launch: about 13 us of Python for a kernel of 40
+arguments on a server CPU, more than the launch itself, and a neuron layer's training step makes 5 to
+10 of them. :func:`bind` wraps a kernel (a ``triton.jit`` function or an autotuned one) so that the
+first launch of each specialisation goes through Triton (compiling, autotuning) and keeps the compiled
+kernel it returns; later launches with the same key launch that compiled kernel directly, as Triton's
+``JITFunction.run`` itself launches it once it has found it (launch hooks included).
+
+The key is finer than Triton's own: for each tensor its dtype and whether its address is a multiple
+of 16 (what Triton specialises a pointer on), every int, bool, None and compile-time constant by
+value, a float by its type only (Triton does not specialise floats), and the current device. Two
+launches with one key are one specialisation to Triton, so the kernel kept is the one it would choose.
+Under Triton's interpreter, before Triton 3.6, or with ``BIND`` false (the environment variable
+``SPIKINGJELLY_MFPSN_TRITON_BIND=0``), every launch goes through Triton; a Triton whose compiled kernels
+cannot be launched this way turns binding off with a warning.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import torch
+import triton
+from packaging.version import Version
+from triton.runtime import driver
+
+# The launch below is JITFunction.run's own, read in Triton 3.6 and 3.9; older ones launch otherwise.
+KNOWN = Version(Version(triton.__version__).base_version) >= Version("3.6")
+BIND = KNOWN and os.environ.get("SPIKINGJELLY_MFPSN_TRITON_BIND", "1") != "0"
+_MAX_KEYS = 256  # specialisations kept per kernel (a training loop meets a handful)
+_FLOAT = float  # a float argument's entry in the key: its type
+
+
+def _jit_function(kernel):
+    """The ``triton.jit`` function (or the interpreter's) under autotuners and heuristics."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    while not isinstance(kernel, (JITFunction, InterpretedFunction)):
+        kernel = kernel.fn
+    return kernel
+
+
+class Bound:
+    """``Bound(kernel)[grid](*args, **constexprs)`` launches like ``kernel[grid](...)``; see the module."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.jit = jit = _jit_function(kernel)
+        params = getattr(jit, "params", None)
+        self.interpreted = params is None  # Triton's interpreter: no compiled kernels, nothing to bind
+        self.names = tuple(p.name for p in params or ())
+        self.defaults = {p.name: p.default for p in params or () if p.default is not inspect.Parameter.empty}
+        self.compiled = {}
+        self.__name__ = jit.__name__
+
+    def __getitem__(self, grid):
+        if self.interpreted or not BIND:
+            return self.kernel[grid]
+        return lambda *args, **constexprs: self._launch(grid, args, constexprs)
+
+    def _launch(self, grid, args, constexprs):
+        device = driver.active.get_current_device()
+        key = (device, tuple(constexprs.items()),
+               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
+                 _FLOAT if type(a) is float else a for a in args])
+        hit = self.compiled.get(key)
+        if hit is None:
+            return self._first(key, grid, args, constexprs)
+        compiled, tail = hit
+        full = args + tail
+        if callable(grid):
+            grid = grid(dict(zip(self.names, full)))
+        try:  # as JITFunction.run launches (Triton 3.6 to 3.9): launch metadata only for a launch hook
+            enter = triton.knobs.runtime.launch_enter_hook
+            stream = driver.active.get_current_stream(device)
+            metadata = None if enter is None else compiled.launch_metadata(grid, stream, *full)
+            compiled.run(*(*grid, 1, 1)[:3], stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                         triton.knobs.runtime.launch_exit_hook, *full)
+        except (AttributeError, TypeError) as e:  # not the compiled-kernel interface this was written for
+            _stop_binding(e)
+            return self.kernel[grid](*args, **constexprs)
+        return compiled
+
+    def _first(self, key, grid, args, constexprs):
+        """Launch through Triton and keep the compiled kernel, with the arguments after ``args`` that the
+        launch took (the constants given by name, an autotuner's chosen config, the defaults)."""
+        compiled = self.kernel[grid](*args, **constexprs)
+        config = getattr(self.kernel, "best_config", None)
+        given = {**self.defaults, **constexprs, **(config.all_kwargs() if config is not None else {})}
+        hooks = self.jit.pre_run_hooks or (config is not None and config.pre_hook is not None)
+        if compiled is not None and not hooks and all(n in given for n in self.names[len(args):]):
+            if len(self.compiled) >= _MAX_KEYS:
+                self.compiled.clear()
+            self.compiled[key] = (compiled, tuple(given[n] for n in self.names[len(args):]))
+        return compiled
+
+
+def _stop_binding(error: Exception) -> None:
+    global BIND
+    BIND = False
+    warnings.warn(f"spikingjelly_mfpsn: launching Triton's compiled kernels directly failed ({error!r}); every "
+                  f"launch now goes through Triton", RuntimeWarning, stacklevel=3)

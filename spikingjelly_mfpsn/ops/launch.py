@@ -73,10 +73,11 @@ class Bound:
         full = args + tail
         if callable(grid):
             grid = grid(dict(zip(self.names, full)))
-        try:  # as JITFunction.run launches (Triton 3.6 to 3.9): launch metadata only for a launch hook
-            enter = triton.knobs.runtime.launch_enter_hook
+        try:  # as JITFunction.run launches (Triton 3.6 to 3.9), the launch metadata only for launch hooks
+            enter = triton.knobs.runtime.launch_enter_hook  # (a chain of hooks, usually empty)
             stream = driver.active.get_current_stream(device)
-            metadata = None if enter is None else compiled.launch_metadata(grid, stream, *full)
+            hooked = enter is not None and getattr(enter, "calls", True)
+            metadata = compiled.launch_metadata(grid, stream, *full) if hooked else None
             compiled.run(*(*grid, 1, 1)[:3], stream, compiled.function, compiled.packed_metadata, metadata, enter,
                          triton.knobs.runtime.launch_exit_hook, *full)
         except (AttributeError, TypeError) as e:  # not the compiled-kernel interface this was written for

@@ -3,6 +3,7 @@
 A tile is ``(BR, BC, BT)``: rows (samples times features), channels and time steps that one program
 covers. Nothing here imports Triton, so the rules are the same on any machine.
 """
+import functools
 import math
 
 # Time-first (T, N, C, M): C (when M = 1) or M is the contiguous axis and T the outermost, so tiles are
@@ -32,6 +33,7 @@ def pow2_floor(n: int) -> int:
     return 1 << max(n.bit_length() - 1, 0)
 
 
+@functools.lru_cache(maxsize=256)  # (host time on every launch; a loop meets a few shapes)
 def fold_blocks(c: int, n_split: int, per_channel: int, budget: int = 2048, max_bc: int = 64) -> tuple[int, int]:
     """``(channel block, split block)`` of a per-channel kernel that adds ``per_channel`` values of each
     of ``n_split`` splits: about ``budget`` values a step, both powers of two (``tl.arange`` sizes)."""
@@ -58,6 +60,7 @@ def worth_trying(tiles: list, r: int, c: int, t: int) -> list:
     return [tile for tile in tiles if padded_work(tile, r, c, t) <= 2 * least]
 
 
+@functools.lru_cache(maxsize=256)  # (host time on every launch; a loop meets a few shapes)
 def reduction_grid(tile: tuple, r: int, c: int, t: int, target: int) -> tuple[int, int]:
     """Programs of a reducing kernel, ``(channel blocks, splits)``.
 

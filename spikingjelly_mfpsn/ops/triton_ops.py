@@ -831,6 +831,7 @@ def _gx_dtype(x: torch.Tensor, acc) -> torch.dtype:
 _F32_MAX = 3.4028234663852886e38
 
 
+@functools.lru_cache(maxsize=256)  # (a step's eps and momentum are the same at every call)
 def _hi_lo(v: float) -> tuple[float, float]:
     """``v`` as float32 ``hi + lo`` (a kernel's float arguments are float32; float64 kernels add them);
     beyond float32's range ``(±inf, 0)``."""
@@ -1050,7 +1051,7 @@ def _stats_and_fold(x4, geometry, weight, gamma, beta, outs, fold_cfg, p0=None, 
     _BOUND['_bn_fold_kernel'][(tiles.cdiv(c, bc),)](
         part, n_split, x4, weight, p0, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1],
         xs[3], *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
-        var.stride(0), *_hi_lo(eps), *_hi_lo(factor), K=k, GIVEN=given is not None, RUNNING=running is not None,
+        var.stride(0), *_hi_lo(eps), *_hi_lo(float(factor)), K=k, GIVEN=given is not None, RUNNING=running is not None,
         QUANT=quant, IN_BN=in_bn, PRE=pre, ACC=acc, F64=weight.dtype == torch.float64, BC=bc, BS=bs)
     return mean, var
 

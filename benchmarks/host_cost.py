@@ -13,9 +13,10 @@ SpikingJelly's BatchNorm + PSN, PSN and LIF. The Triton rows launch nothing; how
 * ``--launch interpreter`` (the default): Triton's interpreter with its run replaced by a no-op, which
   leaves out Triton's launch path.
 
+``--network`` adds the sequential-CIFAR network's step (tiny), MF-PSN against PSN.
 ``benchmarks/gpu_check.py`` measures the whole step's host time on a GPU.
 
-    python benchmarks/host_cost.py [--launch compiled] [--shape T,N,C,L] [--repeats 200]
+    python benchmarks/host_cost.py [--launch compiled] [--network] [--shape T,N,C,L] [--repeats 200]
 """
 from __future__ import annotations
 
@@ -104,26 +105,67 @@ def candidates(T: int, c: int) -> dict[str, nn.Module]:
     return out
 
 
+def network_steps(T: int, n: int) -> dict[str, object]:
+    """The sequential-CIFAR network's training step (tiny: 8 channels, 8-pixel columns, T columns, SGD
+    included) with MF-PSN on 'triton' (batch norms apart, and fused), and with PSN."""
+    import torch.nn.functional as F
+    from spikingjelly.activation_based import functional
+    x, y = torch.randn(T, n, 3, 8), torch.randint(0, 10, (n,))
+
+    def step(kind, fuse=False, **kwargs):
+        net = models.sequential_image_net(3, 8, 10, T=T, neuron=kind, channels=8, hidden=16, **kwargs)
+        if fuse:
+            fuse_batchnorm(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        def run():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x).mean(0), y).backward()
+            opt.step()
+            functional.reset_net(net)
+        return run
+    out = {}
+    if "triton" in ops.names():
+        how = " (compiled, bound)" if COMPILED else " (kernels stubbed)"
+        out["MF-PSN triton" + how] = step("mfpsn", method="triton")
+        out["MF-PSN triton, fused BN" + how] = step("mfpsn", method="triton", fuse=True)
+        if COMPILED:
+            out["MF-PSN triton" + THROUGH_TRITON] = through_triton(step("mfpsn", method="triton"))
+    if models.psn_available("psn"):
+        out["PSN"] = step("psn")
+    return out
+
+
+def timed_table(fns: dict, base: str, repeats: int, title: str) -> None:
+    for fn in fns.values():  # real kernels once (lazy state, autotuning)
+        fn()
+    with contextlib.nullcontext() if COMPILED else StubbedTriton():
+        times = interleaved(fns, repeats=repeats, warmup=20)
+    base = base if base in times else next(iter(times))
+    rows = [[name, f"{median(ts) * 1e6:.0f} us", ratio_cell(ts, times[base])] for name, ts in times.items()]
+    print(f"{title}; ratio to {base}")
+    print(markdown_table(["step", "median", f"ratio to {base}"], rows))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=shape, default="4,2,8,4", help="T,N,C,L")
     parser.add_argument("--repeats", type=positive_int, default=200)
     parser.add_argument("--launch", choices=("interpreter", "compiled"), default="interpreter",
                         help="how the Triton rows launch (see above); read before anything imports triton")
+    parser.add_argument("--network", action="store_true",
+                        help="also the sequential-CIFAR network's step (tiny), MF-PSN against PSN")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     T, n, c, m = args.shape
     x, grad = torch.randn(T, n, c, m), torch.randn(T, n, c, m)
     fns = {name: layer_step(mod, x, grad) for name, mod in candidates(T, c).items()}
     fns = {name: through_triton(fn) if name.endswith(THROUGH_TRITON) else fn for name, fn in fns.items()}
-    for fn in fns.values():  # real kernels once (lazy state, autotuning)
-        fn()
-    with contextlib.nullcontext() if COMPILED else StubbedTriton():
-        times = interleaved(fns, repeats=args.repeats, warmup=20)
-    base = "BatchNorm + PSN" if "BatchNorm + PSN" in times else "LIF"
-    rows = [[name, f"{median(ts) * 1e6:.0f} us", ratio_cell(ts, times[base])] for name, ts in times.items()]
-    print(f"host time of one training step (forward + backward), X {(T, n, c, m)}, one thread; ratio to {base}")
-    print(markdown_table(["layer", "median", f"ratio to {base}"], rows))
+    timed_table(fns, "BatchNorm + PSN", args.repeats,
+                f"host time of one layer's training step (forward + backward), X {(T, n, c, m)}, one thread")
+    if args.network:
+        timed_table(network_steps(T, n), "PSN", max(args.repeats // 4, 1),
+                    f"host time of the sequential-CIFAR network's training step, T = {T}, batch {n}, one thread")
 
 
 if __name__ == "__main__":

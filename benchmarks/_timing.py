@@ -109,6 +109,19 @@ class Flat(nn.Module):
         return self.inner(x.flatten(2)).view_as(x)
 
 
+def through_triton(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with every Triton launch through Triton's ``JITFunction.run`` (the package's binding of
+    compiled kernels off: ``spikingjelly_mfpsn.ops.launch.BIND``)."""
+    def run():
+        from spikingjelly_mfpsn.ops import launch
+        bind, launch.BIND = launch.BIND, False
+        try:
+            step()
+        finally:
+            launch.BIND = bind
+    return run
+
+
 def layer_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
     """One training step of a layer: forward on a fresh leaf copy of ``x``, backward with ``grad``, reset."""
     from spikingjelly.activation_based import functional

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 import _timing  # noqa: E402
-from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell  # noqa: E402
+from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell, through_triton  # noqa: E402
 import reference  # noqa: E402  (tests/reference.py: plain loops, no package code)
 
 from spikingjelly.activation_based import functional, layer, neuron, surrogate  # noqa: E402
@@ -289,7 +289,8 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
     nets += [("sequential CIFAR", size, lambda kind: models.sequential_image_net(
         3, size, 100, T=size, neuron=kind, channels=c, hidden=hidden), (size, N, 3, size))] * ("sequential" in networks)
     kinds = ["mfpsn", "mfpsn, fused BN"] + (["psn"] if models.psn_available("psn") else []) + ["lif"]
-    jobs = [(net, kinds, False) for net in nets if eager]
+    # eager, also with every Triton launch through Triton's JITFunction.run (the package's binding off)
+    jobs = [(net, kinds + ["mfpsn, fused BN, through Triton"], False) for net in nets if eager]
     # compiled, method 'auto' takes what inductor fuses; the Triton operators inside the graph, for comparison
     compiled_kinds = [k for k in kinds if k != "lif"] + ["mfpsn, fused BN, triton"]
     compiled = [(net, compiled_kinds, True) for net in nets if compile_ts is None or net[1] in compile_ts]
@@ -310,7 +311,9 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
                 set_method(net, "triton")
             name = kind + (", compiled" if compiled else "")
             fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
-        host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in ("mfpsn", "mfpsn, fused BN")}
+            if kind.endswith("through Triton"):
+                fns[name] = through_triton(fns[name])
+        host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in fns if k.startswith("mfpsn")}
         graphs, failed = _compiled_graphs_of(fns) if compiled else ({}, {})
         rows += [{"network": label, "T": T, "candidate": name, "error": error} for name, error in failed.items()]
         times = interleaved(fns, repeats=repeats, warmup=3, device=device) if fns else {}

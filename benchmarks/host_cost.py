@@ -37,12 +37,12 @@ else:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from _timing import Flat, interleaved, layer_step, markdown_table, median, positive_int, ratio_cell, shape  # noqa: E402
+from _timing import (Flat, interleaved, layer_step, markdown_table, median, positive_int, ratio_cell,  # noqa: E402
+                     shape, through_triton)
 from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops  # noqa: E402
-from spikingjelly_mfpsn.ops import launch  # noqa: E402
 from spikingjelly_mfpsn.paper import models  # noqa: E402
 
 
@@ -74,17 +74,6 @@ def triton_layers(c: int) -> dict[str, nn.Module]:
 
 
 THROUGH_TRITON = " (compiled, through Triton)"
-
-
-def through_triton(step):
-    """``step`` with every Triton launch through Triton's ``JITFunction.run`` (binding off)."""
-    def run():
-        bind, launch.BIND = launch.BIND, False
-        try:
-            step()
-        finally:
-            launch.BIND = bind
-    return run
 
 
 def candidates(T: int, c: int) -> dict[str, nn.Module]:

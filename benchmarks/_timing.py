@@ -109,6 +109,20 @@ class Flat(nn.Module):
         return self.inner(x.flatten(2)).view_as(x)
 
 
+def train_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One SGD training step of a classifier over time steps (scores averaged over T), then a reset."""
+    import torch.nn.functional as F
+    from spikingjelly.activation_based import functional
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x).mean(0), y).backward()
+        opt.step()
+        functional.reset_net(net)
+    return run
+
+
 def through_triton(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with every Triton launch through Triton's ``JITFunction.run`` (the package's binding of
     compiled kernels off: ``spikingjelly_mfpsn.ops.launch.BIND``)."""

@@ -31,15 +31,15 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 import _timing  # noqa: E402
-from _timing import Flat, interleaved, layer_step, markdown_table, median, ratio_cell, through_triton  # noqa: E402
+from _timing import (Flat, interleaved, layer_step, markdown_table, median, ratio_cell, through_triton,  # noqa: E402
+                     train_step)
 import reference  # noqa: E402  (tests/reference.py: plain loops, no package code)
 
-from spikingjelly.activation_based import functional, layer, neuron, surrogate  # noqa: E402
+from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, fuse_batchnorm, ops, set_method  # noqa: E402
@@ -249,17 +249,6 @@ def table10_net(neuron, T, c, hidden, classes, size):
     return nn.Sequential(*layers)
 
 
-def _train_step(net, x, y):
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-
-    def run():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x).mean(0), y).backward()
-        opt.step()
-        functional.reset_net(net)
-    return run
-
-
 def _host_and_launches(fn, device):
     """(host ms of one step, launches in it): the step's Python time without waiting for the GPU, and the
     PyTorch operators that run a kernel plus Triton launches (benchmarks/memory_passes.py's counter)."""
@@ -310,7 +299,7 @@ def network_timing(device, quick, dry_run, repeats, compile_ts, progress=lambda 
             if kind.endswith("triton"):
                 set_method(net, "triton")
             name = kind + (", compiled" if compiled else "")
-            fns[name] = _train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
+            fns[name] = train_step(torch.compile(net, mode="reduce-overhead") if compiled else net, x, y)
             if kind.endswith("through Triton"):
                 fns[name] = through_triton(fns[name])
         host = {} if compiled else {k: _host_and_launches(fns[k], device) for k in fns if k.startswith("mfpsn")}

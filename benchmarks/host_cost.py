@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from _timing import (Flat, interleaved, layer_step, markdown_table, median, positive_int, ratio_cell,  # noqa: E402
-                     shape, through_triton)
+                     shape, through_triton, train_step)
 from spikingjelly.activation_based import layer, neuron, surrogate  # noqa: E402
 
 import spikingjelly_mfpsn  # noqa: E402,F401
@@ -97,22 +97,14 @@ def candidates(T: int, c: int) -> dict[str, nn.Module]:
 def network_steps(T: int, n: int) -> dict[str, object]:
     """The sequential-CIFAR network's training step (tiny: 8 channels, 8-pixel columns, T columns, SGD
     included) with MF-PSN on 'triton' (batch norms apart, and fused), and with PSN."""
-    import torch.nn.functional as F
-    from spikingjelly.activation_based import functional
     x, y = torch.randn(T, n, 3, 8), torch.randint(0, 10, (n,))
 
     def step(kind, fuse=False, **kwargs):
         net = models.sequential_image_net(3, 8, 10, T=T, neuron=kind, channels=8, hidden=16, **kwargs)
         if fuse:
             fuse_batchnorm(net)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        return train_step(net, x, y)
 
-        def run():
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x).mean(0), y).backward()
-            opt.step()
-            functional.reset_net(net)
-        return run
     out = {}
     if "triton" in ops.names():
         how = " (compiled, bound)" if COMPILED else " (kernels stubbed)"

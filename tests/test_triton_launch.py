@@ -17,7 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SCRIPT = textwrap.dedent("""
+PRELUDE = """
     import hashlib, sys
     sys.path[:0] = [{bench!r}, {tests!r}]
     import _fake_cuda
@@ -66,7 +66,10 @@ SCRIPT = textwrap.dedent("""
     def misaligned(shape):  # a view 4 bytes into its storage: another specialisation of the pointer
         n = torch.Size(shape).numel()
         return torch.randn(n + 1)[1:].view(shape)
+"""
 
+# Binding: a repeated step, a misaligned input, other sizes, and a fused batch norm against the pair apart.
+BINDING = """
     torch.manual_seed(0)
     for layout, thr in (("time_first", "bn"), ("time_last", "param")):
         sn = neuron.MulFreeChannelwisePSN(6, k=2, dilation=2, step_mode="m", layout=layout, threshold=thr,
@@ -98,7 +101,32 @@ SCRIPT = textwrap.dedent("""
             torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
     print("digest", digest.hexdigest())
     print("launches", *launches())
-""")
+"""
+
+
+# The GPU's tiles (the interpreter runs on tiles of its own): channel, row and time blocks past one
+# tile, 3-dim inputs whose channels are contiguous, a strided input, other orders and dilations.
+GPU_TILES = """
+    torch.manual_seed(1)
+    cases = [("time_first", "bn", 1, 1, (6, 4, 130)),       # channels contiguous: two blocks of 128
+             ("time_first", "bn", 3, 2, (7, 20, 3, 15)),    # 300 rows: two blocks of 256
+             ("time_last", "bn", 2, 1, (3, 4, 5, 70)),      # T = 70: two blocks of 64, 20 rows
+             ("time_first", "param", 5, 3, (19, 2, 6, 4)),
+             ("time_last", "param", 2, 2, (2, 130, 33))]
+    for layout, thr, k, d, shape in cases:
+        sn = neuron.MulFreeChannelwisePSN(shape[2] if layout == "time_first" else shape[1], k=k, dilation=d,
+                                          step_mode="m", layout=layout, threshold=thr, exp_init=False,
+                                          method="triton")
+        with torch.no_grad():
+            sn.weight.uniform_(-1.5, 1.5)
+        for strided in (False, True):
+            x = torch.randn(shape) * 2
+            if strided:  # the same values stored in the other order of the first two axes
+                x = x.transpose(0, 1).contiguous().transpose(0, 1)
+            against_reference(sn, x, thr)
+        print("case", layout, thr, k, d, "ok")
+    print("tiles ok")
+"""
 
 
 def compiled_env(**more) -> dict:
@@ -112,9 +140,14 @@ def compiled_env(**more) -> dict:
     return env
 
 
+def script(part: str) -> str:
+    return textwrap.dedent(PRELUDE.format(bench=os.path.join(ROOT, "benchmarks"), tests=os.path.join(ROOT, "tests"))
+                           + part)
+
+
 def run(bind: bool) -> dict:
     env = compiled_env(SPIKINGJELLY_MFPSN_TRITON_BIND="1" if bind else "0")
-    code = SCRIPT.format(bench=os.path.join(ROOT, "benchmarks"), tests=os.path.join(ROOT, "tests"))
+    code = script(BINDING)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     lines = {}
@@ -161,3 +194,13 @@ def test_host_cost_times_tritons_launch_path_without_a_gpu():
     for layer in ("MF-PSN triton, bn", "MF-PSN triton, param", "BatchNorm + MF-PSN triton, fused"):
         for how in ("(compiled, bound)", "(compiled, through Triton)"):
             assert f"| {layer} {how} | " in out.stdout, out.stdout
+
+
+def test_the_kernels_on_the_gpus_tiles_match_the_reference():
+    """The kernels as compiled for a GPU run on its tiles (the interpreter's tiles are others): several
+    channel, row and time blocks, contiguous channels, strided inputs, orders 1-5 and dilations 1-3,
+    both thresholds and layouts; spikes and every gradient against the reference, each launch checked
+    to use the compiled kernel Triton's specialisation selects."""
+    out = subprocess.run([sys.executable, "-c", script(GPU_TILES)], capture_output=True, text=True, timeout=900,
+                         env=compiled_env())
+    assert out.returncode == 0 and "tiles ok" in out.stdout, out.stderr[-4000:]

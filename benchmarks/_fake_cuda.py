@@ -61,6 +61,8 @@ class _Launcher:
     def __call__(self, gx, gy, gz, stream, function, packed, launch_metadata, enter_hook, exit_hook, *args):
         LAUNCHES["n"] += 1
         grid = (gx, gy, gz)
+        if enter_hook is not None:  # (as the CUDA launcher: each hook with the launch metadata)
+            enter_hook(launch_metadata)
         if _MODE["verify"]:
             md = self.metadata
             chosen = self.jit.run(*args, grid=grid, warmup=True, num_warps=md.num_warps, num_stages=md.num_stages)
@@ -72,6 +74,8 @@ class _Launcher:
                 _interpreted(self.jit.fn)[grid](*args)
         elif "OK" in self.jit.arg_names:
             args[self.jit.arg_names.index("OK")].fill_(1)
+        if exit_hook is not None:
+            exit_hook(launch_metadata)
 
 
 class FakeCudaDriver(DriverBase):

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("triton", reason="the Triton method needs triton")
 
 PRELUDE = """
     import hashlib, sys
@@ -88,6 +89,16 @@ BINDING = """
         n3, t3 = launches()
         print("resized", layout, thr, n3 - n2, t3 - t2)
 
+    # a launch hook (a profiler's) sees every launch, bound or not, with its kernel's name
+    import triton
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    n0 = launches()[0]
+    against_reference(sn, torch.randn(shape), thr)
+    triton.knobs.runtime.launch_enter_hook.remove(hook)
+    print("hooked", len(seen), launches()[0] - n0, len(set(seen)))
+
     # a batch norm fused into the neuron (two more kernels forward), against the same pair unfused
     pair = nn.Sequential(layer.BatchNorm1d(6, step_mode="m"),
                          neuron.MulFreeChannelwisePSN(6, k=3, step_mode="m", method="triton"))
@@ -153,7 +164,8 @@ def run(bind: bool) -> dict:
     lines = {}
     for line in out.stdout.splitlines():
         words = line.split()
-        lines[" ".join(words[:3]) if words[0] in ("repeat", "misaligned", "resized") else words[0]] = words[-2:]
+        cased = words[0] in ("repeat", "misaligned", "resized")
+        lines[" ".join(words[:3]) if cased else words[0]] = words[3:] if cased else words[1:]
     return lines
 
 
@@ -173,6 +185,14 @@ def test_launches_after_the_first_skip_tritons_binding(runs):
         for other in ("misaligned ", "resized "):
             n, through = map(int, bound[other + case])
             assert through > 0, (other + case, n, through)
+
+
+def test_launch_hooks_see_bound_launches(runs):
+    """A hook in Triton's launch_enter_hook chain (as profilers register) gets the metadata of every
+    launch, the bound ones included."""
+    for result in runs:
+        seen, launched, kernels = map(int, result["hooked"])
+        assert seen == launched >= 4 and kernels >= 3, result["hooked"]
 
 
 def test_bound_launches_give_the_same_bits_as_tritons_own(runs):

@@ -2,8 +2,8 @@
 
 ``kernel[grid](*args)`` has Triton bind and specialise every argument, build its cache key from them
 and check the kernel's globals before each launch: about 13 us of Python for a kernel of 40
-arguments on a server CPU, more than the launch itself, and a neuron layer's training step makes 5 to
-10 of them. :func:`bind` wraps a kernel (a ``triton.jit`` function or an autotuned one) so that the
+arguments on a server CPU, more than the launch itself, and a neuron layer's training step makes 4 to
+8 of them. :class:`Bound` wraps a kernel (a ``triton.jit`` function or an autotuned one) so that the
 first launch of each specialisation goes through Triton (compiling, autotuning) and keeps the compiled
 kernel it returns; later launches with the same key launch that compiled kernel directly, as Triton's
 ``JITFunction.run`` itself launches it once it has found it (launch hooks included).

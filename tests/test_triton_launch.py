@@ -136,6 +136,17 @@ GPU_TILES = """
                 x = x.transpose(0, 1).contiguous().transpose(0, 1)
             against_reference(sn, x, thr)
         print("case", layout, thr, k, d, "ok")
+    # a batch norm fused into the neuron, past one tile, against the pair apart
+    for shape in ((6, 4, 130), (7, 20, 3, 15)):
+        pair = nn.Sequential(layer.BatchNorm1d(shape[2], step_mode="m"),
+                             neuron.MulFreeChannelwisePSN(shape[2], k=2, step_mode="m", method="triton"))
+        apart = __import__("copy").deepcopy(pair)
+        fuse_batchnorm(pair)
+        x, g = torch.randn(shape) * 3 + 1, torch.randn(shape)
+        (s, grads), (s2, grads2) = step(pair, x, g), step(apart, x, g)
+        assert torch.equal(s, s2)
+        for a, b in zip(grads, grads2):
+            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
     print("tiles ok")
 """
 

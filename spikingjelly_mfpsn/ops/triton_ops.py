@@ -813,6 +813,8 @@ def _view4(x: torch.Tensor, layout: str) -> tuple:
 
 
 def _acc_dtype(*tensors):
+    """Triton's float64 where any tensor is float64, else float32 (the objects themselves: compared by
+    identity)."""
     return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
@@ -824,7 +826,7 @@ def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
 def _gx_dtype(x: torch.Tensor, acc) -> torch.dtype:
     """dL/dX's dtype in the kernels: ``x``'s, but float32 for a 16-bit ``x`` summed in float64 under the
     interpreter (Triton 3.9's interpreter turns float64 into bfloat16 wrongly; the caller casts)."""
-    narrow = INTERPRETED and acc == tl.float64 and x.dtype in (torch.float16, torch.bfloat16)
+    narrow = INTERPRETED and acc is tl.float64 and x.dtype in (torch.float16, torch.bfloat16)
     return torch.float32 if narrow else x.dtype
 
 
@@ -877,6 +879,7 @@ def _split_target(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=64)  # (the same few tiles at every launch; the dict is only unpacked)
 def _tile_args(tile: tuple) -> dict:
     br, bc, bt = tile
     return dict(BR=br, BC=bc, BT=bt, num_warps=tiles.num_warps(tile))
@@ -912,11 +915,12 @@ def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True
     out = h if h is not None else s
     _, os_, _, _ = _view4(out, layout)
     grid = functools.partial(_forward_grid, r=r, c=c, t=t)
+    acc = _acc_dtype(x, weight, bias)
     _FWD[layout][grid](x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
                        pre if pre is not None else weight, r, c, t, m, weight.shape[1], dilation, *xs, *os_,
                        *weight.stride(), bias.stride(0) if bias is not None else 0,
                        HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind), IN_BN=pre is not None,
-                       ACC=_acc_dtype(x, weight, bias), EXACT=_acc_dtype(x, weight, bias) != tl.float64)
+                       ACC=acc, EXACT=acc is not tl.float64)
     return h, s
 
 
@@ -931,7 +935,7 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     need_gx, need_gw, need_gb = need
     k = weight.shape[1]
     acc = _acc_dtype(x, weight)
-    part_dtype = torch.float64 if acc == tl.float64 else torch.float32
+    part_dtype = torch.float64 if acc is tl.float64 else torch.float32
     x4, xs, m, (r, c, t) = _view4(x, layout)
     tile = _reduction_tile(layout, c, t, m)
     grid = tiles.reduction_grid(tile, r, c, t, _split_target(x.device))
@@ -949,7 +953,7 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
                                            *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
                                            bias.stride(0) if bias is not None else 0, SG=spike_kind,
                                            HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
-                                           ACC=acc, EXACT=acc != tl.float64, BK=bk, **_tile_args(tile))
+                                           ACC=acc, EXACT=acc is not tl.float64, BK=bk, **_tile_args(tile))
     gx = gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
     if partials:
         return gx, pw, pb
@@ -1037,7 +1041,7 @@ def _stats_and_fold(x4, geometry, weight, gamma, beta, outs, fold_cfg, p0=None, 
     k, in_bn = weight.shape[1], p0 is not None
     p0 = p0 if in_bn else weight
     if given is None:
-        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc == tl.float64 else torch.float32,
+        part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc is tl.float64 else torch.float32,
                            device=x4.device)
         _BOUND['_bn_moments_kernel'][(n_cb, n_split)](x4, weight, p0, part, r, c, t, m, dilation, *xs,
                                                       *weight.stride(), K=k, IN_BN=in_bn, ACC=acc,
@@ -1116,11 +1120,11 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
     bk, rows, in_bn = tiles.pow2_ceil(k), 4 if p0 is None else 5, p0 is not None
     consts = surrogate_constants(kind, alpha)  # (COEF is stored in the parameters' dtype)
     mean, p0 = mean.contiguous(), p0 if in_bn else weight
-    part = torch.empty((n_split, c, rows, bk), dtype=torch.float64 if acc == tl.float64 else torch.float32,
+    part = torch.empty((n_split, c, rows, bk), dtype=torch.float64 if acc is tl.float64 else torch.float32,
                        device=device)
     _BOUND['_bn_grad_moments_kernel'][(n_cb, n_split)](
         grad, x4, weight, wq, b, mean, p0, part, r, c, t, m, dilation, *consts, *xs, *gs, *weight.stride(), K=k,
-        BK=bk, SG=kind, STATS=stats, IN_BN=in_bn, ROWS=rows, ACC=acc, EXACT=acc != tl.float64, **_tile_args(tile))
+        BK=bk, SG=kind, STATS=stats, IN_BN=in_bn, ROWS=rows, ACC=acc, EXACT=acc is not tl.float64, **_tile_args(tile))
     # dL/dW, dL/dgamma, dL/dbeta, the statistics' coefficients for K6 and the input batch norm's (dL/dgamma0,
     # dL/dbeta0 and K6's two) in one allocation
     g_weight, g_gamma, g_beta, coef, g_pre = torch.empty(c * (k + 4 + 4 * in_bn), dtype=dtype, device=device) \
@@ -1138,7 +1142,7 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
         gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=device)
         _BOUND['_bn_grad_x_kernel'][_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
             grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx, r, c, t, m, dilation, *consts,
-            *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, EXACT=acc != tl.float64,
+            *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, EXACT=acc is not tl.float64,
             **_tile_args(tile))
         gx = gx.to(x.dtype)
     return gx, g_weight, g_gamma, g_beta, *((g_pre[:c], g_pre[c:2 * c]) if in_bn else (None, None))

@@ -137,7 +137,7 @@ GPU_TILES = """
             against_reference(sn, x, thr)
         print("case", layout, thr, k, d, "ok")
     # a batch norm fused into the neuron, past one tile, against the pair apart
-    for shape in ((6, 4, 130), (7, 20, 3, 15)):
+    for shape in ((6, 4, 130, 1), (7, 20, 3, 15)):  # (M = 1: channels contiguous, as a 3-dim input)
         pair = nn.Sequential(layer.BatchNorm1d(shape[2], step_mode="m"),
                              neuron.MulFreeChannelwisePSN(shape[2], k=2, step_mode="m", method="triton"))
         apart = __import__("copy").deepcopy(pair)

@@ -15,7 +15,8 @@ step timed against SpikingJelly's PSN, LIF and BatchNorm + PSN, side by side in 
 (d) host: torch.profiler's CPU time per operator and cProfile's Python functions of one BN layer's step
     (alone and fused with its batch norm), next to BatchNorm + PSN's, to show where a host-bound step
     spends its time;
-(e) writes DIR/gpu_check.json and DIR/gpu_check.md (DIR: --out, else $OUT, else benchmarks/results/gpu).
+(e) writes DIR/gpu_check.json and DIR/gpu_check.md (DIR: --out, else $OUT, else benchmarks/results/gpu, or
+a new temporary folder for --dry-run).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -481,8 +483,9 @@ def main(argv=None):
         parser.error("no CUDA device here: run with --dry-run (TRITON_INTERPRET=1 to include Triton)")
     device = torch.device("cpu" if args.dry_run else "cuda")
     repeats = args.repeats or (1 if args.dry_run else 10)
-    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results", "gpu")
-    os.makedirs(out, exist_ok=True)
+    out = args.out or os.environ.get("OUT") or \
+        (tempfile.mkdtemp(prefix="gpu_check-dry-run-") if args.dry_run else os.path.join(HERE, "results", "gpu"))
+    os.makedirs(out, exist_ok=True)  # (a dry run's tiny CPU figures never go into the GPU results by default)
     t0 = time.perf_counter()
     result = {"versions": versions(device), "quick": args.quick, "dry_run": args.dry_run}
     compile_ts = () if args.no_compile or args.dry_run else args.compile_t or ((8,) if args.quick else None)
@@ -502,6 +505,7 @@ def main(argv=None):
         text = save(result, out)
         print(f"[{result['seconds']:.0f} s] {name} done", flush=True)
     print(text)
+    print(f"written to {out}")
     return 1 if result.get("correctness", {}).get("failures") or not result.get("determinism", {}).get("identical", 1) \
         else 0
 

@@ -135,3 +135,18 @@ def test_a_compiled_candidate_that_fails_is_reported_and_the_others_timed():
     row = {"network": "Table 10", "T": 8, "candidate": "broken, compiled", "error": failed["broken"]}
     text = gpu_check.markdown({"versions": {"device": "cpu"}, "network": [row]})
     assert "| Table 10 | 8 | broken, compiled | failed: RuntimeError: PassManager::run failed |" in text
+
+
+def test_a_dry_run_leaves_the_gpu_results_alone(tmp_path):
+    """Without --out or $OUT a dry run (tiny CPU figures) writes to a new temporary folder, not into
+    benchmarks/results/gpu, where it had landed and been committed once."""
+    results = os.path.join(ROOT, "benchmarks", "results", "gpu")
+    before = sorted(os.listdir(results))
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--sections",
+                          "neuron"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**env, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder = out.stdout.strip().splitlines()[-1].removeprefix("written to ")
+    assert os.path.isfile(os.path.join(folder, "gpu_check.json")) and not folder.startswith(results), out.stdout
+    assert sorted(os.listdir(results)) == before

@@ -27,7 +27,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-COMPILED = sys.argv[sys.argv.index("--launch") + 1:][:1] == ["compiled"] if "--launch" in sys.argv else False
+# (read before triton is imported: argparse checks the flag again in main)
+COMPILED = "--launch=compiled" in sys.argv or \
+    any(a == "--launch" and b == "compiled" for a, b in zip(sys.argv, sys.argv[1:]))
 if COMPILED:  # (before triton is imported by anything else)
     import _fake_cuda
     _fake_cuda.install()

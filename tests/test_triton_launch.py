@@ -219,7 +219,7 @@ def test_bound_launches_give_the_same_bits_as_tritons_own(runs):
 
 def test_host_cost_times_tritons_launch_path_without_a_gpu():
     """``benchmarks/host_cost.py --launch compiled`` times each Triton layer bound and through Triton."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_cost.py"), "--launch", "compiled",
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_cost.py"), "--launch=compiled",
                           "--repeats", "3"], capture_output=True, text=True, timeout=900, env=compiled_env())
     assert out.returncode == 0, out.stderr[-4000:]
     for layer in ("MF-PSN triton, bn", "MF-PSN triton, param", "BatchNorm + MF-PSN triton, fused"):

@@ -46,6 +46,9 @@ class BatchNorm(NamedTuple):
     num_batches_tracked: Optional[torch.Tensor] = None
 
 
+_BN_NAMES = tuple(f"bn.{name}" for name in BatchNorm._fields[:4])  # (its tensors, in the errors)
+
+
 def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
            v_threshold: Optional[torch.Tensor] = None, bn: Optional[BatchNorm] = None, dilation: int = 1,
            layout: str = "time_first", method: str = "auto", backend: str = "torch", surrogate_function=None,
@@ -140,16 +143,15 @@ def _weight_precision(x: torch.Tensor):
 def _check_threshold_args(weight, bias, v_threshold, bn, quantize, training) -> None:
     if quantize not in QUANTIZERS:
         raise ValueError(f"quantize must be one of {QUANTIZERS}, got {quantize!r}")
-    if sum(a is not None for a in (bias, v_threshold, bn)) > 1:
+    if (bias is not None) + (v_threshold is not None) + (bn is not None) > 1:
         raise ValueError("give at most one of bias, v_threshold and bn")
     if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):  # (before the thresholds, whose shapes follow it)
         raise ValueError(f"weight must have shape (C, k) with k >= 1, got {_described(weight)}")
-    c = weight.shape[0]
-    named = {"bias": bias, "v_threshold": v_threshold, **({} if bn is None else {
-        f"bn.{name}": t for name, t in zip(BatchNorm._fields, bn[:4])})}
-    for name, t in named.items():
-        if isinstance(t, torch.Tensor) and t.device != weight.device:
-            raise ValueError(f"{name} is on {t.device} but the weight on {weight.device}: move them to one device")
+    c, device = weight.shape[0], weight.device
+    named = zip(("bias", "v_threshold"), (bias, v_threshold)) if bn is None else zip(_BN_NAMES, bn[:4])
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the weight on {device}: move them to one device")
     if bn is not None:
         _check_bn(bn, "bn", c, training)
     elif v_threshold is not None and not _per_channel(v_threshold, c):
@@ -176,12 +178,15 @@ def _check_bn(bn: BatchNorm, what: str, c: Optional[int], training: bool, dtype=
     if not (bn.momentum is None or _is_number(bn.momentum) and 0 <= bn.momentum <= 1):
         raise ValueError(f"{what}.momentum must be a number in [0, 1] or None, got {bn.momentum!r}")
     for name, t in zip(BatchNorm._fields, bn[:4]):
-        if t is None and what == "bn" and name in ("gamma", "beta"):
-            raise ValueError(f"bn.{name} must be a tensor of shape ({c},) (one per channel), got None")
-        if training and name.startswith("running") and _per_channel(t, c) and c > 1 and t.stride(0) == 0:
+        if t is None:
+            if what == "bn" and name in ("gamma", "beta"):
+                raise ValueError(f"bn.{name} must be a tensor of shape ({c},) (one per channel), got None")
+            continue
+        per_channel = _per_channel(t, c)
+        if per_channel and training and c > 1 and name.startswith("running") and t.stride(0) == 0:
             raise ValueError(f"{what}.{name} must not be an expanded tensor (stride 0): a training step "
                              f"updates it in place")
-        if t is not None and not (_per_channel(t, c) and (t.dtype == dtype if dtype else t.is_floating_point())):
+        if not (per_channel and (t.dtype == dtype if dtype else t.is_floating_point())):
             in_dtype = " of a floating-point dtype" if dtype is None else f" in the weight's dtype {dtype}"
             got = _described(t) + (f" {t.dtype}" if isinstance(t, torch.Tensor) else "")
             raise ValueError(f"{what}.{name} must be a tensor of shape ({c},) (one per channel){in_dtype}, got {got}")

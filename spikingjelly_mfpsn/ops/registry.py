@@ -17,6 +17,7 @@ of ``method='auto'`` (:func:`choose`) reads those declarations, and :mod:`.core`
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -448,7 +449,10 @@ def backend_available(backend: str) -> bool:
 @torch.compiler.assume_constant_result
 def _importable(lib: str) -> bool:
     """Whether ``lib`` can be imported: a constant to torch.compile, whose dynamo (torch 2.11) does not trace
-    ``importlib.util.find_spec`` and broke the graph at every neuron with a kernel backend."""
+    ``importlib.util.find_spec`` and broke the graph at every neuron with a kernel backend. An imported module
+    first (find_spec's own first step, without its lookups: a kernel backend's step asks at every call)."""
+    if sys.modules.get(lib) is not None:
+        return True
     import importlib.util
     return importlib.util.find_spec(lib) is not None
 

@@ -635,6 +635,34 @@ def test_a_bad_batch_norm_gets_one_error_from_every_method(training, fields, mat
             ops.mf_psn(x, w, bn=_bn(3, **fields), backend=backend, training=training)
 
 
+@pytest.mark.parametrize("input_bn", [False, True])
+@pytest.mark.parametrize("case", ["channels", "dilation 0", "dilation 1.5", "layout", "two dims", "float64 x",
+                                  "integer x", "order 0"])
+def test_a_bad_input_to_a_bn_step_gets_one_error_from_every_method(case, input_bn):
+    """Methods whose BN step checks its inputs itself are tried before the general checks: each such step
+    hands every input it cannot take as it is back to them, so every method says the same."""
+    x, w, dilation, layout = torch.randn(4, 2, 3, 2), torch.rand(3, 2) + 0.1, 1, "time_first"
+    if case == "channels":
+        x = torch.randn(4, 2, 5, 2)
+    elif case.startswith("dilation"):
+        dilation = 0 if case == "dilation 0" else 1.5
+    elif case == "layout":
+        layout = "time_middle"
+    elif case == "two dims":
+        x = torch.randn(4, 3)
+    elif case.endswith(" x"):
+        x = x.double() if case == "float64 x" else x.long()
+    else:
+        w = torch.rand(3, 0)
+    errors = set()
+    for method in methods("time_first"):
+        extra = {"input_bn": _bn(3)} if input_bn else {}
+        with pytest.raises((ValueError, TypeError)) as info:
+            ops.mf_psn(x, w, bn=_bn(3), dilation=dilation, layout=layout, method=method, training=True, **extra)
+        errors.add((type(info.value), str(info.value)))
+    assert len(errors) == 1, errors
+
+
 def test_a_weight_of_another_shape_is_named_before_the_thresholds():
     """A 1-D weight was reported as a bad bn.gamma or v_threshold "of shape (None,)"."""
     x = torch.randn(4, 2, 3)

@@ -91,15 +91,12 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
     _check_backend(backend)
     _check_threshold_args(weight, bias, v_threshold, bn, quantize, training)
     dilation = _within_steps(x, dilation, layout)
-    if bn is not None and code and input_bn is None and (method != "auto" or backend != "torch"):
-        impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
-        if impl is not None and impl.checks_inputs and isinstance(x, torch.Tensor) and not autocasting(x):
-            # first a step that checks every tensor itself (but for x's layout, a sparse one)
-            check_dense(x)
-            s = _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training)
-            if s is not None:
-                return s
     _check_input_bn(input_bn, weight, training)
+    if bn is not None and code and (method != "auto" or backend != "torch"):
+        s = _self_checked_bn_step(x, weight, bn, quantize, dilation, layout, method, backend, code, alpha, training,
+                                  input_bn)
+        if s is not None:
+            return s
     impl, xp = _checked(x, weight, bias, dilation, layout, method, backend)
     with _weight_precision(x):
         if bn is not None:
@@ -109,6 +106,20 @@ def mf_psn(x: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor
                 xp = normalize_input(_in_weight_dtype(xp, weight), input_bn, layout, training)
             s = _param_spikes(impl, xp, weight, bias, v_threshold, quantize, dilation, layout, code, alpha, sg)
     return s if s.dtype == x.dtype else s.to(x.dtype)
+
+
+def _self_checked_bn_step(x, weight, bn, quantize, dilation, layout, method, backend, code, alpha, training,
+                          input_bn) -> Optional[torch.Tensor]:
+    """The spikes of the implementation's BN step where it checks every tensor itself (``checks_inputs``),
+    tried before the general checks on a call whose tensor layout, layout and dilation those would pass
+    (the C++ step ran an unknown layout as time-last); None where it has none or hands the call back."""
+    if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and layout in LAYOUTS
+            and type(dilation) is int and dilation >= 1) or autocasting(x):
+        return None
+    impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
+    if impl is None or not impl.checks_inputs or (input_bn is not None and not impl.fuses_input_bn):
+        return None
+    return _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, input_bn)
 
 
 def _resolved(x, weight, dilation, layout, method, backend) -> Optional[Implementation]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -206,8 +206,8 @@ def _charge_at(X, x_rc, mask, t, W, B, c, C, K, dilation, sx_t, sw_c, sw_k, sb, 
 
 
 @triton.jit
-def _charge_bwd_kernel(G, B, X, W, GX, PW, PB, R, C, T, M, K, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
-                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb,
+def _charge_bwd_kernel(G, B, X, W, GX, PW, PB, R, C, T, M, K, dilation,
+                       sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, sb, c1_hi, c1_lo, c2_hi, c2_lo,
                        SG: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
                        NEED_GB: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr, BK: tl.constexpr,
                        BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
@@ -408,7 +408,7 @@ def _lerp(a, b, f):
 
 
 @triton.jit
-def _bn_fold_kernel(PART, n_split, X, W, P0, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, OK, C, T, count, dilation,
+def _bn_fold_kernel(PART, X, W, P0, GAMMA, BETA, RM, RV, MEAN, VAR, WQ, B, OK, n_split, C, T, count, dilation,
                     sx_c, sx_t, sw_c, sw_k, s_g, s_b, s_rm, s_rv, s_mean, s_var, eps_hi, eps_lo, f_hi, f_lo,
                     K: tl.constexpr, GIVEN: tl.constexpr, RUNNING: tl.constexpr, QUANT: tl.constexpr,
                     IN_BN: tl.constexpr, PRE: tl.constexpr, ACC: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr,
@@ -471,8 +471,8 @@ def _bn_fold_kernel(PART, n_split, X, W, P0, GAMMA, BETA, RM, RV, MEAN, VAR, WQ,
 
 
 @triton.jit
-def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, P0, PART, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
-                            sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
+def _bn_grad_moments_kernel(G, X, W, WQ, B, MEAN, P0, PART, R, C, T, M, dilation,
+                            sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, c1_hi, c1_lo, c2_hi, c2_lo,
                             K: tl.constexpr, BK: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr,
                             IN_BN: tl.constexpr, ROWS: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr,
                             BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
@@ -548,8 +548,8 @@ def _split_sum(PART, n_split, c, cmask, C, row: tl.constexpr, ROWS: tl.constexpr
 
 
 @triton.jit
-def _bn_grad_fold_kernel(PART, n_split, W, GAMMA, MEAN, VAR, WQ, P0, GW, GGAMMA, GBETA, COEF, GPRE, C, T, count,
-                         dilation, eps_hi, eps_lo, eps0_hi, eps0_lo, sw_c, sw_k, s_g, s_mean, s_var, K: tl.constexpr,
+def _bn_grad_fold_kernel(PART, W, GAMMA, MEAN, VAR, WQ, P0, GW, GGAMMA, GBETA, COEF, GPRE, n_split, C, T, count,
+                         dilation, sw_c, sw_k, s_g, s_mean, s_var, eps_hi, eps_lo, eps0_hi, eps0_lo, K: tl.constexpr,
                          BK: tl.constexpr, ROUND: tl.constexpr, STATS: tl.constexpr, IN_BN: tl.constexpr,
                          STATS0: tl.constexpr, ROWS: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr,
                          BS: tl.constexpr):
@@ -637,8 +637,8 @@ def _input_bn_grads(P0, GPRE, c, cmask, C, n, dl_dy, a0, eps0, STATS0: tl.conste
 
 
 @triton.jit
-def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, P0, GPRE, GX, R, C, T, M, dilation, c1_hi, c1_lo, c2_hi, c2_lo,
-                      sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k,
+def _bn_grad_x_kernel(G, X, W, WQ, B, MEAN, COEF, P0, GPRE, GX, R, C, T, M, dilation,
+                      sx_n, sx_c, sx_m, sx_t, so_n, so_c, so_m, so_t, sw_c, sw_k, c1_hi, c1_lo, c2_hi, c2_lo,
                       K: tl.constexpr, SG: tl.constexpr, STATS: tl.constexpr, IN_BN: tl.constexpr, ACC: tl.constexpr,
                       EXACT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
     """K6: ``dL/dY[t] = sum_i WQ_i g[t + lag_i] + W_i (A + Bh (H[t + lag_i] - mean))`` for one tile
@@ -703,7 +703,7 @@ def _param_fold_kernel(W, VTH, WQ, B, OK, C, sw_c, sw_k, s_v, K: tl.constexpr, Q
 
 
 @triton.jit
-def _param_grad_fold_kernel(PW, PB, n_split, W, WQ, GW, GV, C, sw_c, sw_k, K: tl.constexpr, BK: tl.constexpr,
+def _param_grad_fold_kernel(PW, PB, W, WQ, GW, GV, n_split, C, sw_c, sw_k, K: tl.constexpr, BK: tl.constexpr,
                             ROUND: tl.constexpr, F64: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
     """Per channel: the backward kernel's partial sums added in a fixed order, ``dL/dW = dL/dWQ`` (times
     ``|Q(w)| / |w|`` with ROUND) and ``dL/dV_th = -dL/dB``."""
@@ -801,33 +801,68 @@ def _geometry(shape: torch.Size, strides: tuple, layout: str) -> Optional[tuple]
     return tuple(xs), m, (math.prod(shape) // max(t * c, 1), c, t)
 
 
-def _view4(x: torch.Tensor, layout: str) -> tuple:
-    """``x`` addressed as logical (T, N, C, M): ``(tensor, strides (n, c, m, t), M, (R, C, T))``, the
-    tensor ``x`` itself (its data pointer is all a kernel needs) or, where its feature dims do not merge
-    into one stride, a contiguous copy."""
-    g = _geometry(x.shape, x.stride(), layout)
+class _Plan(NamedTuple):
+    """What a step's launchers derive from X's shape and strides, X's and the weight's dtypes and the device
+    alone (:func:`_planned`): cached, since a training loop meets a handful of them."""
+    xs: tuple  # X's strides (n, c, m, t) as logical (T, N, C, M)
+    dense: tuple  # the same of a dense tensor of X's shape (the spikes, dL/dS, dL/dX)
+    m: int
+    r: int  # rows, N * M
+    c: int
+    t: int
+    tile: tuple  # (BR, BC, BT) of the kernels that reduce and of dL/dX's (:func:`_reduction_tile`)
+    tile_args: dict  # the same, as the kernels' constants, with the warps
+    n_cb: int  # a reducing kernel's channel blocks and splits (:func:`tiles.reduction_grid`)
+    n_split: int
+    gx_grid: tuple  # dL/dX's kernel: one program per tile
+    fwd_grid: "_TilesGrid"  # the autotuned forward kernel's
+    acc: object  # Triton's accumulator dtype: float64 for a float64 X or weight, else float32
+    # dL/dX's dtype in the kernels: X's, but float32 for a 16-bit X summed in float64 under the interpreter
+    # (Triton 3.9's interpreter turns float64 into bfloat16 wrongly; the caller casts)
+    gx_dtype: torch.dtype
+    spike_dtype: torch.dtype  # the fused steps' spikes' (:func:`_spike_dtype`)
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(shape: torch.Size, strides: tuple, layout: str, dtype: torch.dtype, w_dtype: torch.dtype,
+          device: torch.device) -> Optional[_Plan]:
+    """The :class:`_Plan` of an X of this shape, strides and dtype, or None where its feature dims do not
+    merge into one stride."""
+    g = _geometry(shape, strides, layout)
     if g is None:
+        return None
+    xs, m, (r, c, t) = g
+    dense = _geometry(shape, torch.empty(shape, device="meta").stride(), layout)[0]
+    tile = _reduction_tile(layout, c, t, m)
+    acc = tl.float64 if torch.float64 in (dtype, w_dtype) else tl.float32
+    narrow = INTERPRETED and acc is tl.float64 and dtype in (torch.float16, torch.bfloat16)
+    n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
+    grid = (tiles.cdiv(r, tile[0]) * tiles.cdiv(c, tile[1]) * tiles.cdiv(t, tile[2]),)
+    spike_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.promote_types(dtype, w_dtype)
+    return _Plan(xs, dense, m, r, c, t, tile, _tile_args(tile), n_cb, n_split, grid, _TilesGrid(r, c, t), acc,
+                 torch.float32 if narrow else dtype, spike_dtype)
+
+
+def _planned(x: torch.Tensor, weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, _Plan]:
+    """``(X, its plan)``: X itself (its data pointer is all a kernel needs) or, where its feature dims do not
+    merge into one stride, a contiguous copy."""
+    plan = _plan(x.shape, x.stride(), layout, x.dtype, weight.dtype, x.device)
+    if plan is None:
         x = x.contiguous()
-        g = _geometry(x.shape, x.stride(), layout)
-    return (x, *g)
+        plan = _plan(x.shape, x.stride(), layout, x.dtype, weight.dtype, x.device)
+    return x, plan
 
 
-def _acc_dtype(*tensors):
-    """Triton's float64 where any tensor is float64, else float32 (the objects themselves: compared by
-    identity)."""
-    return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else tl.float32
+class _TilesGrid(NamedTuple):
+    """The autotuned forward kernel's grid: one program per (BR, BC, BT) tile of (R, C, T). A grid callable
+    sees the kernel's other arguments converted under the interpreter, so it holds the sizes itself; and
+    equal sizes give an equal grid, as :class:`launch.Bound` keys it."""
+    r: int
+    c: int
+    t: int
 
-
-def _forward_grid(tile: dict, r: int, c: int, t: int) -> tuple[int]:
-    """One program per (BR, BC, BT) tile."""
-    return (tiles.cdiv(r, tile["BR"]) * tiles.cdiv(c, tile["BC"]) * tiles.cdiv(t, tile["BT"]),)
-
-
-def _gx_dtype(x: torch.Tensor, acc) -> torch.dtype:
-    """dL/dX's dtype in the kernels: ``x``'s, but float32 for a 16-bit ``x`` summed in float64 under the
-    interpreter (Triton 3.9's interpreter turns float64 into bfloat16 wrongly; the caller casts)."""
-    narrow = INTERPRETED and acc is tl.float64 and x.dtype in (torch.float16, torch.bfloat16)
-    return torch.float32 if narrow else x.dtype
+    def __call__(self, meta: dict) -> tuple[int]:
+        return (tiles.cdiv(self.r, meta["BR"]) * tiles.cdiv(self.c, meta["BC"]) * tiles.cdiv(self.t, meta["BT"]),)
 
 
 _F32_MAX = 3.4028234663852886e38
@@ -841,6 +876,7 @@ def _hi_lo(v: float) -> tuple[float, float]:
     return hi, struct.unpack("f", struct.pack("f", v - hi))[0] if math.isfinite(hi) else 0.0
 
 
+@functools.lru_cache(maxsize=256)
 def _passes(v: float, dtype: torch.dtype) -> bool:
     """Whether a kernel of ``dtype`` gets ``v`` through :func:`_hi_lo` as the other methods use it: finite
     in float32, and in float64 to about its precision (not below float32's normal range)."""
@@ -902,26 +938,35 @@ def _on_device_of(position: int):
 
 
 @_on_device_of(0)
-def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True, out_dtype=None, pre=None):
+def charge_forward(x, weight, bias, dilation, layout, spike_kind=0, store_h=True, out_dtype=None):
     """Run the forward kernel: returns (H or None, S or None), dense in ``x``'s shape, of ``out_dtype``
-    (default: ``x``'s and ``weight``'s promoted); ``pre``: X read through this input batch norm
-    (:func:`_input_bn`)."""
+    (default: ``x``'s and ``weight``'s promoted)."""
     out_dtype = out_dtype or torch.result_type(x, weight)
     h = torch.empty(x.shape, dtype=out_dtype, device=x.device) if store_h else None
     s = torch.empty(x.shape, dtype=out_dtype, device=x.device) if spike_kind else None
-    if x.numel() == 0:
-        return h, s
-    x4, xs, m, (r, c, t) = _view4(x, layout)
-    out = h if h is not None else s
-    _, os_, _, _ = _view4(out, layout)
-    grid = functools.partial(_forward_grid, r=r, c=c, t=t)
-    acc = _acc_dtype(x, weight, bias)
-    _FWD[layout][grid](x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
-                       pre if pre is not None else weight, r, c, t, m, weight.shape[1], dilation, *xs, *os_,
-                       *weight.stride(), bias.stride(0) if bias is not None else 0,
-                       HAS_BIAS=bias is not None, STORE_H=store_h, SPIKE=bool(spike_kind), IN_BN=pre is not None,
-                       ACC=acc, EXACT=acc is not tl.float64)
+    if x.numel():
+        _forward(*_planned(x, weight, layout), weight, bias, h, s, dilation, layout)
     return h, s
+
+
+def _forward(x4, p, weight, bias, h, s, dilation, layout, pre=None) -> None:
+    """The forward kernel into H and (or) S, dense; ``pre``: X read through this input batch norm
+    (:func:`_input_bn`)."""
+    out = h if h is not None else s
+    _FWD[layout][p.fwd_grid](
+        (x4, weight, bias if bias is not None else weight, out, s if s is not None else out,
+         pre if pre is not None else weight),
+        (p.r, p.c, p.t, p.m, weight.shape[1], dilation, *p.xs, *p.dense, *weight.stride(),
+         bias.stride(0) if bias is not None else 0), (),
+        HAS_BIAS=bias is not None, STORE_H=h is not None, SPIKE=s is not None, IN_BN=pre is not None, ACC=p.acc,
+        EXACT=p.acc is not tl.float64)
+
+
+def _fused_spikes(x4, p, wq, b, dilation, layout, pre=None) -> torch.Tensor:
+    """K3 of the fused steps: the spikes of X's plan ``p`` (no H), in :attr:`_Plan.spike_dtype`."""
+    s = torch.empty(x4.shape, dtype=p.spike_dtype, device=x4.device)
+    _forward(x4, p, wq, b, None, s, dilation, layout, pre)
+    return s
 
 
 @_on_device_of(2)
@@ -934,26 +979,22 @@ def charge_backward(grad, bias, x, weight, dilation, layout, spike_kind=0, alpha
     """
     need_gx, need_gw, need_gb = need
     k = weight.shape[1]
-    acc = _acc_dtype(x, weight)
-    part_dtype = torch.float64 if acc is tl.float64 else torch.float32
-    x4, xs, m, (r, c, t) = _view4(x, layout)
-    tile = _reduction_tile(layout, c, t, m)
-    grid = tiles.reduction_grid(tile, r, c, t, _split_target(x.device))
+    x4, p = _planned(x, weight, layout)
+    part_dtype = torch.float64 if p.acc is tl.float64 else torch.float32
     bk = tiles.pow2_ceil(k)
     # Every program writes its slot of partial sums, so they need no zero fill (but an empty x runs none).
     alloc = torch.empty if x.numel() else torch.zeros
-    pw = alloc((grid[1], c, bk), dtype=part_dtype, device=x.device)
-    pb = alloc((grid[1], c), dtype=part_dtype, device=x.device)
-    gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=x.device) if need_gx else None
+    pw = alloc((p.n_split, p.c, bk), dtype=part_dtype, device=x.device)
+    pb = alloc((p.n_split, p.c), dtype=part_dtype, device=x.device)
+    gx = torch.empty(x.shape, dtype=p.gx_dtype, device=x.device) if need_gx else None
     if x.numel() > 0:
         grad = grad.contiguous()  # dense like H; a copy only for strided or broadcast gradients
-        _, os_, _, _ = _view4(grad, layout)
-        _BOUND['_charge_bwd_kernel'][grid](grad, bias if bias is not None else weight, x4, weight,
-                                           gx if gx is not None else grad, pw, pb, r, c, t, m, k, dilation,
-                                           *surrogate_constants(spike_kind, float(alpha)), *xs, *os_, *weight.stride(),
-                                           bias.stride(0) if bias is not None else 0, SG=spike_kind,
-                                           HAS_BIAS=bias is not None, NEED_GX=need_gx, NEED_GW=need_gw, NEED_GB=need_gb,
-                                           ACC=acc, EXACT=acc is not tl.float64, BK=bk, **_tile_args(tile))
+        _BOUND['_charge_bwd_kernel'][(p.n_cb, p.n_split)](
+            (grad, bias if bias is not None else weight, x4, weight, gx if gx is not None else grad, pw, pb),
+            (p.r, p.c, p.t, p.m, k, dilation, *p.xs, *p.dense, *weight.stride(),
+             bias.stride(0) if bias is not None else 0),
+            surrogate_constants(spike_kind, float(alpha)), SG=spike_kind, HAS_BIAS=bias is not None, NEED_GX=need_gx,
+            NEED_GW=need_gw, NEED_GB=need_gb, ACC=p.acc, EXACT=p.acc is not tl.float64, BK=bk, **p.tile_args)
     gx = gx if gx is None or gx.dtype == x.dtype else gx.to(x.dtype)
     if partials:
         return gx, pw, pb
@@ -995,17 +1036,18 @@ class _Refused(Exception):
     nothing was updated, and the caller's general path reports what is wrong."""
 
 
-def _refuse_unless_finite(ok: torch.Tensor, x: torch.Tensor, what: str, restore=None) -> None:
+def _refuse_unless_finite(ok: torch.Tensor, x: torch.Tensor, what: str, saved=()) -> None:
     """After a fold kernel: where ``ok`` (per channel) is not all true, on CUDA an asynchronous device
     assert naming ``what`` (no host synchronisation, so a step can be captured as a CUDA graph); on the
-    CPU the tensors of ``restore = (tensors, copies)`` are put back and :class:`_Refused` is raised."""
-    message = f"MulFreeChannelwisePSN (triton): NaN/inf in {what}"
+    CPU the running statistics of ``saved``, pairs ``(tensors, copies)``, are put back and :class:`_Refused`
+    is raised."""
     if x.is_cuda:
-        torch._assert_async(ok.all(), message)
+        torch._assert_async(ok.all(), f"MulFreeChannelwisePSN (triton): NaN/inf in {what}")
     elif not bool(ok.all()):
-        for t, copy in zip(*restore) if restore is not None else ():
-            t.copy_(copy)
-        raise _Refused(message)
+        for tensors, copies in saved or ():
+            for t, copy in zip(tensors, copies):
+                t.copy_(copy)
+        raise _Refused(f"MulFreeChannelwisePSN (triton): NaN/inf in {what}")
 
 
 def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
@@ -1013,39 +1055,36 @@ def _fold_blocks(c: int, n_split: int, per_channel: int) -> tuple[int, int]:
     return (4, 8) if INTERPRETED else tiles.fold_blocks(c, n_split, per_channel)
 
 
-def _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved) -> torch.Tensor:
+def _input_norm(x4, plan, gamma0, beta0, pre_cfg, dtype, saved) -> torch.Tensor:
     """The input batch norm's fold: P0 (5, C) = (mean0, a0, beta0, var0, OK), from its batch statistics
     (two kernels, the running ones updated) or from the given running ones; raises :class:`_Refused`."""
     eps0, running0, given0 = pre_cfg
-    c = geometry[2][1]
-    p0 = torch.empty((5, c), dtype=dtype, device=x4.device)
-    ones = torch.ones((c, 1), dtype=dtype, device=x4.device)  # (per call, not cached: a tensor kept from a
+    p0 = torch.empty((5, plan.c), dtype=dtype, device=x4.device)
+    ones = torch.ones((plan.c, 1), dtype=dtype, device=x4.device)  # (per call, not cached: a tensor kept from a
     # call inside torch.compile's CUDA graphs would live in their memory pool, which they refuse)
-    mean0, var0 = _stats_and_fold(x4, geometry, ones, gamma0, beta0,
-                                  (p0[1], p0[2], p0[4], p0[0], p0[3]), (eps0, False, 1, running0, given0, acc),
-                                  pre=True, saved=saved)
+    mean0, var0 = _stats_and_fold(x4, plan, ones, gamma0, beta0, (p0[1], p0[2], p0[4], p0[0], p0[3]),
+                                  (eps0, False, 1, running0, given0), pre=True, saved=saved)
     if given0 is not None:
         p0[0].copy_(mean0)
         p0[3].copy_(var0)
     return p0
 
 
-def _stats_and_fold(x4, geometry, weight, gamma, beta, outs, fold_cfg, p0=None, pre=False, saved=None):
+def _stats_and_fold(x4, plan, weight, gamma, beta, outs, fold_cfg, p0=None, pre=False, saved=None):
     """K1 (the batch moments of ``conv(X, weight)``, X through the input batch norm ``p0`` where given;
     none with given statistics) and K2 (statistics, running ones blended, the folding) into ``outs = (WQ,
     B, OK, mean, var)``; ``pre``: the input batch norm's own fold (``weight`` ones). ``fold_cfg``: ``(eps,
-    quantise, dilation, running, given, acc)``. Returns the statistics folded ``(mean, var)``."""
-    xs, m, (r, c, t), tile, n_cb, n_split = geometry
-    eps, quant, dilation, running, given, acc = fold_cfg
+    quantise, dilation, running, given)``. Returns the statistics folded ``(mean, var)``."""
+    eps, quant, dilation, running, given = fold_cfg
     wq, b, ok, mean, var = outs
-    k, in_bn = weight.shape[1], p0 is not None
+    k, in_bn, c, n_split, acc = weight.shape[1], p0 is not None, plan.c, plan.n_split, plan.acc
     p0 = p0 if in_bn else weight
     if given is None:
         part = torch.empty((n_split, c, 2), dtype=torch.float64 if acc is tl.float64 else torch.float32,
                            device=x4.device)
-        _BOUND['_bn_moments_kernel'][(n_cb, n_split)](x4, weight, p0, part, r, c, t, m, dilation, *xs,
-                                                      *weight.stride(), K=k, IN_BN=in_bn, ACC=acc,
-                                                      **_tile_args(tile))
+        _BOUND['_bn_moments_kernel'][(plan.n_cb, n_split)](
+            (x4, weight, p0, part), (plan.r, c, plan.t, plan.m, dilation, *plan.xs, *weight.stride()), (), K=k,
+            IN_BN=in_bn, ACC=acc, **plan.tile_args)
     else:
         (mean, var), part, n_split = given, weight, 0
     rm, rv, factor = running if running is not None else (mean, var, 0.0)
@@ -1053,18 +1092,12 @@ def _stats_and_fold(x4, geometry, weight, gamma, beta, outs, fold_cfg, p0=None, 
         saved.append(((rm, rv), (rm.clone(), rv.clone())))
     bc, bs = _fold_blocks(c, n_split, 2)
     _BOUND['_bn_fold_kernel'][(tiles.cdiv(c, bc),)](
-        part, n_split, x4, weight, p0, gamma, beta, rm, rv, mean, var, wq, b, ok, c, t, r * t, dilation, xs[1],
-        xs[3], *weight.stride(), gamma.stride(0), beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0),
-        var.stride(0), *_hi_lo(eps), *_hi_lo(float(factor)), K=k, GIVEN=given is not None, RUNNING=running is not None,
+        (part, x4, weight, p0, gamma, beta, rm, rv, mean, var, wq, b, ok),
+        (n_split, c, plan.t, plan.r * plan.t, dilation, plan.xs[1], plan.xs[3], *weight.stride(), gamma.stride(0),
+         beta.stride(0), rm.stride(0), rv.stride(0), mean.stride(0), var.stride(0)),
+        (*_hi_lo(eps), *_hi_lo(float(factor))), K=k, GIVEN=given is not None, RUNNING=running is not None,
         QUANT=quant, IN_BN=in_bn, PRE=pre, ACC=acc, F64=weight.dtype == torch.float64, BC=bc, BS=bs)
     return mean, var
-
-
-def _restored(saved):
-    """``restore`` of :func:`_refuse_unless_finite`: the running statistics a refused step put back."""
-    if not saved:
-        return None
-    return tuple(t for ts, _ in saved for t in ts), tuple(c for _, cs in saved for c in cs)
 
 
 @_on_device_of(0)
@@ -1072,31 +1105,25 @@ def _bn_forward(x, weight, gamma, beta, cfg, gamma0=None, beta0=None):
     """K1 (moments), K2 (fold), K3 (spikes), after the input batch norm's two (``cfg[8]``, P0):
     ``(spikes, mean, var, Wq, b, P0 or None, folded)``, ``folded`` the allocation that holds Wq, b and
     the batch statistics (:func:`_unfolded`); raises :class:`_Refused`."""
-    eps, ste, dilation, layout, kind, _, running, given, pre_cfg = cfg
-    k, dtype, device = weight.shape[1], weight.dtype, x.device
-    x4, xs, m, (r, c, t) = _view4(x, layout)
-    acc = _acc_dtype(x, weight)
-    tile = _reduction_tile(layout, c, t, m)
-    n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
+    eps, ste, dilation, layout, _, _, running, given, pre_cfg = cfg
+    x4, plan = _planned(x, weight, layout)
+    k, c, dtype, device = weight.shape[1], plan.c, weight.dtype, x.device
     saved = None if x.is_cuda else []
-    geometry = (xs, m, (r, c, t), tile, n_cb, n_split)
-    p0 = None if pre_cfg is None else _input_norm(x4, geometry, gamma0, beta0, pre_cfg, dtype, acc, saved)
+    p0 = None if pre_cfg is None else _input_norm(x4, plan, gamma0, beta0, pre_cfg, dtype, saved)
     # Every per-channel output in one allocation: Wq (C, k), b, OK (1.0 where the folding is finite), and
     # the batch mean and variance.
     flat = torch.empty(c * (k + 4), dtype=dtype, device=device)
     wq, b, ok, mean, var = _unfolded(flat, c, k)
-    mean, var = _stats_and_fold(x4, geometry, weight, gamma, beta, (wq, b, ok, mean, var),
-                                (eps, ste is not None, dilation, running, given, acc), p0=p0, saved=saved)
+    mean, var = _stats_and_fold(x4, plan, weight, gamma, beta, (wq, b, ok, mean, var),
+                                (eps, ste is not None, dilation, running, given), p0=p0, saved=saved)
     _refuse_unless_finite(ok, x, "its weight, gamma, beta or batch statistics (NaN or inf in its input?), or "
                                  "var + eps <= 0" + (", or in its input batch norm's" if p0 is not None else ""),
-                          restore=_restored(saved))
+                          saved)
     written = (tuple(running[:2]) if running is not None else ()) + \
         (tuple(pre_cfg[1][:2]) if pre_cfg is not None and pre_cfg[1] is not None else ())
     for v in written:
         increment_version(v)  # written by a kernel: let autograd know, as an in-place op would
-    _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq),
-                          pre=p0)
-    return s, mean, var, wq, b, p0, flat
+    return _fused_spikes(x4, plan, wq, b, dilation, layout, p0), mean, var, wq, b, p0, flat
 
 
 def _unfolded(flat, c, k):
@@ -1110,41 +1137,37 @@ def _bn_backward(grad, x, weight, gamma, mean, var, wq, b, p0, cfg, need_gx):
     """K4 (per-split sums), K5 (per-channel closed form), K6 (dL/dX): ``(dL/dX or None, dL/dW, dL/dgamma,
     dL/dbeta, dL/dgamma0 and dL/dbeta0 (input batch norm P0) or None)``."""
     eps, ste, dilation, layout, kind, alpha, stats, pre = cfg
-    k, dtype, device = weight.shape[1], weight.dtype, x.device
-    x4, xs, m, (r, c, t) = _view4(x, layout)
+    x4, p = _planned(x, weight, layout)
+    k, c, dtype, device = weight.shape[1], p.c, weight.dtype, x.device
     grad = grad.contiguous()  # dense like the spikes (read in its dtype, summed in ACC)
-    _, gs, _, _ = _view4(grad, layout)
-    acc = _acc_dtype(x, weight)
-    tile = _reduction_tile(layout, c, t, m)
-    n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
     bk, rows, in_bn = tiles.pow2_ceil(k), 4 if p0 is None else 5, p0 is not None
     consts = surrogate_constants(kind, alpha)  # (COEF is stored in the parameters' dtype)
     mean, p0 = mean.contiguous(), p0 if in_bn else weight
-    part = torch.empty((n_split, c, rows, bk), dtype=torch.float64 if acc is tl.float64 else torch.float32,
+    part = torch.empty((p.n_split, c, rows, bk), dtype=torch.float64 if p.acc is tl.float64 else torch.float32,
                        device=device)
-    _BOUND['_bn_grad_moments_kernel'][(n_cb, n_split)](
-        grad, x4, weight, wq, b, mean, p0, part, r, c, t, m, dilation, *consts, *xs, *gs, *weight.stride(), K=k,
-        BK=bk, SG=kind, STATS=stats, IN_BN=in_bn, ROWS=rows, ACC=acc, EXACT=acc is not tl.float64, **_tile_args(tile))
+    ints = (p.r, c, p.t, p.m, dilation, *p.xs, *p.dense, *weight.stride())  # (K4's and K6's)
+    _BOUND['_bn_grad_moments_kernel'][(p.n_cb, p.n_split)](
+        (grad, x4, weight, wq, b, mean, p0, part), ints, consts, K=k, BK=bk, SG=kind, STATS=stats, IN_BN=in_bn,
+        ROWS=rows, ACC=p.acc, EXACT=p.acc is not tl.float64, **p.tile_args)
     # dL/dW, dL/dgamma, dL/dbeta, the statistics' coefficients for K6 and the input batch norm's (dL/dgamma0,
     # dL/dbeta0 and K6's two) in one allocation
     g_weight, g_gamma, g_beta, coef, g_pre = torch.empty(c * (k + 4 + 4 * in_bn), dtype=dtype, device=device) \
         .split_with_sizes((c * k, c, c, 2 * c, 4 * c * in_bn))
     g_weight = g_weight.view(c, k)
     eps0, stats0 = pre if in_bn else (1.0, False)
-    bc, bs = _fold_blocks(c, n_split, rows * bk)
+    bc, bs = _fold_blocks(c, p.n_split, rows * bk)
     _BOUND['_bn_grad_fold_kernel'][(tiles.cdiv(c, bc),)](
-        part, n_split, weight, gamma, mean, var, wq, p0, g_weight, g_gamma, g_beta, coef, g_pre if in_bn else coef,
-        c, t, r * t, dilation, *_hi_lo(eps), *_hi_lo(eps0), *weight.stride(), gamma.stride(0), mean.stride(0),
-        var.stride(0), K=k, BK=bk, ROUND=ste == "round", STATS=stats, IN_BN=in_bn, STATS0=stats0, ROWS=rows,
-        F64=dtype == torch.float64, BC=bc, BS=bs)
+        (part, weight, gamma, mean, var, wq, p0, g_weight, g_gamma, g_beta, coef, g_pre if in_bn else coef),
+        (p.n_split, c, p.t, p.r * p.t, dilation, *weight.stride(), gamma.stride(0), mean.stride(0), var.stride(0)),
+        (*_hi_lo(eps), *_hi_lo(eps0)), K=k, BK=bk, ROUND=ste == "round", STATS=stats, IN_BN=in_bn, STATS0=stats0,
+        ROWS=rows, F64=dtype == torch.float64, BC=bc, BS=bs)
     gx = None
     if need_gx:
-        gx = torch.empty(x.shape, dtype=_gx_dtype(x, acc), device=device)
-        _BOUND['_bn_grad_x_kernel'][_forward_grid(dict(zip(("BR", "BC", "BT"), tile)), r, c, t)](
-            grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx, r, c, t, m, dilation, *consts,
-            *xs, *gs, *weight.stride(), K=k, SG=kind, STATS=stats, IN_BN=in_bn, ACC=acc, EXACT=acc is not tl.float64,
-            **_tile_args(tile))
-        gx = gx.to(x.dtype)
+        gx = torch.empty(x.shape, dtype=p.gx_dtype, device=device)
+        _BOUND['_bn_grad_x_kernel'][p.gx_grid](
+            (grad, x4, weight, wq, b, mean, coef, p0, g_pre if in_bn else coef, gx), ints, consts, K=k, SG=kind,
+            STATS=stats, IN_BN=in_bn, ACC=p.acc, EXACT=p.acc is not tl.float64, **p.tile_args)
+        gx = gx if gx.dtype == x.dtype else gx.to(x.dtype)
     return gx, g_weight, g_gamma, g_beta, *((g_pre[:c], g_pre[c:2 * c]) if in_bn else (None, None))
 
 
@@ -1181,18 +1204,17 @@ class _TritonBNFire(torch.autograd.Function):
 def _param_forward(x, weight, v_threshold, cfg):
     """The fold kernel, then the spike kernel: ``(spikes, Wq, b, folded)``, ``folded`` the allocation that
     holds Wq and b; raises :class:`_Refused`."""
-    ste, dilation, layout, kind, _ = cfg
+    ste, dilation, layout, _, _ = cfg
     c, k = weight.shape
     flat = torch.empty(c * (k + 2), dtype=weight.dtype, device=x.device)
     wq, b, ok = flat.split_with_sizes((c * k, c, c))
     wq = wq.view(c, k)
     bc = 4 if INTERPRETED else min(tiles.pow2_ceil(c), 256)
-    _BOUND['_param_fold_kernel'][(tiles.cdiv(c, bc),)](weight, v_threshold, wq, b, ok, c, *weight.stride(),
-                                                       v_threshold.stride(0), K=k, QUANT=ste is not None,
-                                                       F64=weight.dtype == torch.float64, BC=bc)
+    _BOUND['_param_fold_kernel'][(tiles.cdiv(c, bc),)](
+        (weight, v_threshold, wq, b, ok), (c, *weight.stride(), v_threshold.stride(0)), (), K=k,
+        QUANT=ste is not None, F64=weight.dtype == torch.float64, BC=bc)
     _refuse_unless_finite(ok, x, "its weight or v_threshold")
-    _, s = charge_forward(x, wq, b, dilation, layout, spike_kind=kind, store_h=False, out_dtype=_spike_dtype(x, wq))
-    return s, wq, b, flat
+    return _fused_spikes(*_planned(x, weight, layout), wq, b, dilation, layout), wq, b, flat
 
 
 class _TritonParamFire(torch.autograd.Function):
@@ -1226,9 +1248,9 @@ def _param_backward(grad, x, weight, wq, b, cfg, need_gx):
     g_weight, g_vth = torch.empty(c * (k + 1), dtype=weight.dtype, device=x.device).split_with_sizes((c * k, c))
     g_weight = g_weight.view(c, k)
     bc, bs = _fold_blocks(c, pw.shape[0], pw.shape[2] + 1)
-    _BOUND['_param_grad_fold_kernel'][(tiles.cdiv(c, bc),)](pw, pb, pw.shape[0], weight, wq, g_weight, g_vth, c,
-                                                            *weight.stride(), K=k, BK=pw.shape[2], ROUND=ste == "round",
-                                                            F64=weight.dtype == torch.float64, BC=bc, BS=bs)
+    _BOUND['_param_grad_fold_kernel'][(tiles.cdiv(c, bc),)](
+        (pw, pb, weight, wq, g_weight, g_vth), (pw.shape[0], c, *weight.stride()), (), K=k, BK=pw.shape[2],
+        ROUND=ste == "round", F64=weight.dtype == torch.float64, BC=bc, BS=bs)
     return gx, g_weight, g_vth
 
 
@@ -1401,8 +1423,9 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     stream), or under torch.compile with given statistics (where the general path's kernel is as fast).
     ``input_bn``: ``(gamma0, beta0, eps0, running0, given0)`` of a batch norm of X fused in front (its
     statistics in two more kernels; None for a batch of one value per channel, which a batch norm refuses
-    in training)."""
-    if not x.numel():
+    in training). Tried before the general path's checks (``checks_inputs``): anything those would refuse or
+    change goes that way (:func:`_as_checked`)."""
+    if not x.numel() or not _as_checked(x, weight, dilation, layout):
         return None
     dtype, device = weight.dtype, x.device
     vectors = (gamma, beta) + (() if running is None else tuple(running[:2])) + (() if given is None else tuple(given))
@@ -1412,7 +1435,7 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
         if given0 is None and x.numel() <= weight.shape[0]:
             return None
     if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
-            or any(v.dtype != dtype or v.device != device or v.dim() != 1 for v in vectors):
+            or not _vectors_of(dtype, device, vectors):
         return None
     pre = None if input_bn is None else (float(eps0), running0, given0)
     cfg = (float(eps), ste, dilation, layout, code, alpha, running, given, pre)
@@ -1433,6 +1456,25 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     except _Refused:
         return None
     return out if given is None else (out, *given)
+
+
+def _vectors_of(dtype, device, vectors) -> bool:
+    """Whether every tensor of ``vectors`` is one-dimensional, of ``dtype`` on ``device`` (a loop: a generator
+    costs as much as the checks)."""
+    for v in vectors:
+        if v.dtype != dtype or v.device != device or v.dim() != 1:
+            return False
+    return True
+
+
+def _as_checked(x, weight, dilation, layout) -> bool:
+    """Whether the general path's checks would pass this call to Triton as it is: a layout, a dilation >= 1,
+    an input of three dims or more with the weight's channels, of at most the weight's precision (a lower one
+    Triton reads itself), that Triton's kernels run (the dtypes and devices ``bn_fire`` checks itself)."""
+    if layout not in LAYOUTS or type(dilation) is not int or dilation < 1 or x.dim() < 3 or weight.dim() != 2 \
+            or weight.shape[1] < 1 or x.shape[2 if layout == "time_first" else 1] != weight.shape[0]:
+        return False
+    return torch.promote_types(x.dtype, weight.dtype) == weight.dtype and not requirements(x, weight, dilation, layout)
 
 
 def _compiled_bn_fire(x, weight, gamma, beta, gamma0, beta0, cfg):
@@ -1479,9 +1521,14 @@ def _driver_device() -> Optional[str]:
     if INTERPRETED:
         return "cpu"
     try:
-        return triton.runtime.driver.active.get_active_torch_device().type
+        return _device_type_of(triton.runtime.driver.active)
     except Exception:  # (Triton raises RuntimeError where no driver is active; a driver may raise more)
         return None
+
+
+@functools.lru_cache(maxsize=4)  # (per driver object: a test may make another one active)
+def _device_type_of(driver) -> str:
+    return driver.get_active_torch_device().type
 
 
 def requirements(x, weight, dilation, layout) -> list[str]:
@@ -1499,5 +1546,5 @@ register(Implementation(
     "fused, and the BN- and parameter-threshold steps in three and two kernels each way",
     requirements=requirements, dtypes=DTYPES,
     priority=lambda device, k, t: 20 if device == "cuda" else -1,
-    fire=fire, bn_fire=bn_fire, param_fire=param_fire, fuses_input_bn=True, compiles=False,
+    fire=fire, bn_fire=bn_fire, param_fire=param_fire, fuses_input_bn=True, compiles=False, checks_inputs=True,
     autoselect=not INTERPRETED and torch.cuda.is_available()))  # a candidate where its kernels run compiled

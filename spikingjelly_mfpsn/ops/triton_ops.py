@@ -1062,11 +1062,12 @@ def _input_norm(x4, plan, gamma0, beta0, pre_cfg, dtype, saved) -> torch.Tensor:
     p0 = torch.empty((5, plan.c), dtype=dtype, device=x4.device)
     ones = torch.ones((plan.c, 1), dtype=dtype, device=x4.device)  # (per call, not cached: a tensor kept from a
     # call inside torch.compile's CUDA graphs would live in their memory pool, which they refuse)
-    mean0, var0 = _stats_and_fold(x4, plan, ones, gamma0, beta0, (p0[1], p0[2], p0[4], p0[0], p0[3]),
+    mean, a, beta, var, ok = p0.unbind(0)
+    mean0, var0 = _stats_and_fold(x4, plan, ones, gamma0, beta0, (a, beta, ok, mean, var),
                                   (eps0, False, 1, running0, given0), pre=True, saved=saved)
     if given0 is not None:
-        p0[0].copy_(mean0)
-        p0[3].copy_(var0)
+        mean.copy_(mean0)
+        var.copy_(var0)
     return p0
 
 

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 import torch.nn as nn
-from spikingjelly.activation_based import functional
+from spikingjelly.activation_based import functional, surrogate
 
 import spikingjelly_mfpsn
 from spikingjelly_mfpsn import MulFreeChannelwisePSN, deploy, ops
@@ -661,6 +661,30 @@ def test_a_bad_input_to_a_bn_step_gets_one_error_from_every_method(case, input_b
             ops.mf_psn(x, w, bn=_bn(3), dilation=dilation, layout=layout, method=method, training=True, **extra)
         errors.add((type(info.value), str(info.value)))
     assert len(errors) == 1, errors
+
+
+@pytest.mark.parametrize("case", ["gamma of 5", "running_var of 2", "expanded running_mean", "given mean of 4"])
+def test_a_deprecated_direct_bn_step_hands_back_what_it_cannot_check(case):
+    """ops.bn_fire_direct runs a self-checking step without the general checks: the Triton step took a gamma of
+    another length (reading past it) and wrote every channel's running mean to an expanded one's element."""
+    x, w = torch.randn(4, 2, 3, 2), torch.rand(3, 2) + 0.1
+    gamma, beta, rm, rv = torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3)
+    given = None
+    if case == "gamma of 5":
+        gamma = torch.ones(5)
+    elif case == "running_var of 2":
+        rv = torch.ones(2)
+    elif case == "expanded running_mean":
+        rm = torch.zeros(1).expand(3)
+    else:
+        given = (torch.zeros(4), torch.ones(3))
+    for method in methods("time_first"):
+        before = rm.clone(), rv.clone()
+        with pytest.warns(DeprecationWarning):
+            out = ops.bn_fire_direct(x, w, gamma, beta, 1e-5, "whole", 1, "time_first", method,
+                                     surrogate.ATan(), running=None if given else (rm, rv, 0.1), given=given)
+        assert out is None, method
+        assert torch.equal(rm, before[0]) and torch.equal(rv, before[1]), method
 
 
 def test_a_weight_of_another_shape_is_named_before_the_thresholds():

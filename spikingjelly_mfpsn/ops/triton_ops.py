@@ -1436,7 +1436,7 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
         if given0 is None and x.numel() <= weight.shape[0]:
             return None
     if dtype not in (torch.float32, torch.float64) or x.dtype not in DTYPES or weight.device != device \
-            or not _vectors_of(dtype, device, vectors):
+            or not _vectors_of(dtype, device, weight.shape[0], vectors, running, input_bn):
         return None
     pre = None if input_bn is None else (float(eps0), running0, given0)
     cfg = (float(eps), ste, dilation, layout, code, alpha, running, given, pre)
@@ -1459,11 +1459,16 @@ def bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, run
     return out if given is None else (out, *given)
 
 
-def _vectors_of(dtype, device, vectors) -> bool:
-    """Whether every tensor of ``vectors`` is one-dimensional, of ``dtype`` on ``device`` (a loop: a generator
-    costs as much as the checks)."""
+def _vectors_of(dtype, device, c, vectors, running, input_bn) -> bool:
+    """Whether every tensor of ``vectors`` holds one value per channel, ``(c,)``, of ``dtype`` on ``device``,
+    and no running statistic the step writes is expanded (stride 0: every channel would write one element).
+    (Loops: a generator costs as much as the checks.)"""
     for v in vectors:
-        if v.dtype != dtype or v.device != device or v.dim() != 1:
+        if v.dtype != dtype or v.device != device or v.dim() != 1 or v.shape[0] != c:
+            return False
+    written = (running or ())[:2] + ((input_bn[3] or ())[:2] if input_bn is not None else ())
+    for v in written:
+        if c > 1 and v.stride(0) == 0:
             return False
     return True
 

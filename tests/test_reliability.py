@@ -663,14 +663,20 @@ def test_a_bad_input_to_a_bn_step_gets_one_error_from_every_method(case, input_b
     assert len(errors) == 1, errors
 
 
-@pytest.mark.parametrize("case", ["gamma of 5", "running_var of 2", "expanded running_mean", "given mean of 4"])
+@pytest.mark.parametrize("case", ["gamma of 5", "running_var of 2", "expanded running_mean", "given mean of 4",
+                                  "layout", "dilation 1.5"])
 def test_a_deprecated_direct_bn_step_hands_back_what_it_cannot_check(case):
     """ops.bn_fire_direct runs a self-checking step without the general checks: the Triton step took a gamma of
-    another length (reading past it) and wrote every channel's running mean to an expanded one's element."""
+    another length (reading past it) and wrote every channel's running mean to an expanded one's element; the
+    C++ step ran an unknown layout as time-last."""
     x, w = torch.randn(4, 2, 3, 2), torch.rand(3, 2) + 0.1
     gamma, beta, rm, rv = torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3)
-    given = None
-    if case == "gamma of 5":
+    given, layout, dilation = None, "time_first", 1
+    if case == "layout":
+        layout = "time_middle"
+    elif case == "dilation 1.5":
+        dilation = 1.5
+    elif case == "gamma of 5":
         gamma = torch.ones(5)
     elif case == "running_var of 2":
         rv = torch.ones(2)
@@ -681,7 +687,7 @@ def test_a_deprecated_direct_bn_step_hands_back_what_it_cannot_check(case):
     for method in methods("time_first"):
         before = rm.clone(), rv.clone()
         with pytest.warns(DeprecationWarning):
-            out = ops.bn_fire_direct(x, w, gamma, beta, 1e-5, "whole", 1, "time_first", method,
+            out = ops.bn_fire_direct(x, w, gamma, beta, 1e-5, "whole", dilation, layout, method,
                                      surrogate.ATan(), running=None if given else (rm, rv, 0.1), given=given)
         assert out is None, method
         assert torch.equal(rm, before[0]) and torch.equal(rv, before[1]), method

@@ -113,13 +113,19 @@ def _self_checked_bn_step(x, weight, bn, quantize, dilation, layout, method, bac
     """The spikes of the implementation's BN step where it checks every tensor itself (``checks_inputs``),
     tried before the general checks on a call whose tensor layout, layout and dilation those would pass
     (the C++ step ran an unknown layout as time-last); None where it has none or hands the call back."""
-    if not (isinstance(x, torch.Tensor) and x.layout == torch.strided and layout in LAYOUTS
-            and type(dilation) is int and dilation >= 1) or autocasting(x):
+    if not _self_checkable(x, dilation, layout):
         return None
     impl = find(method) if method != "auto" else _resolved(x, weight, dilation, layout, method, backend)
     if impl is None or not impl.checks_inputs or (input_bn is not None and not impl.fuses_input_bn):
         return None
     return _bn_fused(impl, x, weight, bn, quantize, dilation, layout, code, alpha, training, input_bn)
+
+
+def _self_checkable(x, dilation, layout) -> bool:
+    """Whether a self-checking step may take the call: a dense tensor, a known layout and an int dilation >= 1
+    (what the general checks look at first, and the steps do not), outside autocast."""
+    return isinstance(x, torch.Tensor) and x.layout == torch.strided and layout in LAYOUTS \
+        and type(dilation) is int and dilation >= 1 and not autocasting(x)
 
 
 def _resolved(x, weight, dilation, layout, method, backend) -> Optional[Implementation]:
@@ -675,7 +681,7 @@ def bn_fire_direct(x, weight, gamma, beta, eps, ste, dilation, layout, method, s
     _deprecated("bn_fire_direct", "ops.mf_psn(x, weight, bn=ops.BatchNorm(...), method=method, ...)")
     impl = _resolved(x, weight, dilation, layout, method, "torch")
     code, alpha = surrogate.fused(surrogate_function)
-    if impl is None or not impl.checks_inputs or not code:
+    if impl is None or not impl.checks_inputs or not code or not _self_checkable(x, dilation, layout):
         return None
     return impl.bn_fire(x, weight, gamma, beta, eps, ste, dilation, layout, code, alpha, running, given)
 

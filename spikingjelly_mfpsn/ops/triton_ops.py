@@ -1474,11 +1474,12 @@ def _vectors_of(dtype, device, c, vectors, running, input_bn) -> bool:
 
 
 def _as_checked(x, weight, dilation, layout) -> bool:
-    """Whether the general path's checks would pass this call to Triton as it is: a layout, a dilation >= 1,
-    an input of three dims or more with the weight's channels, of at most the weight's precision (a lower one
-    Triton reads itself), that Triton's kernels run (the dtypes and devices ``bn_fire`` checks itself)."""
-    if layout not in LAYOUTS or type(dilation) is not int or dilation < 1 or x.dim() < 3 or weight.dim() != 2 \
-            or weight.shape[1] < 1 or x.shape[2 if layout == "time_first" else 1] != weight.shape[0]:
+    """Whether the general path's checks would pass this call to Triton as it is: an input of three dims or
+    more with the weight's channels, of at most the weight's precision (a lower one Triton reads itself), that
+    Triton's kernels run (the dtypes and devices ``bn_fire`` checks itself; the caller has checked the layout
+    and the dilation)."""
+    if x.dim() < 3 or weight.dim() != 2 or weight.shape[1] < 1 \
+            or x.shape[2 if layout == "time_first" else 1] != weight.shape[0]:
         return False
     return torch.promote_types(x.dtype, weight.dtype) == weight.dtype and not requirements(x, weight, dilation, layout)
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from . import launch, surrogate, tiles
-from .registry import LAYOUTS, Implementation, first_order_only, needs_grad, register
+from .registry import LAYOUTS, Implementation, channel_dim, first_order_only, needs_grad, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -837,10 +837,9 @@ def _plan(shape: torch.Size, strides: tuple, layout: str, dtype: torch.dtype, w_
     acc = tl.float64 if torch.float64 in (dtype, w_dtype) else tl.float32
     narrow = INTERPRETED and acc is tl.float64 and dtype in (torch.float16, torch.bfloat16)
     n_cb, n_split = tiles.reduction_grid(tile, r, c, t, _split_target(device))
-    grid = (tiles.cdiv(r, tile[0]) * tiles.cdiv(c, tile[1]) * tiles.cdiv(t, tile[2]),)
-    spike_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.promote_types(dtype, w_dtype)
-    return _Plan(xs, dense, m, r, c, t, tile, _tile_args(tile), n_cb, n_split, grid, _TilesGrid(r, c, t), acc,
-                 torch.float32 if narrow else dtype, spike_dtype)
+    fwd_grid = _TilesGrid(r, c, t)
+    return _Plan(xs, dense, m, r, c, t, tile, _tile_args(tile), n_cb, n_split, fwd_grid(_tile_args(tile)), fwd_grid,
+                 acc, torch.float32 if narrow else dtype, _spike_dtype(dtype, w_dtype))
 
 
 def _planned(x: torch.Tensor, weight: torch.Tensor, layout: str) -> tuple[torch.Tensor, _Plan]:
@@ -1025,10 +1024,10 @@ class _TritonCharge(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- the BN-threshold step (K1-K6)
-def _spike_dtype(x, weight):
+def _spike_dtype(dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
     """The fused steps' spikes: in a float16/bfloat16 input's own dtype (computed in float32), else
     promoted with the parameters'."""
-    return x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.result_type(x, weight)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.promote_types(dtype, w_dtype)
 
 
 class _Refused(Exception):
@@ -1386,13 +1385,13 @@ def _register_fakes_and_grads():
         dense(x) if args[-3] else x.new_empty(0), weight.new_empty(weight.shape) if args[-2] else x.new_empty(0),
         weight.new_empty(weight.shape[0]) if args[-1] else x.new_empty(0)))
     _bn_step_op.register_fake(lambda x, weight, gamma, beta, gamma0, *_: (
-        dense(x, _spike_dtype(x, weight)), weight.new_empty(weight.shape[0] * (weight.shape[1] + 4)),
+        dense(x, _spike_dtype(x.dtype, weight.dtype)), weight.new_empty(weight.shape[0] * (weight.shape[1] + 4)),
         weight.new_empty(0 if gamma0 is None else (5, weight.shape[0]))))
     _bn_step_backward_op.register_fake(lambda grad, x, weight, gamma, flat, p0, *args: (
         dense(x) if args[-1] else x.new_empty(0),
         weight.new_empty(weight.shape[0] * (weight.shape[1] + 2 + 2 * (p0.numel() > 0)))))
     _param_step_op.register_fake(lambda x, weight, *_: (
-        dense(x, _spike_dtype(x, weight)), weight.new_empty(weight.shape[0] * (weight.shape[1] + 2))))
+        dense(x, _spike_dtype(x.dtype, weight.dtype)), weight.new_empty(weight.shape[0] * (weight.shape[1] + 2))))
     _param_step_backward_op.register_fake(lambda grad, x, weight, flat, *args: (
         dense(x) if args[-1] else x.new_empty(0), weight.new_empty(weight.shape[0] * (weight.shape[1] + 1))))
     _charge_op.register_autograd(_charge_grad, setup_context=_charge_setup)
@@ -1478,8 +1477,7 @@ def _as_checked(x, weight, dilation, layout) -> bool:
     more with the weight's channels, of at most the weight's precision (a lower one Triton reads itself), that
     Triton's kernels run (the dtypes and devices ``bn_fire`` checks itself; the caller has checked the layout
     and the dilation)."""
-    if x.dim() < 3 or weight.dim() != 2 or weight.shape[1] < 1 \
-            or x.shape[2 if layout == "time_first" else 1] != weight.shape[0]:
+    if x.dim() < 3 or weight.dim() != 2 or weight.shape[1] < 1 or x.shape[channel_dim(layout)] != weight.shape[0]:
         return False
     return torch.promote_types(x.dtype, weight.dtype) == weight.dtype and not requirements(x, weight, dilation, layout)
 
